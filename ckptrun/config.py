@@ -1,0 +1,38 @@
+"""The run configuration the launcher hands to every worker (env CKPTRUN_CONFIG, JSON)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+ENV = "CKPTRUN_CONFIG"
+RESUME_ENV = "CKPTRUN_RESUME_STEP"
+
+
+@dataclass
+class RunConfig:
+    strategy: str = "checkfreq"
+    dir: str = "ckpts"
+    every: int = 1
+    keep: int = 2
+    resume: bool = True
+    on_save_error: str = "warn"
+    max_inflight: int = 2
+    writers: int = 2
+    io_threads: int = 1
+    engine_dir: str = ""
+    authkey: str = ""
+    metrics_dir: str = ""
+    final_checkpoint: bool = True
+    options: dict = field(default_factory=dict)  # strategy-specific settings
+
+    def engine_address(self, local_rank: int) -> str:
+        return os.path.join(self.engine_dir, f"engine-{local_rank}.sock")
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls) -> RunConfig:
+        return cls(**json.loads(os.environ[ENV]))

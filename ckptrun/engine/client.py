@@ -1,0 +1,79 @@
+"""The worker's connection to its engine: requests with replies, plus pushed events."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Client, Connection
+
+from ..errors import CkptrunError
+
+
+class EngineLost(CkptrunError):
+    """The engine process went away; the worker must restart (the launcher restarts the engine)."""
+
+
+class EngineClient:
+    def __init__(self, address: str, authkey: bytes, on_event: Callable[[dict], None],
+                 connect_timeout: float = 60.0) -> None:
+        self.conn = self._connect(address, authkey, connect_timeout)
+        self.on_event = on_event
+        self._ids = itertools.count(1)
+        self._replies: dict[int, dict] = {}
+        self._cond = threading.Condition()
+        self._send_lock = threading.Lock()
+        self.lost = False
+        self._rx = threading.Thread(target=self._receive, name="ckptrun-engine-rx", daemon=True)
+        self._rx.start()
+
+    @staticmethod
+    def _connect(address: str, authkey: bytes, timeout: float) -> Connection:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return Client(address, family="AF_UNIX", authkey=authkey)
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise EngineLost(f"no checkpoint engine answers at {address}") from None
+                time.sleep(0.05)
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            if msg.get("op") == "reply":
+                with self._cond:
+                    self._replies[msg["id"]] = msg
+                    self._cond.notify_all()
+            else:
+                self.on_event(msg)
+        with self._cond:
+            self.lost = True
+            self._cond.notify_all()
+        self.on_event({"op": "engine_lost"})
+
+    def send(self, msg: dict) -> None:
+        with self._send_lock:
+            try:
+                self.conn.send(msg)
+            except (OSError, ValueError) as e:
+                raise EngineLost(f"checkpoint engine connection lost ({e})") from None
+
+    def request(self, msg: dict, timeout: float | None = None) -> dict:
+        rid = next(self._ids)
+        self.send({**msg, "id": rid})
+        with self._cond:
+            ok = self._cond.wait_for(lambda: rid in self._replies or self.lost, timeout)
+            if rid in self._replies:
+                return self._replies.pop(rid)
+        raise EngineLost("checkpoint engine went away" if ok else f"engine did not answer {msg['op']!r}")
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except OSError:
+            pass

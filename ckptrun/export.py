@@ -1,0 +1,71 @@
+"""`ckptrun restore`: one committed step of one rank as a single self-contained file.
+
+`torch` format: `torch.load(FILE, weights_only=True)` gives {"step", "model", "optimizer",
+"schedulers", "scaler", "rng", "extra"} where "model" is exactly the script's
+`model.state_dict()` and "optimizer" has the structure of `optimizer.state_dict()` (further
+models/optimizers, if any, sit in "extra" under their names). `safetensors` format: every
+tensor under its path, and the rest of the structure as JSON in the metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .errors import CkptrunError
+from .recovery import find, load_state
+from .store import Manifest, Store
+from .tree import flatten
+
+
+def _weights_only_safe(obj: Any) -> Any:
+    """numpy arrays (numpy's RNG state) become tensors: weights_only loading rejects ndarrays."""
+    import torch
+
+    if type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray":
+        return torch.from_numpy(obj.copy())
+    if isinstance(obj, dict):
+        return {k: _weights_only_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_weights_only_safe(v) for v in obj)
+    return obj
+
+
+def as_torch_dict(state: dict, step: int) -> dict[str, Any]:
+    models, optimizers = dict(state["models"]), dict(state["optimizers"])
+    extra = dict(state.get("extra", {}))
+    extra.update({k: v for k, v in models.items() if k != "model"})
+    extra.update({k: v for k, v in optimizers.items() if k != "optimizer"})
+    scalers = state.get("scalers", [])
+    return {"step": step, "model": models.get("model", {}), "optimizer": optimizers.get("optimizer", {}),
+            "schedulers": state.get("schedulers", []), "scaler": scalers[0] if scalers else None,
+            "rng": _weights_only_safe(state["rng"]), "extra": extra}
+
+
+def export(directory: Path, step: int | str, out: Path, fmt: str, rank: int = 0) -> Manifest:
+    store = Store(directory)
+    if not directory.is_dir():
+        raise CkptrunError(f"no checkpoint directory at {directory}; pass --dir", exit_code=2)
+    m = find(store, step)
+    if not 0 <= rank < m.world_size:
+        raise CkptrunError(f"--rank {rank}: step {m.step} has ranks 0..{m.world_size - 1}", exit_code=2)
+    full = as_torch_dict(load_state(store, m, rank), m.step)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        if fmt == "torch":
+            import torch
+
+            torch.save(full, tmp)
+        else:
+            from safetensors.torch import save_file
+
+            skeleton, tensors = flatten(full)
+            save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp),
+                      metadata={"ckptrun.skeleton": json.dumps(skeleton), "ckptrun.step": str(m.step)})
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return m

@@ -1,0 +1,69 @@
+"""Durable file primitives: the write-temp -> fsync -> rename -> fsync-directory sequence."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+CHUNK = 16 << 20
+
+FaultHook = Callable[[str], None]
+
+
+def _no_fault(point: str) -> None:
+    return None
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_buffer(fd: int, data: memoryview, threads: int = 1) -> None:
+    """Write all of `data` at offset 0 of `fd`, in parallel chunks when threads > 1."""
+    chunks = [(off, data[off : off + CHUNK]) for off in range(0, len(data), CHUNK)]
+
+    def put(item: tuple[int, memoryview]) -> None:
+        off, chunk = item
+        while len(chunk):
+            n = os.pwrite(fd, chunk, off)
+            off, chunk = off + n, chunk[n:]
+
+    if threads > 1 and len(chunks) > 1:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(put, chunks))
+    else:
+        for item in chunks:
+            put(item)
+
+
+def publish_bytes(
+    path: Path, data: memoryview | bytes, *, fault: FaultHook = _no_fault, name: str = "file", threads: int = 1
+) -> None:
+    """Make `path` hold exactly `data`, durably, or leave it untouched (atomic replace)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        fault(f"{name}:open")
+        write_buffer(fd, memoryview(data).cast("B"), threads)
+        fault(f"{name}:written")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fault(f"{name}:synced")
+    os.replace(tmp, path)
+    fault(f"{name}:renamed")
+    fsync_dir(path.parent)
+    fault(f"{name}:dir-synced")
+
+
+def publish_json(path: Path, obj: object, *, fault: FaultHook = _no_fault, name: str = "json") -> bytes:
+    data = json.dumps(obj, indent=1, sort_keys=True).encode()
+    publish_bytes(path, data, fault=fault, name=name)
+    return data

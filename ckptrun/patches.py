@@ -1,0 +1,64 @@
+"""Every monkey-patch ckptrun makes, in one place.
+
+Constructors of optimizers, LR schedulers and GradScalers are wrapped so that the runtime
+learns of each object the moment it exists, and restores its checkpointed state right then
+("restored when constructed"). The wrapper fires once, after the most-derived __init__ returns.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_MARK = "_ckptrun_wrapped"
+
+
+def _subclasses(cls: type) -> list[type]:
+    out, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        out.append(c)
+        todo.extend(c.__subclasses__())
+    return out
+
+
+def _wrap_init(cls: type, callback: Callable[[Any], None]) -> None:
+    orig = cls.__dict__.get("__init__")
+    if orig is None or getattr(orig, _MARK, False):
+        return
+
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        if type(self).__init__ is __init__:
+            callback(self)
+
+    setattr(__init__, _MARK, True)
+    cls.__init__ = __init__
+
+
+def _patch_family(base: type, callback: Callable[[Any], None]) -> None:
+    """Wrap `base` and all its subclasses, including ones defined later by the script."""
+    for cls in _subclasses(base):
+        _wrap_init(cls, callback)
+    parent_hook = base.__dict__.get("__init_subclass__")
+
+    def __init_subclass__(cls, **kwargs):
+        if parent_hook is not None:
+            parent_hook.__func__(cls, **kwargs)
+        else:
+            super(base, cls).__init_subclass__(**kwargs)
+        _wrap_init(cls, callback)
+
+    base.__init_subclass__ = classmethod(__init_subclass__)
+
+
+def install(rt: Any) -> None:
+    _patch_family(torch.optim.Optimizer, rt.on_optimizer)
+    _patch_family(torch.optim.lr_scheduler.LRScheduler, rt.on_scheduler)
+    if not issubclass(torch.optim.lr_scheduler.ReduceLROnPlateau, torch.optim.lr_scheduler.LRScheduler):
+        _patch_family(torch.optim.lr_scheduler.ReduceLROnPlateau, rt.on_scheduler)
+    _patch_family(torch.amp.GradScaler, rt.on_scaler)

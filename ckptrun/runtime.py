@@ -1,0 +1,434 @@
+"""The per-worker runtime: optimizer hooks, state capture into staging slots, restore on resume.
+
+One Runtime exists per worker process (`current()`). It numbers steps (completed optimizer
+steps of the first optimizer), asks the strategy what to do at each hook, and offers the
+strategies one shared snapshot path: `capture` (post-step state: parameters, optimizer state,
+buffers, RNG), `seal` (state that settles after the step: schedulers, scaler, tracked objects),
+`submit` (hand the slot to the engine).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import discovery, faults
+from .config import RunConfig
+from .engine.client import EngineClient, EngineLost
+from .errors import CheckpointMismatch, CkptrunError
+from .layout import ALIGN, Layout, align, view
+from .metrics import WorkerMetrics
+from .staging import map_slot
+from .store import full_name
+from .tree import flatten
+
+_current: Runtime | None = None
+
+
+def current() -> Runtime | None:
+    return _current
+
+
+@dataclass
+class Snapshot:
+    """State of one step on its way into a staging slot."""
+
+    step: int
+    slot: int
+    skeleton: dict
+    layout: Layout
+    time: float
+    copy: Future | None = None
+    event: Any = None  # CUDA event marking the end of the device-to-host copy
+    nbytes: int = 0
+
+
+@dataclass
+class ResumeState:
+    """What the worker restores, keyed like the live registries."""
+
+    step: int
+    record: str
+    state: dict
+    world_size: int
+    restored: set = field(default_factory=set)
+
+
+class SlotPool:
+    """Staging slots on the worker side: free-list, back-pressure and the mapped buffers."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+        self.free: list[int] = []
+        self.nbytes = 0
+        self.cond = threading.Condition()
+
+    def reset(self, slots: list[tuple[str, int]], pin: bool) -> None:
+        with self.cond:
+            self.buffers = [map_slot(path, n, pin) for path, n in slots]
+            self.free = list(range(len(slots)))
+            self.nbytes = slots[0][1] if slots else 0
+
+    def acquire(self, lost: threading.Event) -> int:
+        with self.cond:
+            self.cond.wait_for(lambda: self.free or lost.is_set())
+            if lost.is_set():
+                raise EngineLost("checkpoint engine went away")
+            return self.free.pop(0)
+
+    def release(self, slot: int) -> None:
+        with self.cond:
+            self.free.append(slot)
+            self.cond.notify_all()
+
+    def all_free(self, lost: threading.Event) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: len(self.free) == len(self.buffers) or lost.is_set())
+
+    @property
+    def inflight(self) -> int:
+        return len(self.buffers) - len(self.free)
+
+
+class Runtime:
+    def __init__(self, cfg: RunConfig, rank: int, local_rank: int, world_size: int, restart_count: int):
+        self.cfg, self.rank, self.local_rank = cfg, rank, local_rank
+        self.world_size, self.restart_count = world_size, restart_count
+        self.step = 0
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.models: dict[str, torch.nn.Module] = {}
+        self.schedulers: list[Any] = []
+        self.scalers: list[Any] = []
+        self.tracked: dict[str, Any] = {}
+        self.resume: ResumeState | None = None
+        self.recovery_started: float | None = None  # set on resume: time to the first resumed step
+        self.metrics = WorkerMetrics(cfg.metrics_dir, rank)
+        self.fault = faults.from_env(rank, restart_count)
+        self.slots = SlotPool()
+        self.lost = threading.Event()
+        self.durable: dict[int, threading.Event] = {}
+        self.save_errors: list[str] = []
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="ckptrun-snapshot")
+        self._volatile: set[int] = set()
+        self._cuda = torch.cuda.is_available()
+        self._stream = None
+        self.client = EngineClient(cfg.engine_address(local_rank), bytes.fromhex(cfg.authkey), self._on_event)
+        hello = self.client.request({
+            "op": "hello", "rank": rank, "world_size": world_size, "restart_count": restart_count,
+            "dir": cfg.dir, "keep": cfg.keep, "strategy": cfg.strategy, "writers": cfg.writers,
+            "io_threads": cfg.io_threads, "fault": os.environ.get(faults.ENV) if self.fault else None,
+        })
+        self.engine_pid = hello["pid"]
+        if hello["slots"]:
+            self.slots.reset(hello["slots"], pin=self._cuda)
+        from .strategies import REGISTRY
+
+        self.strategy = REGISTRY[cfg.strategy].load()(self)
+
+    # ---- engine events (receiver thread) -----------------------------------------------
+    def _on_event(self, msg: dict) -> None:
+        op = msg["op"]
+        if op == "slot_free":
+            self.slots.release(msg["slot"])
+        elif op == "durable":
+            self.metrics.last_durable_step = max(self.metrics.last_durable_step or 0, msg["step"])
+            self.durable.setdefault(msg["step"], threading.Event()).set()
+        elif op == "save_error":
+            self.save_errors.append(f"step {msg['step']}: {msg['error']}")
+            print(f"ckptrun: rank {self.rank}: checkpoint of step {msg['step']} failed: {msg['error']}; "
+                  "training goes on, the last committed step stays valid", file=sys.stderr, flush=True)
+            self.durable.setdefault(msg["step"], threading.Event()).set()
+        elif op == "fault_kill":
+            faults.die()
+        elif op == "engine_lost":
+            self.lost.set()
+            with self.slots.cond:
+                self.slots.cond.notify_all()
+            for ev in self.durable.values():
+                ev.set()
+        self.strategy.on_event(msg) if hasattr(self, "strategy") else None
+
+    def check_engine(self) -> None:
+        if self.lost.is_set():
+            raise EngineLost("checkpoint engine went away; restarting the worker")
+        if self.save_errors and self.cfg.on_save_error == "fail":
+            raise CkptrunError(f"checkpoint failed ({self.save_errors[0]}) and --on-save-error=fail")
+
+    # ---- hooks -------------------------------------------------------------------------
+    @property
+    def primary(self) -> torch.optim.Optimizer | None:
+        return self.optimizers[0] if self.optimizers else None
+
+    def pre_step_hook(self, optimizer, args, kwargs) -> None:
+        if optimizer is not self.primary:
+            return
+        self.check_engine()
+        step = self.step + 1
+        self.strategy.before_step(step)
+        if self.fault and self.fault.target == "kill" and self.fault.phase == "compute" \
+                and self.fault.step == step:
+            self.metrics.flush()
+            faults.die()
+
+    def post_step_hook(self, optimizer, args, kwargs) -> None:
+        if optimizer is not self.primary:
+            return
+        self.step += 1
+        self.strategy.after_step(self.step)
+        if self.recovery_started is not None:
+            self.metrics.emit(type="restart", restart_count=self.restart_count,
+                              resume_step=self.resume.step if self.resume else 0,
+                              recovery_s=time.time() - self.recovery_started)
+            self.recovery_started = None
+        self.metrics.inflight = self.slots.inflight
+        self.metrics.end_step(self.step)
+
+    def due(self, step: int) -> bool:
+        return step % self.cfg.every == 0
+
+    def stall(self, cause: str, since: float) -> None:
+        self.metrics.add_stall(cause, time.perf_counter() - since)
+
+    # ---- registration and restore ------------------------------------------------------
+    def on_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        idx = len(self.optimizers)
+        self.optimizers.append(opt)
+        if self.strategy.wants_grad_hooks:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.register_post_accumulate_grad_hook(self.strategy.on_grad_ready)
+        for m in discovery.owning_modules(opt):
+            if all(m is not known for known in self.models.values()):
+                self.models["model" if not self.models else f"model_{len(self.models)}"] = m
+        self._volatile = discovery.module_buffers(list(self.models.values()))
+        if self.resume is None:
+            return
+        saved = self.resume.state
+        for name, model in self.models.items():
+            if name in self.resume.restored:
+                continue
+            if name not in saved["models"]:
+                raise CheckpointMismatch(f"checkpoint {self.resume.record} has no {name!r}; "
+                                         "use another --dir or --no-resume")
+            self._load_model(name, model, saved["models"][name])
+            self.resume.restored.add(name)
+        oname = _indexed("optimizer", idx)
+        if oname in saved["optimizers"]:
+            opt.load_state_dict(saved["optimizers"][oname])
+        if idx == 0:
+            discovery.set_rng_state(saved["rng"])
+
+    def _load_model(self, name: str, model: torch.nn.Module, saved: dict) -> None:
+        live = model.state_dict()
+        missing, extra = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
+        shapes = [k for k in live if k in saved and tuple(live[k].shape) != tuple(saved[k].shape)]
+        if missing or extra or shapes:
+            what = (f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}" if extra
+                    else f"shape of {shapes[0]!r} is {tuple(saved[shapes[0]].shape)} there, "
+                         f"{tuple(live[shapes[0]].shape)} here")
+            raise CheckpointMismatch(
+                f"checkpoint dir {self.cfg.dir} holds another model ({name}: {what}); "
+                "pass a new --dir, or --no-resume after removing it")
+        model.load_state_dict(saved)
+
+    def on_scheduler(self, sched: Any) -> None:
+        idx = len(self.schedulers)
+        self.schedulers.append(sched)
+        if self.resume and idx < len(self.resume.state["schedulers"]):
+            sched.load_state_dict(self.resume.state["schedulers"][idx])
+            self._reapply_hyperparams(sched.optimizer)
+
+    def _reapply_hyperparams(self, opt: torch.optim.Optimizer) -> None:
+        """A scheduler's constructor re-sets the lr; put back the checkpointed values."""
+        if opt not in self.optimizers:
+            return
+        saved = self.resume.state["optimizers"].get(_indexed("optimizer", self.optimizers.index(opt)))
+        if saved:
+            for group, sgroup in zip(opt.param_groups, saved["param_groups"], strict=True):
+                group.update({k: v for k, v in sgroup.items() if k != "params"})
+
+    def on_scaler(self, scaler: Any) -> None:
+        idx = len(self.scalers)
+        self.scalers.append(scaler)
+        if self.resume and idx < len(self.resume.state["scalers"]):
+            scaler.load_state_dict(self.resume.state["scalers"][idx])
+
+    def track(self, name: str, obj: Any) -> None:
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")) \
+                and not isinstance(obj, torch.Generator):
+            raise TypeError(f"ckptrun.track({name}=...): needs state_dict()/load_state_dict() "
+                            f"or a torch.Generator, got {type(obj).__name__}")
+        self.tracked[name] = obj
+        extra = self.resume.state.get("extra", {}) if self.resume else {}
+        if name in extra:
+            if isinstance(obj, torch.Generator):
+                obj.set_state(extra[name])
+            else:
+                obj.load_state_dict(extra[name])
+
+    # ---- capture -----------------------------------------------------------------------
+    def early_state(self) -> dict:
+        return {
+            "models": {n: m.state_dict() for n, m in self.models.items()},
+            "optimizers": {_indexed("optimizer", i): o.state_dict() for i, o in enumerate(self.optimizers)},
+            "rng": discovery.rng_state(),
+        }
+
+    def late_state(self) -> dict:
+        """State the script updates after optimizer.step(): schedulers (and the lr they set in
+        the optimizer's param_groups), scalers, tracked objects."""
+        return {
+            "param_groups": {_indexed("optimizer", i): o.state_dict()["param_groups"]
+                             for i, o in enumerate(self.optimizers)},
+            "schedulers": [s.state_dict() for s in self.schedulers],
+            "scalers": [s.state_dict() for s in self.scalers],
+            "extra": {n: (o.get_state() if isinstance(o, torch.Generator) else o.state_dict())
+                      for n, o in self.tracked.items()},
+        }
+
+    def _ensure_slots(self, need: int) -> None:
+        if need <= self.slots.nbytes:
+            return
+        self.slots.all_free(self.lost)
+        self.check_engine()
+        size = align(int(need * 1.25) + ALIGN)
+        reply = self.client.request({"op": "alloc", "nslots": self.cfg.max_inflight, "nbytes": size})
+        self.slots.reset(reply["slots"], pin=self._cuda)
+
+    def capture(self, step: int, *, background: bool) -> Snapshot:
+        """Copy the post-step state of `step` into a free slot (back-pressure if none is free).
+
+        Buffers and RNG are copied now (the next forward changes them); parameters and optimizer
+        state, immutable until the next optimizer step, are copied in the background if asked.
+        """
+        skeleton, tensors = flatten(self.early_state())
+        layout = Layout.of(tensors)
+        _, late = flatten(self.late_state())
+        self._ensure_slots(layout.nbytes + Layout.of(late).nbytes)
+        t0 = time.perf_counter()
+        slot = self.slots.acquire(self.lost)
+        self.stall("backpressure", t0)
+        buf = self.slots.buffers[slot]
+        snap = Snapshot(step, slot, skeleton, layout, time.time())
+        t0 = time.perf_counter()
+        now = {k: t for k, t in tensors.items() if not background or t.data_ptr() in self._volatile}
+        self._copy(buf, layout, now)
+        later = {k: t for k, t in tensors.items() if k not in now}
+        if later:
+            if any(t.is_cuda for t in later.values()):
+                snap.event = self._copy_cuda_async(buf, layout, later)
+            else:
+                snap.copy = self._copier.submit(self._copy, buf, layout, later)
+        self.stall("snapshot", t0)
+        self.metrics.last_snapshot_step = step
+        return snap
+
+    @staticmethod
+    def _copy(buf: torch.Tensor, layout: Layout, tensors: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for spec in layout.specs:
+                if spec.key in tensors:
+                    view(buf, spec).copy_(tensors[spec.key])
+
+    def _copy_cuda_async(self, buf: torch.Tensor, layout: Layout, tensors: dict[str, torch.Tensor]):
+        """Device-to-host copies on a side stream into the pinned slot; returns their event."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(self._stream):
+            for spec in layout.specs:
+                if spec.key in tensors:
+                    view(buf, spec).copy_(tensors[spec.key], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return event
+
+    def wait_copy(self, snap: Snapshot) -> None:
+        """Block until the slot holds `snap`'s post-step state (the next update may then run)."""
+        t0 = time.perf_counter()
+        if snap.copy is not None:
+            snap.copy.result()
+            snap.copy = None
+        if snap.event is not None:
+            snap.event.synchronize()
+            snap.event = None
+        self.stall("snapshot", t0)
+
+    def seal(self, snap: Snapshot) -> None:
+        """Add the state that settles after the step (schedulers, scaler, tracked objects)."""
+        self.wait_copy(snap)
+        t0 = time.perf_counter()
+        late_skel, late = flatten(self.late_state())
+        late_layout = Layout.of(late, start=snap.layout.nbytes)
+        if late_layout.nbytes > self.slots.nbytes:
+            raise CkptrunError("tracked state grew past the staging slot; please report this")
+        self._copy(self.slots.buffers[snap.slot], late_layout, late)
+        for name, groups in late_skel.pop("param_groups").items():
+            snap.skeleton["optimizers"][name]["param_groups"] = groups
+        snap.skeleton = {**snap.skeleton, **late_skel}
+        snap.layout = snap.layout + late_layout
+        snap.nbytes = snap.layout.nbytes
+        self.stall("snapshot", t0)
+
+    def record_meta(self, snap: Snapshot) -> dict:
+        return {"step": snap.step, "rank": self.rank, "world_size": self.world_size,
+                "strategy": self.cfg.strategy, "snapshot_time": snap.time}
+
+    def submit(self, snap: Snapshot, *, wait_durable: bool = False) -> None:
+        """Hand a sealed slot to the engine to persist as the full checkpoint of its step."""
+        self.check_engine()
+        done = self.durable.setdefault(snap.step, threading.Event())
+        self.client.send({
+            "op": "persist", "slot": snap.slot, "nbytes": snap.nbytes, "record": full_name(snap.step),
+            "kind": "full", "step": snap.step, "skeleton": snap.skeleton,
+            "tensors": {s.key: s.to_json() for s in snap.layout.specs}, "meta": self.record_meta(snap),
+        })
+        self.metrics.bytes += snap.nbytes
+        if self.fault and self.fault.target == "kill" and self.fault.phase == "write" \
+                and self.fault.step == snap.step and not wait_durable:
+            done.wait()  # the engine kills us mid-write (fault_kill) before this returns
+        if wait_durable:
+            t0 = time.perf_counter()
+            done.wait()
+            self.stall("sync_write", t0)
+            self.check_engine()
+
+    def drain(self) -> None:
+        """Wait until the engine holds nothing of ours unwritten."""
+        if not self.lost.is_set():
+            self.client.request({"op": "flush"})
+
+    def finish(self) -> None:
+        if not self.optimizers:
+            raise CkptrunError(
+                "the script never created a torch.optim optimizer; ckptrun captures state at "
+                "optimizer steps, so run it with plain python, or create the optimizer with torch.optim")
+        self.strategy.finish()
+        self.drain()
+        self.metrics.close()
+        self.client.send({"op": "bye"}) if not self.lost.is_set() else None
+        self.client.close()
+
+
+def _indexed(base: str, i: int) -> str:
+    return base if i == 0 else f"{base}_{i}"
+
+
+def install(rt: Runtime) -> None:
+    """Make `rt` the process runtime and hook every optimizer's step."""
+    global _current
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    from . import patches
+
+    _current = rt
+    register_optimizer_step_pre_hook(rt.pre_step_hook)
+    register_optimizer_step_post_hook(rt.post_step_hook)
+    patches.install(rt)

@@ -1,0 +1,86 @@
+"""The strategy interface, and the shared snapshot-then-persist mechanism.
+
+A strategy decides *what* moves *when*; the runtime, engine, store and restore are shared.
+Trainer-side hook points (all optional):
+
+- `on_grad_ready(param)`: a parameter's gradient is final for this step (layer-wise capture);
+  the runtime registers per-parameter hooks only for strategies with `wants_grad_hooks`.
+- `before_step(step)`: the optimizer is about to take step `step` (gradients are final, after
+  the script's clipping/unscaling/all-reduce). The blocking point for "the update must wait".
+- `after_step(step)`: step `step` is complete (parameters and optimizer state are new).
+- `on_event(msg)`: an event pushed by this strategy's engine-side handler.
+- `finish()`: the script returned; hand over whatever is pending.
+
+Several checkpoints in flight come from the slot pool (`--max-inflight`); spreading one
+checkpoint over several steps, a CPU replica or a persistent region live in an engine-side
+handler (`ckptrun.engine.handlers`) that receives the strategy's own messages.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from ..runtime import Runtime, Snapshot
+
+
+class Strategy:
+    name: ClassVar[str] = ""
+    wants_grad_hooks: ClassVar[bool] = False
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def on_grad_ready(self, param) -> None:
+        return None
+
+    def before_step(self, step: int) -> None:
+        return None
+
+    def after_step(self, step: int) -> None:
+        return None
+
+    def on_event(self, msg: dict) -> None:
+        return None
+
+    def finish(self) -> None:
+        return None
+
+    def settings(self) -> dict:
+        """What the dashboard header and metrics show for this strategy."""
+        return {"every": self.rt.cfg.every, "max_inflight": self.rt.cfg.max_inflight}
+
+
+class SnapshotStrategy(Strategy):
+    """Full checkpoints: capture after step t, seal and hand over before step t+1.
+
+    `background`: copy parameters/optimizer state while the next forward/backward runs.
+    `wait_durable`: block the trainer until the engine reports the bytes durable.
+    """
+
+    background: ClassVar[bool] = False
+    wait_durable: ClassVar[bool] = False
+
+    def __init__(self, rt: Runtime) -> None:
+        super().__init__(rt)
+        self.pending: Snapshot | None = None
+
+    def after_step(self, step: int) -> None:
+        if self.rt.due(step):
+            self.pending = self.rt.capture(step, background=self.background)
+
+    def before_step(self, step: int) -> None:
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        if self.pending is not None:
+            snap, self.pending = self.pending, None
+            self.rt.seal(snap)
+            self.rt.submit(snap, wait_durable=self.wait_durable)
+
+    def finish(self) -> None:
+        rt = self.rt
+        if rt.cfg.final_checkpoint and self.pending is None and rt.step > 0 \
+                and rt.metrics.last_snapshot_step != rt.step:
+            self.pending = rt.capture(rt.step, background=False)
+        self._hand_over()

@@ -1,0 +1,136 @@
+"""A small GPT in plain PyTorch on a synthetic corpus: the built-in example and test workload.
+
+Runs with plain `python` and under `ckptrun` unchanged (it asks `ckptrun.resume_step()` where
+to start). Deterministic: the batch of step i depends only on (--seed, i), dropout draws from
+the global RNG that ckptrun checkpoints. `--save-at N --save-path P` saves the script's own
+`torch.save({"model", "optimizer"})` after step N, the ground truth the tests compare against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    import ckptrun
+except ImportError:  # runs without ckptrun installed too
+    ckptrun = None
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, dropout=dropout, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, seq: int, layers: int, d: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied embeddings
+        nn.init.normal_(self.tok.weight, std=0.02)
+        self.register_buffer("mask", torch.triu(torch.full((seq, seq), float("-inf")), 1), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.drop(self.tok(idx) + self.pos(torch.arange(t, device=idx.device)))
+        for b in self.blocks:
+            x = b(x, self.mask[:t, :t])
+        return self.head(self.ln(x))
+
+
+def batch(step: int, args: argparse.Namespace, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic corpus: a noisy arithmetic sequence per row, so there is something to learn."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 101 + rank)
+    start = torch.randint(0, args.vocab, (args.batch, 1), generator=g)
+    stride = torch.randint(1, 7, (args.batch, 1), generator=g)
+    seq = (start + stride * torch.arange(args.seq + 1)) % args.vocab
+    noise = torch.rand(seq.shape, generator=g) < 0.05
+    seq = torch.where(noise, torch.randint(0, args.vocab, seq.shape, generator=g), seq)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--optimizer", choices=["adamw", "adam", "sgd"], default="adamw")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--save-at", type=int, default=0, help="torch.save model+optimizer after this step")
+    p.add_argument("--save-path", default="")
+    p.add_argument("--log-every", type=int, default=0)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device(args.device if args.device != "cuda" else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    torch.manual_seed(args.seed)
+    model = GPT(args.vocab, args.seq, args.layers, args.d_model, args.heads, args.dropout).to(device)
+    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    if args.optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    else:
+        cls = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
+        opt = cls(model.parameters(), lr=args.lr, weight_decay=0.01)
+    warmup = max(1, args.steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    start = ckptrun.resume_step() if ckptrun else 0
+    t0 = time.perf_counter()
+    for step in range(start, args.steps):
+        x, y = (t.to(device) for t in batch(step, args, rank))
+        net.train()
+        loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        done = step + 1
+        if args.log_every and done % args.log_every == 0 and rank == 0:
+            print(f"step {done} loss {loss.item():.4f} {(time.perf_counter() - t0) / (done - start):.4f}s/step",
+                  flush=True)
+        if args.save_at == done and args.save_path:
+            path = args.save_path.replace("{rank}", str(rank))
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,513 @@
+"""Dashboard pipeline: tailing metrics files, folding events, rendering, log mode, metrics file."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from rich.console import Console
+
+from ckptrun.dashboard import Dashboard, log_line, render, render_summary, sparkline
+from ckptrun.hostmetrics import HostSampler
+from ckptrun.metrics_feed import MetricsFileWriter, MetricsState, MetricsTailer, percentile
+
+T0 = 1_700_000_000.0
+
+
+def _append(path: Path, text: str) -> None:
+    with path.open("a", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _line(event: dict) -> str:
+    return json.dumps(event) + "\n"
+
+
+def _run(rank: int, t: float = T0, pid: int = 1000) -> dict:
+    return {
+        "type": "run",
+        "t": t,
+        "rank": rank,
+        "pid": pid + rank,
+        "strategy": "async-overlap",
+        "settings": {"interval": 10, "keep": 3},
+        "dir": "/ckpts/[exp1]",
+        "world_size": 2,
+        "restart_count": 0,
+    }
+
+
+def _step(
+    rank: int,
+    step: int,
+    t: float,
+    snapshot: float = 0.0,
+    backpressure: float = 0.0,
+    sync_write: float = 0.0,
+    nbytes: int = 0,
+    step_s: float = 0.5,
+    durable: int | None = None,
+) -> dict:
+    return {
+        "type": "step",
+        "t": t,
+        "rank": rank,
+        "step": step,
+        "step_s": step_s,
+        "stall_s": {"snapshot": snapshot, "backpressure": backpressure, "sync_write": sync_write},
+        "bytes": nbytes,
+        "inflight": 1 if nbytes else 0,
+        "last_snapshot_step": step - step % 10,
+        "last_durable_step": durable,
+    }
+
+
+def _scenario() -> MetricsState:
+    """Rank 0: 100 steps of 0.5 s, snapshot stall i ms at step i, two writes, commit of step 90."""
+    state = MetricsState()
+    state.apply(_run(0))
+    state.apply({"type": "engine", "t": T0, "local_rank": 0, "pid": 2000})
+    for i in range(1, 101):
+        state.apply(
+            _step(
+                0,
+                i,
+                T0 + 0.5 * i,
+                snapshot=i / 1000,
+                backpressure=0.002 if i == 50 else 0.0,
+                nbytes=10_000_000 if i % 10 == 0 else 0,
+            )
+        )
+    state.apply(
+        {
+            "type": "write",
+            "t": T0 + 46,
+            "rank": 0,
+            "step": 80,
+            "bytes": 10_000_000,
+            "write_s": 0.5,
+            "queue_depth": 2,
+        }
+    )
+    state.apply(
+        {
+            "type": "write",
+            "t": T0 + 47,
+            "rank": 0,
+            "step": 90,
+            "bytes": 30_000_000,
+            "write_s": 1.0,
+            "queue_depth": 1,
+        }
+    )
+    state.apply(
+        {
+            "type": "commit",
+            "t": T0 + 48,
+            "step": 90,
+            "bytes": 40_000_000,
+            "kind": "full",
+            "ranks": 1,
+            "lag_s": 2.5,
+        }
+    )
+    return state
+
+
+class FakeNvml:
+    """Stand-in for pynvml; ``fail`` names the call that raises."""
+
+    def __init__(self, count: int = 1, fail: str | None = None) -> None:
+        self.count, self.fail, self.shutdowns = count, fail, 0
+
+    def _maybe_fail(self, name: str) -> None:
+        if self.fail == name:
+            raise RuntimeError(f"{name} exploded")
+
+    def nvmlInit(self) -> None:
+        self._maybe_fail("nvmlInit")
+
+    def nvmlShutdown(self) -> None:
+        self.shutdowns += 1
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._maybe_fail("nvmlDeviceGetCount")
+        return self.count
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> SimpleNamespace:
+        self._maybe_fail("nvmlDeviceGetUtilizationRates")
+        return SimpleNamespace(gpu=87 + handle, memory=40)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> SimpleNamespace:
+        self._maybe_fail("nvmlDeviceGetMemoryInfo")
+        return SimpleNamespace(used=30_000_000_000, total=80_000_000_000, free=50_000_000_000)
+
+
+def _text(renderable: object) -> str:
+    console = Console(record=True, width=140, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text()
+
+
+# --------------------------------------------------------------------------- tailer
+
+
+def test_tailer_reads_only_complete_lines_and_new_files(tmp_path: Path) -> None:
+    tailer = MetricsTailer(tmp_path / "not-yet")
+    assert tailer.poll() == []  # folder does not exist yet
+
+    tailer = MetricsTailer(tmp_path)
+    w0 = tmp_path / "worker-0.jsonl"
+    first = _line(_step(0, 1, T0 + 1))
+    second = _line(_step(0, 2, T0 + 2))
+    _append(w0, first + second[:25])  # second line half written
+    assert [e["step"] for e in tailer.poll()] == [1]
+    assert tailer.poll() == []  # still half written
+    _append(w0, second[25:])
+    assert [e["step"] for e in tailer.poll()] == [2]
+
+    # A new file appears; a bad line in it is skipped, not fatal; events come back ordered by time.
+    e0 = tmp_path / "engine-0.jsonl"
+    _append(
+        e0, _line({"type": "engine", "t": T0 + 4, "local_rank": 0, "pid": 7}) + "{not json\n" + "[1, 2]\n"
+    )
+    _append(w0, _line(_step(0, 3, T0 + 3)))
+    (tmp_path / "notes.txt").write_text('{"type": "step"}\n')  # not *.jsonl: ignored
+    events = tailer.poll()
+    assert [e["type"] for e in events] == ["step", "engine"]
+    assert tailer.bad_lines == 2
+    assert tailer.poll() == []
+
+
+def test_tailer_rereads_truncated_file(tmp_path: Path) -> None:
+    tailer = MetricsTailer(tmp_path)
+    w0 = tmp_path / "worker-0.jsonl"
+    _append(w0, _line(_step(0, 1, T0)) + _line(_step(0, 2, T0 + 1)))
+    assert len(tailer.poll()) == 2
+    w0.write_text(_line(_step(0, 7, T0 + 9)))  # replaced by a shorter file
+    assert [e["step"] for e in tailer.poll()] == [7]
+
+
+# --------------------------------------------------------------------------- state
+
+
+def test_percentile_nearest_rank() -> None:
+    assert percentile(range(1, 101), 99) == 99
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([], 99) is None
+
+
+def test_state_stall_rate_bandwidth_and_work_at_risk() -> None:
+    state = _scenario()
+    rs = state.ranks[0]
+    assert rs.step == 100
+    assert rs.steps_per_s == pytest.approx(2.0)
+    snap = rs.stall["snapshot"]
+    assert snap.last == pytest.approx(0.100)
+    assert snap.mean == pytest.approx(0.0505)  # mean of 1..100 ms
+    assert snap.p99 == pytest.approx(0.099)
+    assert rs.stall["backpressure"].mean == pytest.approx(0.00002)
+    assert rs.stall["backpressure"].p99 == pytest.approx(0.0)
+    assert rs.stall_total.mean == pytest.approx(0.0505 + 0.00002)
+    assert rs.ckpt_bytes_last == 10_000_000 and rs.ckpts_taken == 10
+    assert rs.inflight == 1 and rs.queue_depth == 1 and rs.last_snapshot_step == 100
+    assert list(rs.bw_history) == pytest.approx([20.0, 30.0])
+    assert rs.bw_last_mbps == pytest.approx(30.0)
+    assert rs.mean_bw_mbps == pytest.approx(40 / 1.5)
+
+    assert state.durable(0) == (90, T0 + 48)
+    assert state.durable_age(0, now=T0 + 50) == pytest.approx(2.0)
+    steps, seconds = state.at_risk(0)
+    assert steps == 10 and seconds == pytest.approx(5.0)  # steps 91..100 at 0.5 s each
+    assert state.pids() == {"rank0": 1000, "engine0": 2000}
+
+    ov = state.overview(now=T0 + 50)
+    assert (ov.step, ov.durable_step, ov.restarts) == (100, 90, 0)
+    assert ov.durable_age_s == pytest.approx(2.0)
+    assert ov.stall_p99_s == pytest.approx(0.099)
+    assert ov.bw_mbps == pytest.approx(30.0)
+
+
+def test_state_restart_recovery_and_summary() -> None:
+    state = _scenario()
+    state.apply(
+        {"type": "restart", "t": T0 + 60, "rank": 0, "restart_count": 1, "resume_step": 90, "recovery_s": 3.5}
+    )
+    rs = state.ranks[0]
+    assert rs.step == 90 and rs.restarts == 1 and rs.recovery_s == [3.5]
+    assert state.at_risk(0) == (0, 0.0)
+    for i in range(91, 96):
+        state.apply(_step(0, i, T0 + 60 + (i - 90), snapshot=0.0, step_s=1.0))
+    steps, seconds = state.at_risk(0)
+    assert steps == 5 and seconds == pytest.approx(5.0)  # measured from the restore, not the old run
+    assert rs.steps_per_s == pytest.approx(1.0)  # rate window restarted with the new process
+
+    state.apply({"type": "save_error", "t": T0 + 66, "rank": 0, "step": 95, "error": "disk full"})
+    summary = state.summary()
+    assert summary.steps == 100 and summary.steps_executed == 105
+    assert summary.wall_s == pytest.approx(66.0)
+    assert summary.step_time_s == pytest.approx(50.0 + 5.0)
+    assert summary.stall_s_per_rank == pytest.approx(5.05 + 0.002)
+    assert summary.stall_share == pytest.approx(5.052 / 55.0)
+    assert summary.stall_by_cause_s["snapshot"] == pytest.approx(5.05)
+    assert summary.checkpoints_committed == 1 and summary.bytes_written == 40_000_000
+    assert summary.mean_bw_mbps == pytest.approx(40 / 1.5)
+    assert summary.commit_lag_mean_s == pytest.approx(2.5)
+    assert summary.restarts == 1 and summary.recovery_s == [3.5]
+    assert summary.save_errors == 1
+
+
+def test_state_durable_from_worker_report_and_no_durable() -> None:
+    state = MetricsState()
+    state.apply(_run(1, t=T0))
+    for i in range(1, 5):
+        state.apply(_step(1, i, T0 + i, step_s=1.0))
+    assert state.durable(1) == (None, None)
+    assert state.at_risk(1) == (4, pytest.approx(4.0))  # everything since the run started
+    state.apply(_step(1, 5, T0 + 5, step_s=1.0, durable=3))
+    assert state.durable(1) == (3, T0 + 5)
+    assert state.at_risk(1) == (2, pytest.approx(2.0))
+
+
+def test_state_counts_malformed_events_without_raising() -> None:
+    state = MetricsState()
+    state.apply({"type": "step", "t": T0, "rank": 0})  # no step
+    state.apply({"type": "write", "t": "soon", "rank": 0})
+    state.apply({"type": "mystery", "t": T0})  # unknown types are ignored
+    state.apply({"type": "commit", "t": T0, "step": 4, "bytes": 1, "lag_s": 0.5})
+    state.apply({"type": "commit", "t": T0 + 1, "step": 4, "bytes": 1, "lag_s": 0.7})  # second engine
+    assert state.bad_events == 2
+    assert state.checkpoints_committed == 1 and state.committed_t == T0
+
+
+# --------------------------------------------------------------------------- rendering & host
+
+
+def test_render_with_simulated_gpu() -> None:
+    state = _scenario()
+    sampler = HostSampler(nvml_loader=lambda: FakeNvml(count=2), cpu_percent=lambda: 42.0)
+    host = sampler.sample({"self": os.getpid(), "gone": 2**22 + 12345})
+    assert host.cpu_percent == 42.0
+    assert host.rss["self"] is not None and host.rss["self"] > 1_000_000
+    assert host.rss["gone"] is None
+    assert host.gpus is not None and [g.util_percent for g in host.gpus] == [87.0, 88.0]
+
+    out = _text(render(state, host, now=T0 + 50))
+    for expected in (
+        "async-overlap",
+        "interval=10",
+        "keep=3",
+        "/ckpts/[exp1]",
+        "step 90 (full, 40.0 MB",
+        "host CPU 42%",
+        "0: 87% mem 30.0/80.0 GB",
+        "1: 88% mem",
+        "10.0 MB",
+        "30.0",
+    ):
+        assert expected in out, expected
+    rows = [line for line in out.splitlines() if line.strip().startswith("0 ")]
+    row = next(line for line in rows if "100.0 / 50.5 / 99.0" in line)
+    assert "0.0 / 0.0 / 0.0" in row  # sync write cause column
+    assert sparkline([20.0, 30.0]) in row
+    progress = next(line for line in rows if " 100 " in line)
+    assert "10 st / 5.0 s" in progress and "2.00" in progress and "2.0 s" in progress
+    assert "GPU n/a" not in out
+    sampler.close()
+
+
+def test_sparkline_scales_to_max() -> None:
+    assert sparkline([0, 5, 10]) == "▁▅█"
+    assert sparkline([0.0, 0.0]) == "▁▁"
+    assert sparkline(range(100), width=4) == sparkline([96, 97, 98, 99]) == "████"
+
+
+def test_render_without_pynvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` raise ImportError
+    host = HostSampler().sample({})
+    assert host.gpus is None and host.gpu_note == "pynvml not installed"
+    out = _text(render(_scenario(), host, now=T0 + 50))
+    assert "GPU n/a (pynvml not installed)" in out
+
+
+@pytest.mark.parametrize(
+    ("fake", "note"),
+    [
+        (FakeNvml(fail="nvmlInit"), "NVML unavailable: RuntimeError: nvmlInit exploded"),
+        (FakeNvml(fail="nvmlDeviceGetUtilizationRates"), "NVML error: RuntimeError"),
+        (FakeNvml(fail="nvmlDeviceGetMemoryInfo"), "NVML error: RuntimeError"),
+        (FakeNvml(fail="nvmlDeviceGetCount"), "NVML error: RuntimeError"),
+        (FakeNvml(count=0), "no GPU"),
+    ],
+)
+def test_render_when_nvml_fails(fake: FakeNvml, note: str) -> None:
+    sampler = HostSampler(nvml_loader=lambda: fake, cpu_percent=lambda: 5.0)
+    for _ in range(2):  # failures are stable, never raised
+        host = sampler.sample({})
+        assert host.gpus is None and host.gpu_note.startswith(note)
+    out = _text(render(_scenario(), host, now=T0 + 50))
+    assert "GPU n/a (" + note in out
+    assert "host CPU 5%" in out
+
+
+def test_sampler_survives_broken_cpu_and_loader() -> None:
+    def boom() -> float:
+        raise OSError("no /proc")
+
+    def bad_loader() -> object:
+        raise OSError("driver mismatch")
+
+    host = HostSampler(nvml_loader=bad_loader, cpu_percent=boom).sample({"x": os.getpid()})
+    assert host.cpu_percent is None and host.gpus is None and "driver mismatch" in host.gpu_note
+    assert "host CPU n/a" in _text(render(MetricsState(), host))
+
+
+def test_summary_table_shows_totals() -> None:
+    out = _text(render_summary(_scenario().summary()))
+    for expected in (
+        "100 (100 executed)",
+        "checkpoints committed",
+        "40.0 MB",
+        "26.7 MB/s",
+        "2.50 / 2.50 s",
+        "5.052 s (10.10% of step time)",
+        "snapshot 5.050 s, backpressure 0.002 s, sync write 0.000 s",
+    ):
+        assert expected in out, expected
+
+
+def test_log_line_format() -> None:
+    line = log_line(_scenario(), now=T0 + 50)
+    assert line == (
+        "[ckptrun] step 100 | 2.0 it/s | stall 50.5 ms/step (p99 99.0) | durable 90 (2.0 s ago) "
+        "| 30 MB/s | restarts 0"
+    )
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _wait_for(predicate, timeout: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+LOG_RE = re.compile(
+    r"^\[ckptrun\] (step \d+ \| ([\d.]+|n/a) it/s \| stall [\d.]+ ms/step \(p99 [\d.]+\) \| "
+    r"durable (\d+ \([\d.]+ s ago\)|none) \| (\d+|n/a) MB/s \| restarts \d+"
+    r"|rank \d+ restarted .*)$"
+)
+
+
+def test_non_tty_prints_log_lines_and_writes_metrics_file(tmp_path: Path) -> None:
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    metrics_file = tmp_path / "out" / "metrics.jsonl"
+    buf = io.StringIO()
+    console = Console(file=buf, width=80)  # not a terminal
+    dash = Dashboard(
+        metrics_dir, metrics_file, live=None, console=console, poll_interval=0.01, log_interval=0.05
+    )
+    assert dash.live is False
+    dash.start()
+    now = time.time()
+    events = [_run(0, t=now)] + [
+        _step(0, i, now + 0.01 * i, snapshot=0.001, nbytes=5_000_000 * (i == 3)) for i in range(1, 4)
+    ]
+    _append(metrics_dir / "worker-0.jsonl", "".join(_line(e) for e in events) + '{"type": "step", "t"')
+    assert _wait_for(lambda: "[ckptrun] step 3" in buf.getvalue())
+    late = [
+        {
+            "type": "commit",
+            "t": now + 0.1,
+            "step": 3,
+            "bytes": 5_000_000,
+            "kind": "full",
+            "ranks": 1,
+            "lag_s": 0.05,
+        },
+        {
+            "type": "restart",
+            "t": now + 0.2,
+            "rank": 0,
+            "restart_count": 1,
+            "resume_step": 3,
+            "recovery_s": 1.25,
+        },
+    ]
+    _append(metrics_dir / "engine-0.jsonl", "".join(_line(e) for e in late))
+    dash.stop()  # drains the engine file even if the thread never saw it
+    dash.stop()  # idempotent
+
+    out = buf.getvalue()
+    assert "\x1b" not in out  # no colours, no cursor movement
+    log_part, _, summary = out.partition("ckptrun summary")
+    lines = [ln for ln in log_part.splitlines() if ln.strip()]
+    assert len(lines) >= 3
+    for ln in lines:
+        assert LOG_RE.match(ln), ln
+    assert "rank 0 restarted (#1), resumed at step 3 in 1.25 s" in log_part
+    assert "durable 3" in lines[-1] and "restarts 1" in lines[-1]
+    assert "checkpoints committed" in summary and "1.25 s" in summary
+
+    written = [json.loads(ln) for ln in metrics_file.read_text().splitlines()]
+    assert all(isinstance(e, dict) for e in written)
+    assert written == events + late  # every event once, in order; the partial line not copied
+
+
+def test_dashboard_errors_are_reported_once_and_never_raise(tmp_path: Path) -> None:
+    buf = io.StringIO()
+    dash = Dashboard(tmp_path, live=False, console=Console(file=buf, width=200), poll_interval=0.01)
+
+    def broken(event: dict) -> None:
+        raise RuntimeError("kaboom")
+
+    dash.state.apply = broken  # type: ignore[method-assign]
+    _append(tmp_path / "worker-0.jsonl", _line(_step(0, 1, T0)))
+    dash.start()
+    assert _wait_for(lambda: dash.errors >= 1)
+    _append(tmp_path / "worker-0.jsonl", _line(_step(0, 2, T0 + 1)))
+    assert _wait_for(lambda: dash.errors >= 2)  # the thread survived the first error
+    dash.stop()
+    assert buf.getvalue().count("dashboard error") == 1
+    assert "RuntimeError: kaboom" in buf.getvalue()
+
+
+def test_live_mode_draws_dashboard(tmp_path: Path) -> None:
+    buf = io.StringIO()
+    console = Console(file=buf, width=140, force_terminal=True, color_system=None)
+    sampler = HostSampler(nvml_loader=lambda: FakeNvml(), cpu_percent=lambda: 1.0)
+    _append(tmp_path / "worker-0.jsonl", _line(_run(0)) + _line(_step(0, 1, T0, snapshot=0.002)))
+    dash = Dashboard(tmp_path, live=True, console=console, poll_interval=0.0, sampler=sampler)
+    assert dash._interval >= 0.25  # refresh capped at 4 per second
+    dash.start()
+    assert _wait_for(lambda: "async-overlap" in buf.getvalue())
+    dash.stop()
+    out = buf.getvalue()
+    assert "0: 87% mem 30.0/80.0 GB" in out and "ckptrun summary" in out
+
+
+def test_metrics_file_writer_appends_json_lines(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"type": "old"}\n')
+    with MetricsFileWriter(path) as writer:
+        writer.write([{"type": "step", "step": 1}, {"type": "note", "text": "line\nbreak"}])
+        assert len(path.read_text().splitlines()) == 3  # flushed before close
+        writer.write([])
+    lines = path.read_text().splitlines()
+    assert [json.loads(ln)["type"] for ln in lines] == ["old", "step", "note"]
+    assert json.loads(lines[2])["text"] == "line\nbreak"
