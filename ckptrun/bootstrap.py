@@ -11,14 +11,15 @@ import runpy
 import sys
 import time
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 from .config import RESUME_ENV, RunConfig
+from .engine.client import EngineLost
 from .errors import CheckpointMismatch, CkptrunError
-from .recovery import load_state, newest_good
-from .runtime import ResumeState, Runtime, install
-from .store import Manifest, Store
+from .jobstore import job_store
+from .recovery import Plan, diff_states, newest_good, plans, read_state
+from .runtime import ResumeState, Runtime, StopRun, install
+from .store import Store
 
 
 def _rank_env() -> tuple[int, int, int, int]:
@@ -27,41 +28,44 @@ def _rank_env() -> tuple[int, int, int, int]:
             int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
 
 
-def _decide(rt: Runtime, store: Store) -> Manifest | None:
+def _decide(rt: Runtime, store: Store) -> Plan | None:
     """Rank 0's choice: the newest committed step that verifies, once every engine has flushed."""
     rt.client.request({"op": "commit_pending"})
     if not rt.cfg.resume and rt.restart_count == 0:
         return None
-    m = newest_good(store)
+    plan = newest_good(store)
     for name in store.incomplete():
         store.remove(name)
-    for newer in [x for x in store.manifests(warn=False) if m is None or x.step > m.step]:
-        warnings.warn(f"ckptrun: moving damaged {newer.name} aside to {store.root}/damaged/", stacklevel=1)
+    newest = plan.step if plan else -1
+    # A re-run writes these steps again (a corrupt manifest would block their commit); keep the
+    # bad copies for inspection.
+    damaged = [m.name for m in store.manifests(warn=False) if m.step > newest] + list(store.unreadable())
+    for name in damaged:
+        warnings.warn(f"ckptrun: moving {name} (not restorable) aside to {store.root}/damaged/", stacklevel=1)
         (store.root / "damaged").mkdir(exist_ok=True)
-        os.replace(store.root / newer.name, store.root / "damaged" / f"{newer.name}-{int(time.time())}")
-    return m
+        os.replace(store.root / name, store.root / "damaged" / f"{name}-{int(time.time())}")
+    return plan
 
 
-def _agreed_resume(rt: Runtime, store: Store) -> Manifest | None:
+def _agreed_resume(rt: Runtime, store: Store) -> Plan | None:
     if rt.world_size == 1:
         return _decide(rt, store)
-    import torch.distributed as dist
-
-    kv = dist.PrefixStore(
-        f"ckptrun/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{rt.restart_count}",
-        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                      timeout=timedelta(minutes=10)),
-    )
+    kv = job_store(rt.restart_count)
     kv.set(f"flushed/{rt.rank}", "1")
     if rt.rank == 0:
         kv.wait([f"flushed/{r}" for r in range(rt.world_size)])
-        m = _decide(rt, store)
-        kv.set("resume", m.name if m else "")
-    name = kv.get("resume").decode()
-    return store.manifest(name) if name else None
+        plan = _decide(rt, store)
+        kv.set("resume", str(plan.step) if plan else "")
+    step = kv.get("resume").decode()
+    return plans(store)[int(step)] if step else None
 
 
 def _fail(cfg: RunConfig | None, rank: int, err: CkptrunError) -> None:
+    """Exit the worker. A lost engine is transient (the elastic agent restarts the worker and
+    the launcher the engine); anything else is the user's to fix and is reported by the launcher."""
+    if isinstance(err, EngineLost):
+        print(f"ckptrun: rank {rank}: {err}; exiting so the worker restarts", file=sys.stderr, flush=True)
+        sys.exit(1)
     print(f"ckptrun: error: {err}", file=sys.stderr, flush=True)
     if cfg and cfg.engine_dir:
         Path(cfg.engine_dir, f"error-{rank}.txt").write_text(f"{err.exit_code}\n{err}\n")
@@ -76,15 +80,16 @@ def main() -> None:
     try:
         rt = Runtime(cfg, rank, local_rank, world_size, restart_count)
         store = Store(cfg.dir)
-        m = _agreed_resume(rt, store)
-        if m is not None:
-            if m.world_size != world_size:
+        plan = _agreed_resume(rt, store)
+        if plan is not None:
+            if plan.base.world_size != world_size:
                 raise CheckpointMismatch(
-                    f"{cfg.dir} step {m.step} was written by {m.world_size} ranks, this run has "
-                    f"{world_size}; launch {m.world_size} ranks, or export it with `ckptrun restore`")
-            rt.resume = ResumeState(m.step, m.name, load_state(store, m, rank), m.world_size)
-            rt.step = m.step
-        if m is not None or restart_count > 0:
+                    f"{cfg.dir} step {plan.step} was written by {plan.base.world_size} ranks, this run has "
+                    f"{world_size}; launch {plan.base.world_size} ranks, or export it with `ckptrun restore`")
+            rt.resume = ResumeState(plan.step, plan.base.name, read_state(store, plan.base, rank),
+                                    plan.base.world_size, diff_states(store, plan, rank) if plan.diffs else None)
+            rt.step = plan.step
+        if plan is not None or restart_count > 0:
             rt.recovery_started = t_start
         os.environ[RESUME_ENV] = str(rt.step)
         rt.metrics.emit(type="run", pid=os.getpid(), engine_pid=rt.engine_pid, strategy=cfg.strategy,
@@ -97,6 +102,9 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
         runpy.run_path(script, run_name="__main__")
+    except StopRun as e:
+        if rank == 0:
+            print(f"ckptrun: stopped the script after step {e.args[0]} (--max-steps)", file=sys.stderr, flush=True)
     except SystemExit as e:
         if e.code not in (None, 0):
             raise

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .errors import CkptrunError
+from .errors import CkptrunError, UsageError
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -25,14 +25,49 @@ out = Console(highlight=False)
 Dir = Annotated[Path, typer.Option("--dir", help="Checkpoint directory.")]
 
 
+def _duration(flag: str, text: str) -> float:
+    from .durations import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise UsageError(f"{flag}: {e}") from None
+
+
+def _recipe_defaults(ctx: typer.Context, path: str) -> str:
+    """--recipe (processed first): its values become the run command's defaults, so explicit
+    flags override them and click converts and checks them like the flags themselves."""
+    if path:
+        from .recipes import load_recipe
+
+        ctx.default_map = load_recipe(path, {p.name for p in ctx.command.params} - _NOT_IN_RECIPES)
+    return path
+
+
+_NOT_IN_RECIPES = {"script", "script_args", "recipe"}
+Script = Annotated[str, typer.Argument(help="The training script; everything after it is its own.")]
+ScriptArgs = Annotated[list[str] | None, typer.Argument(help="Arguments passed to the script.")]
+Mtbf = Annotated[str, typer.Option(help="Mean time between failures: 90s, 45m, 2h, 1.5d (default 1h). "
+                                        "run: used by --every auto and lowdiff's auto settings.")]
+
+
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
 def run(
-    script: Annotated[str, typer.Argument(help="The training script; everything after it is its own.")],
-    script_args: Annotated[list[str] | None, typer.Argument(help="Arguments passed to the script.")] = None,
+    ctx: typer.Context,
+    script: Script,
+    script_args: ScriptArgs = None,
     strategy: Annotated[str, typer.Option(help="Checkpointing strategy (see `ckptrun strategies`).")]
     = "checkfreq",
     dir: Annotated[str, typer.Option("--dir", help="Checkpoint directory.")] = "ckpts",
-    every: Annotated[int, typer.Option(help="Optimizer steps between checkpoints.")] = 1,
+    every: Annotated[str, typer.Option(help="Optimizer steps between checkpoints, or auto: chosen and "
+                                            "re-evaluated online from measured costs and --mtbf "
+                                            "(docs/tuning.md).")] = "1",
+    mtbf: Mtbf = "",
+    max_steps: Annotated[int, typer.Option(min=0, help="Stop the script cleanly after this many optimizer "
+                                                       "steps (0: no limit); its checkpoints are finished.")] = 0,
+    recipe: Annotated[str, typer.Option(is_eager=True, callback=_recipe_defaults,
+                                        help="Take run options from this YAML recipe (recipes/, `ckptrun "
+                                             "tune --write`); options given here override it.")] = "",
     keep: Annotated[int, typer.Option(help="Full checkpoints retained (0 keeps all).")] = 2,
     resume: Annotated[bool, typer.Option(help="Resume from the latest committed step in --dir.")] = True,
     on_save_error: Annotated[str, typer.Option(help="warn: report a failed save and train on; fail: stop.")]
@@ -43,6 +78,11 @@ def run(
     io_threads: Annotated[int, typer.Option(help="Threads writing chunks of one checkpoint file.")] = 1,
     metrics_dir: Annotated[str, typer.Option(help="Keep the raw per-rank metrics (JSONL) in this folder.")]
     = "",
+    full_every: Annotated[str, typer.Option(help="lowdiff: steps between full checkpoints, or auto (eq. 10).")]
+    = "auto",
+    batch: Annotated[str, typer.Option(help="lowdiff: diffs written per record, or auto (eq. 10).")] = "auto",
+    compress: Annotated[str | None, typer.Option(help="lowdiff: gradient compression in training, e.g. "
+                                                      "topk:0.01 (top-k with error feedback).")] = None,
     nproc_per_node: Annotated[str, typer.Option(help="Workers per node (torchrun).")] = "1",
     nnodes: Annotated[str, typer.Option(help="Number of nodes, or MIN:MAX (torchrun).")] = "1",
     node_rank: Annotated[int | None, typer.Option(help="Rank of this node (torchrun).")] = None,
@@ -63,9 +103,15 @@ def run(
     from .launcher import LaunchOptions
     from .launcher import run as launch
 
-    cfg = RunConfig(strategy=strategy, dir=dir, every=every, keep=keep, resume=resume,
-                    on_save_error=on_save_error, max_inflight=max_inflight, writers=writers,
-                    io_threads=io_threads, metrics_dir=metrics_dir)
+    if every != "auto" and not every.lstrip("-").isdigit():
+        raise UsageError(f"--every must be a number of steps or auto (got {every!r})")
+    mtbf_s = _duration("--mtbf", mtbf) if mtbf else 0.0
+    cfg = RunConfig(strategy=strategy, dir=dir, every=1 if every == "auto" else int(every), keep=keep,
+                    resume=resume, on_save_error=on_save_error, max_inflight=max_inflight, writers=writers,
+                    io_threads=io_threads, metrics_dir=metrics_dir, every_auto=every == "auto", mtbf=mtbf_s,
+                    max_steps=max_steps,
+                    options={"full_every": full_every, "batch": batch, "compress": compress,
+                             **({"mtbf": mtbf_s} if mtbf_s else {})})
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id,
                          master_addr, master_port, max_restarts, standalone)
     raise typer.Exit(launch(cfg, opts, script, list(script_args or [])))
@@ -96,8 +142,9 @@ def restore(
         raise CkptrunError(f"--format must be torch or safetensors (got {format!r})", exit_code=2)
     if step != "latest" and not step.isdigit():
         raise CkptrunError(f"--step must be a step number or `latest` (got {step!r})", exit_code=2)
-    m = export(dir, step, out_file, format, rank)
-    err.print(f"restored step {m.step} ({m.name}, rank {rank}) -> {out_file}")
+    plan = export(dir, step, out_file, format, rank)
+    via = f" + {len(plan.diffs)} diff record(s) replayed" if plan.diffs else ""
+    err.print(f"restored step {plan.step} (from {plan.base.name}{via}, rank {rank}) -> {out_file}")
 
 
 @app.command("ls")
@@ -130,14 +177,96 @@ def verify(dir: Dir = Path("ckpts")) -> None:
     store = Store(dir)
     if not dir.is_dir():
         raise CkptrunError(f"no checkpoint directory at {dir}; pass --dir", exit_code=2)
-    ms = store.manifests()
-    problems = [p for m in ms for p in store.verify_record(m)]
+    ms = store.manifests(warn=False)
+    problems = [*store.unreadable().values()] + [p for m in ms for p in store.verify_record(m)]
     problems += [f"{name}: incomplete (no manifest; torn or still being written)" for name in store.incomplete()]
     for p in problems:
-        out.print(f"BAD {p}")
+        out.print(f"BAD {p}", soft_wrap=True)
     if problems:
         raise typer.Exit(1)
     out.print(f"ok: {len(ms)} committed record(s) verified in {dir}")
+
+
+@app.command()
+def bench(
+    model: Annotated[str, typer.Option(help="Example GPT size: tiny (seconds, for tests), small (CPU; ~55 MB "
+                                            "of state), medium (GPU; ~1.3 GB).")] = "small",
+    strategies: Annotated[str, typer.Option(help="Comma-separated references (torch.save, dcp-thread, "
+                                                 "dcp-process) and ckptrun strategies to run, or `all`; "
+                                                 "`none` (no checkpointing) always runs.")] = "all",
+    every: Annotated[str, typer.Option(help="Checkpoint interval(s) in steps, comma-separated, e.g. 1,5,10,50; "
+                                            "each configuration runs at each.")] = "1",
+    steps: Annotated[int, typer.Option(help="Training steps per run.")] = 30,
+    repeat: Annotated[int, typer.Option(help="Repetitions, interleaved; figures are their median "
+                                             "[min-max].")] = 3,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    trainer_threads: Annotated[int, typer.Option(help="torch threads of the trainer; the default 1 leaves "
+                                                      "the checkpoint engine a core.")] = 1,
+    warmup: Annotated[int, typer.Option(help="First steps of each run left out of step time and "
+                                             "stall.")] = 2,
+    dir: Annotated[str, typer.Option("--dir", help="Where runs write checkpoints (default: a temporary "
+                                                   "folder on disk, not tmpfs, removed afterwards).")] = "",
+    json_file: Annotated[str, typer.Option("--json", help="Write all figures and the machine description "
+                                                          "to this JSON file.")] = "",
+    plot: Annotated[str, typer.Option(help="Write a PNG bar chart of overhead and stall here (needs "
+                                           "matplotlib: pip install 'ckptrun[plot]').")] = "",
+) -> None:
+    """Measure every strategy against no checkpointing, torch.save and DCP async_save."""
+    from .bench import BenchOptions, run_bench
+
+    raise typer.Exit(run_bench(BenchOptions(model, strategies, every, steps, repeat, device, trainer_threads,
+                                            warmup, dir, json_file, plot), out, err))
+
+
+@app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
+def tune(
+    script: Script,
+    script_args: ScriptArgs = None,
+    strategies: Annotated[str, typer.Option(help="Comma-separated strategies to profile (default: every "
+                                                 "registered one).")] = "",
+    profile_steps: Annotated[int, typer.Option(min=2, help="Steps measured per profiling run (after 3 "
+                                                           "warm-up steps).")] = 20,
+    mtbf: Mtbf = "",
+    failure_log: Annotated[Path | None, typer.Option(help="Estimate the MTBF from this file of past failure "
+                                                          "times, one ISO-8601 timestamp per line.")] = None,
+    max_overhead: Annotated[str, typer.Option(help="Overhead budget in percent of step time (PCcheck's "
+                                                   "slowdown bound; no interval is chosen above it).")] = "5",
+    dir: Annotated[str, typer.Option("--dir", help="Checkpoint directory whose filesystem is measured "
+                                                   "(profiling writes into a scratch folder there).")] = "ckpts",
+    write: Annotated[Path | None, typer.Option(help="Write the recommendation as a recipe YAML for "
+                                                    "`ckptrun --recipe`.")] = None,
+    json_file: Annotated[Path | None, typer.Option("--json", help="Write every measurement, setting and "
+                                                                   "prediction to this JSON file.")] = None,
+) -> None:
+    """Profile SCRIPT briefly under each strategy; print the optimal settings and a recommendation."""
+    from .autotune import DEFAULT_MTBF_S
+    from .durations import mtbf_from_failure_log
+    from .tune import choose_strategies
+    from .tune import tune as run_tune
+    from .tune.plan import parse_percent
+    from .tune.report import print_report, to_json, write_recipe
+
+    if mtbf and failure_log:
+        raise UsageError("give either --mtbf or --failure-log, not both")
+    if failure_log:
+        try:
+            mtbf_s, source = mtbf_from_failure_log(failure_log), f"estimated from {failure_log}"
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--failure-log: {e}") from None
+    elif mtbf:
+        mtbf_s, source = _duration("--mtbf", mtbf), "--mtbf"
+    else:
+        mtbf_s, source = DEFAULT_MTBF_S, "default; pass --mtbf or --failure-log"
+    budget = parse_percent(max_overhead)
+    result = run_tune(script, list(script_args or []), strategies=choose_strategies(strategies),
+                      profile_steps=profile_steps, mtbf_s=mtbf_s, mtbf_source=source, max_overhead=budget,
+                      ckpt_dir=dir, progress=lambda line: err.print(f"tune: {line}", markup=False, soft_wrap=True))
+    print_report(out, result)
+    if json_file:
+        json_file.write_text(json.dumps(to_json(result), indent=2) + "\n")
+    if write:
+        write_recipe(write, result)
+        err.print(f"wrote {write}; run it with: ckptrun --recipe {write} {script}", markup=False, soft_wrap=True)
 
 
 _COMMANDS = {"run", "restore", "ls", "verify", "strategies", "bench", "tune"}
@@ -151,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app(argv, prog_name="ckptrun")
     except CkptrunError as e:
-        err.print(f"ckptrun: error: {e}", markup=False)
+        err.print(f"ckptrun: error: {e}", markup=False, soft_wrap=True)  # one line, however long
         return e.exit_code
     except SystemExit as e:  # typer's own exits: usage errors (2), --help (0), typer.Exit
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CkptrunError
-from .recovery import find, load_state
-from .store import Manifest, Store
+from .recovery import Plan, find, load_state
+from .store import Store
 from .tree import flatten
 
 
@@ -44,14 +44,14 @@ def as_torch_dict(state: dict, step: int) -> dict[str, Any]:
             "rng": _weights_only_safe(state["rng"]), "extra": extra}
 
 
-def export(directory: Path, step: int | str, out: Path, fmt: str, rank: int = 0) -> Manifest:
+def export(directory: Path, step: int | str, out: Path, fmt: str, rank: int = 0) -> Plan:
     store = Store(directory)
     if not directory.is_dir():
         raise CkptrunError(f"no checkpoint directory at {directory}; pass --dir", exit_code=2)
-    m = find(store, step)
-    if not 0 <= rank < m.world_size:
-        raise CkptrunError(f"--rank {rank}: step {m.step} has ranks 0..{m.world_size - 1}", exit_code=2)
-    full = as_torch_dict(load_state(store, m, rank), m.step)
+    plan = find(store, step)
+    if not 0 <= rank < plan.base.world_size:
+        raise CkptrunError(f"--rank {rank}: step {plan.step} has ranks 0..{plan.base.world_size - 1}", exit_code=2)
+    full = as_torch_dict(load_state(store, plan, rank), plan.step)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
@@ -64,8 +64,8 @@ def export(directory: Path, step: int | str, out: Path, fmt: str, rank: int = 0)
 
             skeleton, tensors = flatten(full)
             save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp),
-                      metadata={"ckptrun.skeleton": json.dumps(skeleton), "ckptrun.step": str(m.step)})
+                      metadata={"ckptrun.skeleton": json.dumps(skeleton), "ckptrun.step": str(plan.step)})
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-    return m
+    return plan

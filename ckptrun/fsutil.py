@@ -64,6 +64,8 @@ def publish_bytes(
 
 
 def publish_json(path: Path, obj: object, *, fault: FaultHook = _no_fault, name: str = "json") -> bytes:
-    data = json.dumps(obj, indent=1, sort_keys=True).encode()
+    """Publish `obj` as JSON, keys in insertion order: an index's skeleton keeps the order of the
+    script's state_dicts, which a restored state must reproduce."""
+    data = json.dumps(obj, indent=1).encode()
     publish_bytes(path, data, fault=fault, name=name)
     return data

@@ -31,6 +31,7 @@ class WorkerMetrics:
         self.last_snapshot_step: int | None = None
         self.last_durable_step: int | None = None
         self.inflight = 0
+        self.optim_s: float | None = None  # the optimizer's own update time in the last step
 
     def emit(self, **event: Any) -> None:
         if self._f is None:
@@ -49,16 +50,18 @@ class WorkerMetrics:
     def add_stall(self, cause: str, seconds: float) -> None:
         self.stall[cause] += seconds
 
-    def end_step(self, step: int) -> None:
-        """Close the books on one optimizer step (called after its post-step work)."""
+    def end_step(self, step: int) -> dict[str, Any]:
+        """Close the books on one optimizer step (called after its post-step work); returns its record."""
         now = time.perf_counter()
-        self.emit(type="step", step=step, step_s=now - self._last_step_t,
-                  stall_s={c: self.stall.get(c, 0.0) for c in CAUSES}, bytes=self.bytes,
-                  inflight=self.inflight, last_snapshot_step=self.last_snapshot_step,
-                  last_durable_step=self.last_durable_step)
+        record = dict(type="step", step=step, step_s=now - self._last_step_t,
+                      stall_s={c: self.stall.get(c, 0.0) for c in CAUSES}, bytes=self.bytes,
+                      inflight=self.inflight, last_snapshot_step=self.last_snapshot_step,
+                      last_durable_step=self.last_durable_step, optim_s=self.optim_s)
+        self.emit(**record)
         self._last_step_t = now
         self.stall.clear()
         self.bytes = 0
+        return record
 
     def close(self) -> None:
         self.flush()

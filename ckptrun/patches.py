@@ -3,11 +3,14 @@
 Constructors of optimizers, LR schedulers and GradScalers are wrapped so that the runtime
 learns of each object the moment it exists, and restores its checkpointed state right then
 ("restored when constructed"). The wrapper fires once, after the most-derived __init__ returns.
+In multi-rank runs the `env://` rendezvous is wrapped so that each restart attempt's process
+group uses its own keys in torchrun's job-wide store.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -56,7 +59,28 @@ def _patch_family(base: type, callback: Callable[[Any], None]) -> None:
     base.__init_subclass__ = classmethod(__init_subclass__)
 
 
+def _isolate_attempt(restart_count: int) -> None:
+    """Scope the script's `env://` process-group keys to this restart attempt.
+
+    torchrun's agent keeps one TCPStore for the whole job, and a process group's keys (a gloo
+    peer's address, an NCCL id) do not name the attempt: a restarted worker can read a dead
+    peer's address from the previous attempt and fail to connect (pytorch/pytorch#135712).
+    """
+    import torch.distributed as dist
+
+    rdzv = importlib.import_module("torch.distributed.rendezvous")  # `dist.rendezvous` is a function
+    env_handler = rdzv._rendezvous_handlers["env"]
+
+    def handler(url: str, **kwargs: Any):
+        for store, rank, world_size in env_handler(url, **kwargs):
+            yield dist.PrefixStore(f"ckptrun/attempt-{restart_count}", store), rank, world_size
+
+    rdzv._rendezvous_handlers["env"] = handler
+
+
 def install(rt: Any) -> None:
+    if rt.world_size > 1 and torch.distributed.is_available():
+        _isolate_attempt(rt.restart_count)
     _patch_family(torch.optim.Optimizer, rt.on_optimizer)
     _patch_family(torch.optim.lr_scheduler.LRScheduler, rt.on_scheduler)
     if not issubclass(torch.optim.lr_scheduler.ReduceLROnPlateau, torch.optim.lr_scheduler.LRScheduler):

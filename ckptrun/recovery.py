@@ -1,63 +1,191 @@
 """Which committed step to restore, and the state of one rank at that step.
 
-Restore never trusts a record blindly: every checksum is re-checked, a bad record is skipped
-with a warning and the next older good one is used (DESIGN invariant 2).
+A step is restorable from a full checkpoint alone, or from a full checkpoint (the base) plus
+the committed differential records that follow it without a gap (LowDiff's chain), at per-step
+granularity. Restore never trusts a record blindly: every checksum is re-checked, a damaged
+record is skipped with a warning and the newest good step before it is used.
 """
 
 from __future__ import annotations
 
+import importlib
+import threading
 import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from queue import Queue
 
-from .errors import CorruptCheckpoint, StepNotAvailable
+from .errors import CkptrunError, CorruptCheckpoint, StepNotAvailable
 from .store import Manifest, Store
 from .tree import unflatten
 
 
-def restorable(store: Store) -> list[Manifest]:
-    """Committed records that restore on their own, oldest first."""
-    return [m for m in store.manifests() if m.kind == "full"]
+@dataclass
+class Plan:
+    """Restore `step`: load `base`, then replay the steps of `diffs` up to `step`."""
+
+    step: int
+    base: Manifest
+    diffs: list[Manifest] = field(default_factory=list)
+
+    @property
+    def records(self) -> list[Manifest]:
+        return [self.base, *self.diffs]
 
 
-def newest_good(store: Store, *, at_most: int | None = None, verify: bool = True) -> Manifest | None:
-    """The newest restorable record (≤ `at_most`) whose every rank passes its checks."""
-    for m in reversed(restorable(store)):
-        if at_most is not None and m.step > at_most:
+def chains(store: Store) -> list[tuple[Manifest, list[Manifest]]]:
+    """Each full checkpoint with the gap-free run of diff records based on it."""
+    ms = store.manifests()
+    out = []
+    for base in (m for m in ms if m.kind == "full"):
+        run, nxt = [], base.step + 1
+        for d in sorted((m for m in ms if m.kind == "diff" and m.depends_on[:1] == [base.name]),
+                        key=lambda m: m.first_step):
+            if d.first_step != nxt:
+                break
+            run.append(d)
+            nxt = d.step + 1
+        out.append((base, run))
+    return out
+
+
+def plans(store: Store) -> dict[int, Plan]:
+    """Every restorable step and its cheapest plan (the nearest base wins)."""
+    out: dict[int, Plan] = {}
+    for base, run in chains(store):
+        out[base.step] = Plan(base.step, base)
+        for i, d in enumerate(run):
+            for s in range(d.first_step, d.step + 1):
+                if s not in out or out[s].base.step < base.step:
+                    out[s] = Plan(s, base, run[: i + 1])
+    return dict(sorted(out.items()))
+
+
+def restorable(store: Store) -> list[int]:
+    return list(plans(store))
+
+
+def _problems(store: Store, plan: Plan) -> list[str]:
+    return [p for m in plan.records for p in store.verify_record(m)]
+
+
+def newest_good(store: Store, *, at_most: int | None = None, verify: bool = True) -> Plan | None:
+    """The newest restorable step (≤ `at_most`) whose records all pass their checks."""
+    bad: set[str] = set()
+    for step, plan in reversed(plans(store).items()):
+        if at_most is not None and step > at_most or bad & {m.name for m in plan.records}:
             continue
-        problems = store.verify_record(m) if verify else []
+        problems = _problems(store, plan) if verify else []
         if not problems:
-            return m
-        warnings.warn(f"ckptrun: step {m.step} is damaged ({problems[0]}); falling back to an older step",
+            return plan
+        bad |= {p.split(":", 1)[0] for p in problems}
+        warnings.warn(f"ckptrun: step {step} is damaged ({problems[0]}); falling back to an older step",
                       stacklevel=2)
     return None
 
 
-def find(store: Store, step: int | str) -> Manifest:
-    """The record for `step` ("latest" falls back past damaged records)."""
+def find(store: Store, step: int | str) -> Plan:
+    """The plan for `step` ("latest" falls back past damaged records)."""
     if step == "latest":
-        m = newest_good(store)
-        if m is None:
+        plan = newest_good(store)
+        if plan is None:
             raise StepNotAvailable(f"no restorable step in {store.root}" + _available(store))
-        return m
-    for m in restorable(store):
-        if m.step == int(step):
-            problems = store.verify_record(m)
-            if problems:
-                good = newest_good(store, at_most=m.step)
-                hint = f"; the newest good step before it is {good.step}" if good else ""
-                raise CorruptCheckpoint(f"step {m.step} is damaged ({problems[0]}){hint}")
-            return m
-    raise StepNotAvailable(f"step {step} is not committed in {store.root}" + _available(store))
+        return plan
+    plan = plans(store).get(int(step))
+    if plan is None:
+        raise StepNotAvailable(f"step {step} is not committed in {store.root}" + _available(store))
+    problems = _problems(store, plan)
+    if problems:
+        good = newest_good(store, at_most=plan.step)
+        hint = f"; the newest good step before it is {good.step}" if good else "; no good step precedes it"
+        raise CorruptCheckpoint(f"step {plan.step} cannot be restored ({problems[0]}){hint}")
+    return plan
 
 
 def _available(store: Store) -> str:
-    steps = [m.step for m in restorable(store)]
-    return f"; available steps: {', '.join(map(str, steps))}" if steps else "; it holds no committed steps"
+    steps = restorable(store)
+    if not steps:
+        return "; it holds no committed steps"
+    return f"; available steps: {_ranges(steps)}"
 
 
-def load_state(store: Store, m: Manifest, rank: int) -> dict:
+def _ranges(steps: list[int]) -> str:
+    out, start = [], steps[0]
+    for a, b in zip(steps, [*steps[1:], None], strict=True):
+        if b != a + 1:
+            out.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out)
+
+
+def read_state(store: Store, m: Manifest, rank: int) -> dict:
     """The nested state of `rank` in record `m` (tensors are private copies)."""
     index, tensors = store.read_rank(m.name, rank)
     return unflatten(index["skeleton"], {k: t.clone() for k, t in tensors.items()})
 
 
-__all__ = ["CorruptCheckpoint", "find", "load_state", "newest_good", "restorable"]
+def diff_states(store: Store, plan: Plan, rank: int) -> Iterator[dict]:
+    """The recorded steps base+1..plan.step in order; the next record is read while the
+    current one is replayed."""
+    q: Queue = Queue(maxsize=1)
+
+    def reader() -> None:
+        try:
+            for m in plan.diffs:
+                q.put(read_state(store, m, rank))
+        except BaseException as e:  # handed to the consumer, which re-raises it
+            q.put(e)
+        q.put(None)
+
+    threading.Thread(target=reader, name="ckptrun-diff-reader", daemon=True).start()
+    while (item := q.get()) is not None:
+        if isinstance(item, BaseException):
+            raise item
+        for s in sorted(item["steps"], key=int):
+            if int(s) <= plan.step:
+                yield item["steps"][s]
+
+
+def finish_state(state: dict, last: dict) -> dict:
+    """Step N's state once replay reached N: the post-step parts come from diff N."""
+    for name, groups in last["param_groups"].items():
+        state["optimizers"][name]["param_groups"] = groups
+    for name, buffers in last["buffers"].items():
+        state["models"][name].update(buffers)
+    return {**state, **{k: last[k] for k in ("rng", "schedulers", "scalers", "extra")}}
+
+
+def load_state(store: Store, plan: Plan, rank: int) -> dict:
+    """The full state of `rank` at `plan.step`, replaying diffs offline when needed."""
+    state = read_state(store, plan.base, rank)
+    if not plan.diffs:
+        return state
+    return _replay_offline(store, plan, rank, state)
+
+
+def _replay_offline(store: Store, plan: Plan, rank: int, state: dict) -> dict:
+    """Rebuild the optimizer from the base's metadata and replay (no training script needed)."""
+    from .replay import replay
+
+    index = store.read_index(plan.base.name, rank)
+    info = index["meta"].get("optimizers", {}).get("optimizer")
+    if info is None:
+        raise CkptrunError(f"{plan.base.name} does not say which optimizer to replay with")
+    module, _, qualname = info["class"].rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), qualname)
+    except (ImportError, AttributeError):
+        raise CkptrunError(f"replaying step {plan.step} needs the optimizer class {info['class']}; "
+                           "install the package that defines it") from None
+    params = [state["models"][aliases[0][0]][aliases[0][1]] for aliases in info["params"]]
+    saved = state["optimizers"]["optimizer"]
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[i] for i in g["params"]]}
+              for g in saved["param_groups"]]
+    opt = cls(groups)
+    opt.load_state_dict(saved)
+    last = replay(opt, diff_states(store, plan, rank))
+    for p, aliases in zip(params, info["params"], strict=True):
+        for model, key in aliases:
+            state["models"][model][key] = p.detach()
+    state["optimizers"]["optimizer"] = opt.state_dict()
+    return finish_state(state, last)

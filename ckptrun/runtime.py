@@ -13,18 +13,20 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from . import discovery, faults
+from . import autotune, discovery, faults, replay
 from .config import RunConfig
 from .engine.client import EngineClient, EngineLost
 from .errors import CheckpointMismatch, CkptrunError
 from .layout import ALIGN, Layout, align, view
 from .metrics import WorkerMetrics
+from .recovery import finish_state
 from .staging import map_slot
 from .store import full_name
 from .tree import flatten
@@ -48,6 +50,7 @@ class Snapshot:
     copy: Future | None = None
     event: Any = None  # CUDA event marking the end of the device-to-host copy
     nbytes: int = 0
+    prefix: str = ""  # tensor-key prefix, so several snapshots can share one record
 
 
 @dataclass
@@ -58,23 +61,39 @@ class ResumeState:
     record: str
     state: dict
     world_size: int
+    diffs: Iterator[dict] | None = None  # recorded steps to replay after loading the base
     restored: set = field(default_factory=set)
 
 
 class SlotPool:
-    """Staging slots on the worker side: free-list, back-pressure and the mapped buffers."""
+    """Staging slots on the worker side: free-list, back-pressure and the mapped buffers.
+
+    Slots are numbered by the engine. When state outgrows them, a larger generation is added
+    and the old slots are retired as they come back, so growing never waits on a slot in use.
+    """
 
     def __init__(self) -> None:
-        self.buffers: list[torch.Tensor] = []
+        self.buffers: dict[int, torch.Tensor] = {}
         self.free: list[int] = []
+        self.retired: set[int] = set()
         self.nbytes = 0
         self.cond = threading.Condition()
 
-    def reset(self, slots: list[tuple[str, int]], pin: bool) -> None:
+    def add(self, slots: list[tuple[int, str, int]], pin: bool) -> list[int]:
+        """Make `slots` the current generation; returns the old slots already free (to retire)."""
         with self.cond:
-            self.buffers = [map_slot(path, n, pin) for path, n in slots]
-            self.free = list(range(len(slots)))
-            self.nbytes = slots[0][1] if slots else 0
+            old_free = [i for i in self.free]
+            self.retired |= set(self.buffers)
+            self.free = []
+            for index, path, n in slots:
+                self.buffers[index] = map_slot(path, n, pin)
+                self.free.append(index)
+                self.nbytes = n
+            for i in old_free:
+                self.retired.discard(i)
+                del self.buffers[i]
+            self.cond.notify_all()
+            return old_free
 
     def acquire(self, lost: threading.Event) -> int:
         with self.cond:
@@ -83,18 +102,26 @@ class SlotPool:
                 raise EngineLost("checkpoint engine went away")
             return self.free.pop(0)
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: int) -> bool:
+        """Return a slot; False if it belonged to a retired generation (the engine may drop it)."""
         with self.cond:
+            if slot in self.retired:
+                self.retired.discard(slot)
+                self.buffers.pop(slot, None)
+                return False
             self.free.append(slot)
             self.cond.notify_all()
-
-    def all_free(self, lost: threading.Event) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: len(self.free) == len(self.buffers) or lost.is_set())
+            return True
 
     @property
     def inflight(self) -> int:
         return len(self.buffers) - len(self.free)
+
+
+class StopRun(BaseException):
+    """Raised at the pre-step hook once `--max-steps` optimizer steps are done. A BaseException, so
+    the script's own `except Exception` does not swallow it; bootstrap then finishes the
+    checkpoints as after a normal exit (the last step's state is complete: its scheduler stepped)."""
 
 
 class Runtime:
@@ -109,8 +136,12 @@ class Runtime:
         self.tracked: dict[str, Any] = {}
         self.resume: ResumeState | None = None
         self.recovery_started: float | None = None  # set on resume: time to the first resumed step
+        self.replaying = False  # optimizer steps taken by replay are not training steps
+        self.optimizer_info: dict[str, dict] = {}
         self.metrics = WorkerMetrics(cfg.metrics_dir, rank)
         self.fault = faults.from_env(rank, restart_count)
+        self.autotune = autotune.for_runtime(self) if cfg.every_auto else None
+        self._optim_t0 = 0.0
         self.slots = SlotPool()
         self.lost = threading.Event()
         self.durable: dict[int, threading.Event] = {}
@@ -127,7 +158,7 @@ class Runtime:
         })
         self.engine_pid = hello["pid"]
         if hello["slots"]:
-            self.slots.reset(hello["slots"], pin=self._cuda)
+            self.slots.add(hello["slots"], pin=self._cuda)
         from .strategies import REGISTRY
 
         self.strategy = REGISTRY[cfg.strategy].load()(self)
@@ -136,10 +167,13 @@ class Runtime:
     def _on_event(self, msg: dict) -> None:
         op = msg["op"]
         if op == "slot_free":
-            self.slots.release(msg["slot"])
+            if not self.slots.release(msg["slot"]):
+                self.client.send({"op": "retire", "slots": [msg["slot"]]})
         elif op == "durable":
             self.metrics.last_durable_step = max(self.metrics.last_durable_step or 0, msg["step"])
             self.durable.setdefault(msg["step"], threading.Event()).set()
+            if self.autotune is not None and msg.get("write_s"):
+                self.autotune.observe_write(msg["write_s"])
         elif op == "save_error":
             self.save_errors.append(f"step {msg['step']}: {msg['error']}")
             print(f"ckptrun: rank {self.rank}: checkpoint of step {msg['step']} failed: {msg['error']}; "
@@ -157,7 +191,7 @@ class Runtime:
 
     def check_engine(self) -> None:
         if self.lost.is_set():
-            raise EngineLost("checkpoint engine went away; restarting the worker")
+            raise EngineLost("checkpoint engine went away")
         if self.save_errors and self.cfg.on_save_error == "fail":
             raise CkptrunError(f"checkpoint failed ({self.save_errors[0]}) and --on-save-error=fail")
 
@@ -167,8 +201,10 @@ class Runtime:
         return self.optimizers[0] if self.optimizers else None
 
     def pre_step_hook(self, optimizer, args, kwargs) -> None:
-        if optimizer is not self.primary:
+        if optimizer is not self.primary or self.replaying:
             return
+        if self.cfg.max_steps and self.step >= self.cfg.max_steps:
+            raise StopRun(self.step)
         self.check_engine()
         step = self.step + 1
         self.strategy.before_step(step)
@@ -176,10 +212,12 @@ class Runtime:
                 and self.fault.step == step:
             self.metrics.flush()
             faults.die()
+        self._optim_t0 = time.perf_counter()
 
     def post_step_hook(self, optimizer, args, kwargs) -> None:
-        if optimizer is not self.primary:
+        if optimizer is not self.primary or self.replaying:
             return
+        self.metrics.optim_s = time.perf_counter() - self._optim_t0
         self.step += 1
         self.strategy.after_step(self.step)
         if self.recovery_started is not None:
@@ -188,10 +226,12 @@ class Runtime:
                               recovery_s=time.time() - self.recovery_started)
             self.recovery_started = None
         self.metrics.inflight = self.slots.inflight
-        self.metrics.end_step(self.step)
+        record = self.metrics.end_step(self.step)
+        if self.autotune is not None:
+            self.autotune.after_step(self.step, record)
 
     def due(self, step: int) -> bool:
-        return step % self.cfg.every == 0
+        return self.autotune.due(step) if self.autotune is not None else step % self.cfg.every == 0
 
     def stall(self, cause: str, since: float) -> None:
         self.metrics.add_stall(cause, time.perf_counter() - since)
@@ -208,8 +248,25 @@ class Runtime:
             if all(m is not known for known in self.models.values()):
                 self.models["model" if not self.models else f"model_{len(self.models)}"] = m
         self._volatile = discovery.module_buffers(list(self.models.values()))
-        if self.resume is None:
-            return
+        self.optimizer_info[_indexed("optimizer", idx)] = self._describe(opt)
+        self.metrics.emit(type="optimizer", index=idx, cls=type(opt).__name__,
+                          param_bytes=sum(p.numel() * p.element_size() for g in opt.param_groups for p in g["params"]))
+        if self.resume is not None:
+            self._restore(opt, idx)
+        if idx == 0:
+            self.strategy.on_ready(self.step)
+
+    def _describe(self, opt: torch.optim.Optimizer) -> dict:
+        """What offline replay needs: the optimizer class and each parameter's state_dict keys."""
+        aliases: dict[int, list[list[str]]] = {}
+        for name, m in self.models.items():
+            for key, p in m.named_parameters(remove_duplicate=False):
+                aliases.setdefault(id(p), []).append([name, key])
+        cls = type(opt)
+        return {"class": f"{cls.__module__}.{cls.__qualname__}",
+                "params": [aliases.get(id(p), []) for p in replay.optimizer_params(opt)]}
+
+    def _restore(self, opt: torch.optim.Optimizer, idx: int) -> None:
         saved = self.resume.state
         for name, model in self.models.items():
             if name in self.resume.restored:
@@ -222,8 +279,19 @@ class Runtime:
         oname = _indexed("optimizer", idx)
         if oname in saved["optimizers"]:
             opt.load_state_dict(saved["optimizers"][oname])
-        if idx == 0:
-            discovery.set_rng_state(saved["rng"])
+        if idx != 0:
+            return
+        if self.resume.diffs is not None:
+            self.replaying = True
+            try:
+                last = replay.replay(opt, self.resume.diffs)
+            finally:
+                self.replaying = False
+            for name, model in self.models.items():
+                model.load_state_dict({**model.state_dict(), **last["buffers"].get(name, {})})
+            saved = self.resume.state = finish_state(saved, last)
+            self._reapply_hyperparams(opt)
+        discovery.set_rng_state(saved["rng"])
 
     def _load_model(self, name: str, model: torch.nn.Module, saved: dict) -> None:
         live = model.state_dict()
@@ -296,28 +364,31 @@ class Runtime:
     def _ensure_slots(self, need: int) -> None:
         if need <= self.slots.nbytes:
             return
-        self.slots.all_free(self.lost)
         self.check_engine()
         size = align(int(need * 1.25) + ALIGN)
         reply = self.client.request({"op": "alloc", "nslots": self.cfg.max_inflight, "nbytes": size})
-        self.slots.reset(reply["slots"], pin=self._cuda)
+        retire = self.slots.add(reply["slots"], pin=self._cuda)
+        if retire:
+            self.client.send({"op": "retire", "slots": retire})
 
-    def capture(self, step: int, *, background: bool) -> Snapshot:
-        """Copy the post-step state of `step` into a free slot (back-pressure if none is free).
-
-        Buffers and RNG are copied now (the next forward changes them); parameters and optimizer
-        state, immutable until the next optimizer step, are copied in the background if asked.
-        """
-        skeleton, tensors = flatten(self.early_state())
-        layout = Layout.of(tensors)
-        _, late = flatten(self.late_state())
-        self._ensure_slots(layout.nbytes + Layout.of(late).nbytes)
+    def begin(self, step: int, need: int, prefix: str = "") -> Snapshot:
+        """Take a free staging slot for `step` (back-pressure: wait while none is free)."""
+        self._ensure_slots(need)
         t0 = time.perf_counter()
         slot = self.slots.acquire(self.lost)
         self.stall("backpressure", t0)
-        buf = self.slots.buffers[slot]
-        snap = Snapshot(step, slot, skeleton, layout, time.time())
+        return Snapshot(step, slot, {}, Layout((), 0), time.time(), prefix=prefix)
+
+    def add(self, snap: Snapshot, state: dict, *, background: bool = False) -> None:
+        """Append `state` to the slot. With `background`, tensors other than module buffers
+        (which the next forward changes) are copied off the training thread (a side stream on GPU)."""
+        self.wait_copy(snap)
         t0 = time.perf_counter()
+        skeleton, tensors = flatten(state, snap.prefix)
+        layout = Layout.of(tensors, start=snap.layout.nbytes)
+        if layout.nbytes > self.slots.nbytes:
+            raise CkptrunError("checkpoint state grew past the staging slot; please report this")
+        buf = self.slots.buffers[snap.slot]
         now = {k: t for k, t in tensors.items() if not background or t.data_ptr() in self._volatile}
         self._copy(buf, layout, now)
         later = {k: t for k, t in tensors.items() if k not in now}
@@ -326,7 +397,20 @@ class Runtime:
                 snap.event = self._copy_cuda_async(buf, layout, later)
             else:
                 snap.copy = self._copier.submit(self._copy, buf, layout, later)
+        snap.skeleton.update(skeleton)
+        snap.layout = snap.layout + layout
+        snap.nbytes = snap.layout.nbytes
         self.stall("snapshot", t0)
+
+    def state_bytes(self, state: dict) -> int:
+        return Layout.of(flatten(state)[1]).nbytes
+
+    def capture(self, step: int, *, background: bool) -> Snapshot:
+        """Copy the post-step state of `step` (parameters, optimizer state, buffers, RNG) into a
+        free slot; `seal` adds what settles later."""
+        early = self.early_state()
+        snap = self.begin(step, self.state_bytes(early) + self.state_bytes(self.late_state()))
+        self.add(snap, early, background=background)
         self.metrics.last_snapshot_step = step
         return snap
 
@@ -362,33 +446,28 @@ class Runtime:
         self.stall("snapshot", t0)
 
     def seal(self, snap: Snapshot) -> None:
-        """Add the state that settles after the step (schedulers, scaler, tracked objects)."""
+        """Add the state that settles after the step: schedulers, scaler, tracked objects, and
+        the optimizer's param_groups (a scheduler has set their lr by now)."""
+        self.add(snap, self.late_state())
         self.wait_copy(snap)
-        t0 = time.perf_counter()
-        late_skel, late = flatten(self.late_state())
-        late_layout = Layout.of(late, start=snap.layout.nbytes)
-        if late_layout.nbytes > self.slots.nbytes:
-            raise CkptrunError("tracked state grew past the staging slot; please report this")
-        self._copy(self.slots.buffers[snap.slot], late_layout, late)
-        for name, groups in late_skel.pop("param_groups").items():
-            snap.skeleton["optimizers"][name]["param_groups"] = groups
-        snap.skeleton = {**snap.skeleton, **late_skel}
-        snap.layout = snap.layout + late_layout
-        snap.nbytes = snap.layout.nbytes
-        self.stall("snapshot", t0)
+        if "optimizers" in snap.skeleton:
+            for name, groups in snap.skeleton.pop("param_groups").items():
+                snap.skeleton["optimizers"][name]["param_groups"] = groups
 
     def record_meta(self, snap: Snapshot) -> dict:
         return {"step": snap.step, "rank": self.rank, "world_size": self.world_size,
-                "strategy": self.cfg.strategy, "snapshot_time": snap.time}
+                "strategy": self.cfg.strategy, "snapshot_time": snap.time, "optimizers": self.optimizer_info}
 
-    def submit(self, snap: Snapshot, *, wait_durable: bool = False) -> None:
-        """Hand a sealed slot to the engine to persist as the full checkpoint of its step."""
+    def submit(self, snap: Snapshot, *, wait_durable: bool = False, op: str = "persist", **fields: Any) -> None:
+        """Hand a sealed slot to the engine (by default: persist it as the full checkpoint of
+        its step; a strategy's own `op` goes to its engine-side handler)."""
         self.check_engine()
         done = self.durable.setdefault(snap.step, threading.Event())
         self.client.send({
-            "op": "persist", "slot": snap.slot, "nbytes": snap.nbytes, "record": full_name(snap.step),
+            "op": op, "slot": snap.slot, "nbytes": snap.nbytes, "record": full_name(snap.step),
             "kind": "full", "step": snap.step, "skeleton": snap.skeleton,
             "tensors": {s.key: s.to_json() for s in snap.layout.specs}, "meta": self.record_meta(snap),
+            **fields,
         })
         self.metrics.bytes += snap.nbytes
         if self.fault and self.fault.target == "kill" and self.fault.phase == "write" \

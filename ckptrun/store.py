@@ -170,18 +170,26 @@ class Store:
         except (OSError, ValueError, TypeError, CorruptCheckpoint) as e:
             raise CorruptCheckpoint(f"{name}: unreadable manifest ({e})") from None
 
+    def _scan(self) -> tuple[list[Manifest], dict[str, str]]:
+        """(readable manifests oldest first, {record: problem} of manifests that fail their checks)."""
+        good, bad = [], {}
+        for p in sorted(self.root.glob("*/" + MANIFEST)) if self.root.is_dir() else []:
+            try:
+                good.append(self.manifest(p.parent.name))
+            except CorruptCheckpoint as e:
+                bad[p.parent.name] = str(e)
+        return sorted(good, key=lambda m: (m.step, m.kind != "full")), bad
+
     def manifests(self, *, warn: bool = True) -> list[Manifest]:
         """Every committed record, oldest first; unreadable manifests are skipped loudly."""
-        out = []
-        if not self.root.is_dir():
-            return out
-        for p in sorted(self.root.glob("*/" + MANIFEST)):
-            try:
-                out.append(self.manifest(p.parent.name))
-            except CorruptCheckpoint as e:
-                if warn:
-                    warnings.warn(f"ckptrun: skipping {e}", stacklevel=2)
-        return sorted(out, key=lambda m: (m.step, m.kind != "full"))
+        good, bad = self._scan()
+        for problem in bad.values() if warn else []:
+            warnings.warn(f"ckptrun: skipping {problem}", stacklevel=2)
+        return good
+
+    def unreadable(self) -> dict[str, str]:
+        """{record: problem} of records whose manifest exists but fails its checks (never loaded)."""
+        return self._scan()[1]
 
     def read_index(self, name: str, rank: int, manifest: Manifest | None = None) -> dict:
         m = manifest or self.manifest(name)

@@ -4,6 +4,7 @@ Runs with plain `python` and under `ckptrun` unchanged (it asks `ckptrun.resume_
 to start). Deterministic: the batch of step i depends only on (--seed, i), dropout draws from
 the global RNG that ckptrun checkpoints. `--save-at N --save-path P` saves the script's own
 `torch.save({"model", "optimizer"})` after step N, the ground truth the tests compare against.
+`--timing-json` and `--ref-*` are `ckptrun bench`'s instrumentation (see bench_refs.py).
 """
 
 from __future__ import annotations
@@ -85,10 +86,17 @@ def parse() -> argparse.Namespace:
     p.add_argument("--save-at", type=int, default=0, help="torch.save model+optimizer after this step")
     p.add_argument("--save-path", default="")
     p.add_argument("--log-every", type=int, default=0)
+    p.add_argument("--timing-json", default="", help="write per-step wall time and checkpoint stall here")
+    p.add_argument("--ref-save", choices=["none", "torch", "dcp-thread", "dcp-process"], default="none",
+                   help="reference checkpointing done by the script itself (ckptrun bench)")
+    p.add_argument("--ref-every", type=int, default=1, help="steps between reference saves")
+    p.add_argument("--ref-dir", default="ref-ckpts", help="where reference saves go")
+    p.add_argument("--ref-resume", action="store_true", help="start from the newest reference save in --ref-dir")
     return p.parse_args()
 
 
 def main() -> None:
+    t_main = time.perf_counter()
     args = parse()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -98,7 +106,9 @@ def main() -> None:
     if world > 1:
         import torch.distributed as dist
 
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # DCP's async_save needs a CPU backend next to NCCL.
+        cuda_backend = "cpu:gloo,cuda:nccl" if args.ref_save.startswith("dcp") else "nccl"
+        dist.init_process_group(cuda_backend if device.type == "cuda" else "gloo")
     torch.manual_seed(args.seed)
     model = GPT(args.vocab, args.seq, args.layers, args.d_model, args.heads, args.dropout).to(device)
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
@@ -111,14 +121,24 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     start = ckptrun.resume_step() if ckptrun else 0
+    probe = None
+    if args.timing_json or args.ref_save != "none":
+        from bench_refs import Probe
+
+        probe = Probe(args, model, opt, sched, device, t_main)
+        start = probe.resume(start)
     t0 = time.perf_counter()
     for step in range(start, args.steps):
+        if probe:
+            probe.begin_step()
         x, y = (t.to(device) for t in batch(step, args, rank))
         net.train()
         loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if probe:
+            probe.before_update()
         opt.step()
         sched.step()
         done = step + 1
@@ -128,6 +148,10 @@ def main() -> None:
         if args.save_at == done and args.save_path:
             path = args.save_path.replace("{rank}", str(rank))
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+        if probe:
+            probe.end_step(done)
+    if probe:
+        probe.finish()
     if world > 1:
         torch.distributed.destroy_process_group()
 

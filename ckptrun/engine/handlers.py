@@ -20,6 +20,9 @@ class EngineHandler:
     def handle(self, msg: dict) -> None:
         raise RuntimeError(f"strategy has no engine-side handler for op {msg.get('op')!r}")
 
+    def flush(self) -> None:
+        """Hand everything held in memory to the writers (before a flush or a new worker)."""
+
 
 def engine_handler(strategy: str, engine: Any) -> EngineHandler:
     from ..strategies import REGISTRY

@@ -46,7 +46,7 @@ class Engine:
         self.log = EventLog(metrics_dir, local_rank)
         self.conn: Connection | None = None
         self._send_lock = threading.Lock()
-        self.slots: list[EngineSlot] = []
+        self.slots: dict[int, EngineSlot] = {}
         self.inflight: set[Future] = set()
         self._inflight_lock = threading.Lock()
         self.pool: ThreadPoolExecutor | None = None
@@ -90,6 +90,8 @@ class Engine:
             traceback.print_exception(fut.exception())
 
     def flush(self) -> None:
+        if self.handler is not None:
+            self.handler.flush()
         while True:
             with self._inflight_lock:
                 futs = list(self.inflight)
@@ -124,18 +126,28 @@ class Engine:
             self.pool = ThreadPoolExecutor(max(1, msg.get("writers", 2)), thread_name_prefix="writer")
         self.io_threads = max(1, msg.get("io_threads", 1))
         self.handler = engine_handler(msg["strategy"], self)
-        self.reply(msg, pid=os.getpid(), slots=[(str(s.path), s.nbytes) for s in self.slots],
+        newest = max((s.nbytes for s in self.slots.values()), default=0)
+        for i in [i for i, s in self.slots.items() if s.nbytes < newest]:
+            self.slots.pop(i).close()
+        self.reply(msg, pid=os.getpid(), slots=self._slot_list(sorted(self.slots)),
                    committed_step=self.committed_step)
 
     def op_alloc(self, msg: dict) -> None:
-        """(Re)allocate the staging slots; only called when none is in flight."""
-        self.flush()
-        for s in self.slots:
-            s.close()
-        gen = int(time.time() * 1000) % 10**9
-        self.slots = [EngineSlot(shm_root() / f"ckptrun-{self.tag}-{self.local_rank}-{gen}-{i}", msg["nbytes"])
-                      for i in range(msg["nslots"])]
-        self.reply(msg, slots=[(str(s.path), s.nbytes) for s in self.slots])
+        """Add a generation of staging slots; the worker retires the old ones as they free up."""
+        first = max(self.slots, default=-1) + 1
+        for i in range(first, first + msg["nslots"]):
+            path = shm_root() / f"ckptrun-{self.tag}-{self.local_rank}-{i}"
+            self.slots[i] = EngineSlot(path, msg["nbytes"])
+        self.reply(msg, slots=self._slot_list(range(first, first + msg["nslots"])))
+
+    def op_retire(self, msg: dict) -> None:
+        for i in msg["slots"]:
+            slot = self.slots.pop(i, None)
+            if slot is not None:
+                slot.close()
+
+    def _slot_list(self, indices) -> list[tuple[int, str, int]]:
+        return [(i, str(self.slots[i].path), self.slots[i].nbytes) for i in indices]
 
     def op_flush(self, msg: dict) -> None:
         self.flush()
@@ -248,7 +260,7 @@ class Engine:
         self.flush()
         if self.store is not None and self.rank == 0:
             self.commit_ready()
-        for s in self.slots:
+        for s in self.slots.values():
             s.close()
         if self.pool:
             self.pool.shutdown()

@@ -3,6 +3,7 @@
 A strategy decides *what* moves *when*; the runtime, engine, store and restore are shared.
 Trainer-side hook points (all optional):
 
+- `on_ready(step)`: the optimizer exists and state is restored (training starts at `step`).
 - `on_grad_ready(param)`: a parameter's gradient is final for this step (layer-wise capture);
   the runtime registers per-parameter hooks only for strategies with `wants_grad_hooks`.
 - `before_step(step)`: the optimizer is about to take step `step` (gradients are final, after
@@ -30,6 +31,11 @@ class Strategy:
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
+
+    def on_ready(self, step: int) -> None:
+        """The first optimizer exists and any checkpointed state is restored; `step` is where
+        training (re)starts."""
+        return None
 
     def on_grad_ready(self, param) -> None:
         return None

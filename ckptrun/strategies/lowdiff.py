@@ -1,0 +1,213 @@
+"""`lowdiff` (LowDiff): the gradient the optimizer consumed is the differential checkpoint.
+
+Every step, the pre-step hook (after the script's clipping, unscaling and all-reduce) copies the
+gradients and the hyper-parameters they are applied with into a staging slot, off the training
+thread while the update runs; the post-step hook adds the state replay cannot rebuild (module
+buffers, RNG), and the next pre-step seals it with schedulers/scaler/tracked state. The engine
+batches B such diffs into one record (concatenated, not summed: summing is not exact for Adam)
+and writes it in one I/O. A full checkpoint is taken every F steps through the shared snapshot
+path, and once when training (re)starts, so every chain starts from a true full checkpoint.
+Recovery = load the base, replay diffs through the same optimizer (`ckptrun.replay`).
+
+`--compress topk:R` sparsifies the gradient in training itself (top-k with error feedback) before
+the optimizer consumes it; the stored diff is the (indices, values) pair that was applied, so
+replay stays exact. (F, B) = `auto` follows eq. (10) of the paper (`ckptrun.lowdiff_model`) from
+measured costs and is re-tuned as they move.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from statistics import median
+from typing import Any
+
+import torch
+
+from .. import discovery
+from ..errors import CkptrunError, UsageError
+from ..lowdiff_model import LowDiffCosts, optimal_fb, retune
+from ..replay import densify, optimizer_params
+from ..runtime import Snapshot
+from ..store import full_name
+from .base import Strategy
+
+DEFAULT_F, DEFAULT_B = 50, 4
+RETUNE_EVERY = 25
+
+
+class TopK:
+    """Top-k sparsification with an error-feedback residual (the residual is training state)."""
+
+    def __init__(self, ratio: float) -> None:
+        if not 0 < ratio <= 1:
+            raise UsageError(f"--compress topk:RATIO needs 0 < RATIO <= 1 (got {ratio})")
+        self.ratio = ratio
+        self.residual: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def parse(cls, spec: str) -> TopK:
+        kind, _, ratio = spec.partition(":")
+        if kind != "topk" or not ratio:
+            raise UsageError(f"--compress {spec!r}: expected topk:RATIO, e.g. topk:0.01")
+        return cls(float(ratio))
+
+    def apply(self, params: list[torch.Tensor]) -> list[Any]:
+        """Replace each gradient by its sparse top-k (plus carried residual); return what was applied."""
+        applied: list[Any] = []
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                if p.grad is None:
+                    applied.append(None)
+                    continue
+                acc = p.grad.detach().flatten().clone()
+                if i in self.residual:
+                    acc += self.residual[i]
+                k = max(1, math.ceil(self.ratio * acc.numel()))
+                idx = acc.abs().topk(k, sorted=False).indices
+                val = acc[idx]
+                acc[idx] = 0
+                self.residual[i] = acc
+                idx = idx.to(torch.int32) if acc.numel() < 2**31 else idx
+                p.grad = densify(idx, val, p.grad)
+                applied.append({"idx": idx, "val": val})
+        return applied
+
+    def state_dict(self) -> dict:
+        return {"ratio": self.ratio, "residual": dict(self.residual)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.residual = {int(k): v for k, v in state["residual"].items()}
+
+
+class LowDiff(Strategy):
+    name = "lowdiff"
+
+    def __init__(self, rt) -> None:
+        super().__init__(rt)
+        opts = rt.cfg.options
+        self.auto_f = opts.get("full_every", "auto") == "auto"
+        self.auto_b = opts.get("batch", "auto") == "auto"
+        self.full_every = DEFAULT_F if self.auto_f else int(opts["full_every"])
+        self.batch = DEFAULT_B if self.auto_b else int(opts["batch"])
+        if self.full_every < 1 or self.batch < 1:
+            raise UsageError("--full-every and --batch must be at least 1 (or auto)")
+        self.mtbf = float(opts.get("mtbf", 3600.0))
+        self.compress = TopK.parse(opts["compress"]) if opts.get("compress") else None
+        self.base: str | None = None
+        self.pending_full: Snapshot | None = None
+        self.pending_diff: Snapshot | None = None
+        self.diff_base: str | None = None
+        self._buffer_keys: dict[str, list[str]] | None = None
+        self._opt_t0 = 0.0
+        self.costs: dict[str, list[float]] = {"step": [], "opt": [], "full_bytes": [], "diff_bytes": [],
+                                              "bw": []}
+        self._last_post = None
+        if self.compress:
+            rt.track("ckptrun.lowdiff.topk", self.compress)
+
+    def settings(self) -> dict:
+        return {"full_every": self.full_every, "batch": self.batch, "auto": self.auto_f or self.auto_b,
+                "compress": self.rt.cfg.options.get("compress") or "none"}
+
+    # ---- hooks -------------------------------------------------------------------------
+    def on_ready(self, step: int) -> None:
+        if len(self.rt.optimizers) > 1:
+            raise CkptrunError("lowdiff replays one optimizer; this script created several")
+        self._take_full(step)
+
+    def before_step(self, step: int) -> None:
+        rt = self.rt
+        self._hand_over()
+        opt = rt.primary
+        params = optimizer_params(opt)
+        grads = self.compress.apply(params) if self.compress else [p.grad for p in params]
+        diff = {"grads": grads, "groups": [{k: v for k, v in g.items() if k != "params"}
+                                           for g in opt.param_groups]}
+        need = rt.state_bytes(diff) + rt.state_bytes(self._post_state()) + rt.state_bytes(rt.late_state())
+        self.pending_diff = rt.begin(step, need, prefix=f"s{step}")
+        self.diff_base = self.base
+        rt.add(self.pending_diff, diff, background=True)
+        self._opt_t0 = time.perf_counter()
+
+    def after_step(self, step: int) -> None:
+        rt = self.rt
+        now = time.perf_counter()
+        self.costs["opt"].append(now - self._opt_t0)
+        if self._last_post is not None:
+            self.costs["step"].append(now - self._last_post)
+        self._last_post = now
+        rt.wait_copy(self.pending_diff)  # the next backward may overwrite these gradients
+        rt.add(self.pending_diff, self._post_state())
+        if step % self.full_every == 0:
+            self._take_full(step)
+        if (self.auto_f or self.auto_b) and step % RETUNE_EVERY == 0:
+            self._retune()
+
+    def on_event(self, msg: dict) -> None:
+        if msg["op"] == "durable" and msg.get("write_s"):
+            self.costs["bw"].append(msg["bytes"] / max(msg["write_s"], 1e-9))
+
+    def finish(self) -> None:
+        self._hand_over()
+
+    # ---- pieces ------------------------------------------------------------------------
+    def _take_full(self, step: int) -> None:
+        self.pending_full = self.rt.capture(step, background=True)
+        self.base = full_name(step)
+
+    def _post_state(self) -> dict:
+        """What replay cannot rebuild: module buffers (changed by forward) and RNG."""
+        rt = self.rt
+        if self._buffer_keys is None:
+            self._buffer_keys = {n: [k for k in m.state_dict() if k not in dict(m.named_parameters(
+                remove_duplicate=False))] for n, m in rt.models.items()}
+        return {"buffers": {n: {k: v for k, v in rt.models[n].state_dict().items() if k in keys}
+                            for n, keys in self._buffer_keys.items()},
+                "rng": discovery.rng_state()}
+
+    def _hand_over(self) -> None:
+        rt = self.rt
+        if self.pending_full is not None:
+            snap, self.pending_full = self.pending_full, None
+            rt.seal(snap)
+            self.costs["full_bytes"].append(snap.nbytes)
+            rt.submit(snap)
+        if self.pending_diff is not None:
+            snap, self.pending_diff = self.pending_diff, None
+            rt.seal(snap)
+            self.costs["diff_bytes"].append(snap.nbytes)
+            rt.submit(snap, op="diff", base=self.diff_base, batch=self.batch)
+
+    def _retune(self) -> None:
+        c = self.costs
+        if not (c["step"] and c["full_bytes"] and c["bw"] and c["opt"]):
+            return
+        bw = median(c["bw"][-10:])
+        costs = LowDiffCosts(step_time=median(c["step"][-50:]), full_ckpt_bytes=c["full_bytes"][-1],
+                             diff_bytes=median(c["diff_bytes"][-10:]), write_bandwidth=bw,
+                             full_load_time=c["full_bytes"][-1] / bw, diff_replay_time=median(c["opt"][-50:]),
+                             mtbf=self.mtbf)
+        prev = (self.full_every, self.batch)
+        if prev == (DEFAULT_F, DEFAULT_B) and self._first_tune(costs):
+            return
+        (f, b), reason = retune(prev, costs)
+        if reason:
+            self._set(f, b, reason)
+
+    def _first_tune(self, costs: LowDiffCosts) -> bool:
+        f, b = optimal_fb(costs)
+        if (f, b) == (self.full_every, self.batch):
+            return False
+        self._set(f, b, f"LowDiff auto: full checkpoint every {f} steps, batch {b} diffs from measured costs "
+                        f"(eq. 10: S={costs.full_ckpt_bytes / 1e6:.1f} MB, W={costs.write_bandwidth / 1e6:.0f} MB/s, "
+                        f"R_D={costs.diff_replay_time * 1e3:.1f} ms, MTBF={costs.mtbf:.0f} s)")
+        return True
+
+    def _set(self, f: int, b: int, reason: str) -> None:
+        self.full_every = f if self.auto_f else self.full_every
+        self.batch = b if self.auto_b else self.batch
+        print(f"ckptrun: {reason}", file=sys.stderr, flush=True)
+        self.rt.metrics.emit(type="interval", strategy=self.name, full_every=self.full_every, batch=self.batch,
+                             reason=reason)
