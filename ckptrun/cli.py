@@ -224,8 +224,8 @@ def tune(
     script_args: ScriptArgs = None,
     strategies: Annotated[str, typer.Option(help="Comma-separated strategies to profile (default: every "
                                                  "registered one).")] = "",
-    profile_steps: Annotated[int, typer.Option(min=2, help="Steps measured per profiling run (after 3 "
-                                                           "warm-up steps).")] = 20,
+    profile_steps: Annotated[int, typer.Option(min=2, help="Steps measured per profiling run (after a "
+                                                           "few warm-up steps).")] = 20,
     mtbf: Mtbf = "",
     failure_log: Annotated[Path | None, typer.Option(help="Estimate the MTBF from this file of past failure "
                                                           "times, one ISO-8601 timestamp per line.")] = None,

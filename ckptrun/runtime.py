@@ -134,6 +134,7 @@ class Runtime:
         self.schedulers: list[Any] = []
         self.scalers: list[Any] = []
         self.tracked: dict[str, Any] = {}
+        self._generators: dict[str, torch.Tensor] = {}  # tracked Generators as of the last step
         self.resume: ResumeState | None = None
         self.recovery_started: float | None = None  # set on resume: time to the first resumed step
         self.replaying = False  # optimizer steps taken by replay are not training steps
@@ -219,6 +220,7 @@ class Runtime:
             return
         self.metrics.optim_s = time.perf_counter() - self._optim_t0
         self.step += 1
+        self._generators = {n: o.get_state() for n, o in self.tracked.items() if isinstance(o, torch.Generator)}
         self.strategy.after_step(self.step)
         if self.recovery_started is not None:
             self.metrics.emit(type="restart", restart_count=self.restart_count,
@@ -351,14 +353,15 @@ class Runtime:
 
     def late_state(self) -> dict:
         """State the script updates after optimizer.step(): schedulers (and the lr they set in
-        the optimizer's param_groups), scalers, tracked objects."""
+        the optimizer's param_groups), scalers, tracked objects. A tracked Generator is an RNG
+        state: it is taken as it was right after the step, before the next batch drew from it."""
         return {
             "param_groups": {_indexed("optimizer", i): o.state_dict()["param_groups"]
                              for i, o in enumerate(self.optimizers)},
             "schedulers": [s.state_dict() for s in self.schedulers],
             "scalers": [s.state_dict() for s in self.scalers],
-            "extra": {n: (o.get_state() if isinstance(o, torch.Generator) else o.state_dict())
-                      for n, o in self.tracked.items()},
+            "extra": {n: (self._generators.get(n, o.get_state()) if isinstance(o, torch.Generator)
+                          else o.state_dict()) for n, o in self.tracked.items()},
         }
 
     def _ensure_slots(self, need: int) -> None:
@@ -386,8 +389,8 @@ class Runtime:
         t0 = time.perf_counter()
         skeleton, tensors = flatten(state, snap.prefix)
         layout = Layout.of(tensors, start=snap.layout.nbytes)
-        if layout.nbytes > self.slots.nbytes:
-            raise CkptrunError("checkpoint state grew past the staging slot; please report this")
+        if layout.nbytes > self.slots.buffers[snap.slot].numel():
+            self._move_to_larger_slot(snap, layout.nbytes)
         buf = self.slots.buffers[snap.slot]
         now = {k: t for k, t in tensors.items() if not background or t.data_ptr() in self._volatile}
         self._copy(buf, layout, now)
@@ -401,6 +404,18 @@ class Runtime:
         snap.layout = snap.layout + layout
         snap.nbytes = snap.layout.nbytes
         self.stall("snapshot", t0)
+
+    def _move_to_larger_slot(self, snap: Snapshot, need: int) -> None:
+        """The state outgrew its slot mid-snapshot: carry what is written into a bigger one."""
+        self._ensure_slots(need)
+        t0 = time.perf_counter()
+        slot = self.slots.acquire(self.lost)
+        self.stall("backpressure", t0)
+        old = snap.slot
+        self.slots.buffers[slot][: snap.layout.nbytes].copy_(self.slots.buffers[old][: snap.layout.nbytes])
+        snap.slot = slot
+        if not self.slots.release(old):
+            self.client.send({"op": "retire", "slots": [old]})
 
     def state_bytes(self, state: dict) -> int:
         return Layout.of(flatten(state)[1]).nbytes

@@ -56,6 +56,7 @@ class Engine:
         self.keep = 2
         self.fault: Fault | None = None
         self.handler = None
+        self.strategy: str | None = None
         self.pending: dict[str, dict] = {}
         self._pending_lock = threading.Lock()
         self.committed_step: int | None = None
@@ -125,7 +126,8 @@ class Engine:
         if self.pool is None:
             self.pool = ThreadPoolExecutor(max(1, msg.get("writers", 2)), thread_name_prefix="writer")
         self.io_threads = max(1, msg.get("io_threads", 1))
-        self.handler = engine_handler(msg["strategy"], self)
+        if self.strategy != msg["strategy"]:  # a restarted worker keeps what the handler holds
+            self.strategy, self.handler = msg["strategy"], engine_handler(msg["strategy"], self)
         newest = max((s.nbytes for s in self.slots.values()), default=0)
         for i in [i for i, s in self.slots.items() if s.nbytes < newest]:
             self.slots.pop(i).close()

@@ -27,10 +27,12 @@ import torch
 
 from .. import discovery
 from ..errors import CkptrunError, UsageError
+from ..layout import TensorSpec, view
 from ..lowdiff_model import LowDiffCosts, optimal_fb, retune
 from ..replay import densify, optimizer_params
 from ..runtime import Snapshot
 from ..store import full_name
+from ..tree import unflatten
 from .base import Strategy
 
 DEFAULT_F, DEFAULT_B = 50, 4
@@ -104,8 +106,6 @@ class LowDiff(Strategy):
         self.costs: dict[str, list[float]] = {"step": [], "opt": [], "full_bytes": [], "diff_bytes": [],
                                               "bw": []}
         self._last_post = None
-        if self.compress:
-            rt.track("ckptrun.lowdiff.topk", self.compress)
 
     def settings(self) -> dict:
         return {"full_every": self.full_every, "batch": self.batch, "auto": self.auto_f or self.auto_b,
@@ -115,7 +115,25 @@ class LowDiff(Strategy):
     def on_ready(self, step: int) -> None:
         if len(self.rt.optimizers) > 1:
             raise CkptrunError("lowdiff replays one optimizer; this script created several")
+        if self.compress and self.rt.resume is not None:
+            self._restore_residual(self.rt.resume)
         self._take_full(step)
+
+    def _restore_residual(self, resume) -> None:
+        """The error-feedback residual at the resume step: in the base full checkpoint if we
+        resume exactly there, else in the engine's memory (never written with the diffs)."""
+        if "lowdiff" in resume.state and resume.step == int(resume.record.split("-")[-1]):
+            self.compress.load_state_dict(resume.state["lowdiff"])
+            return
+        reply = self.rt.client.request({"op": "lowdiff_residual", "step": resume.step})
+        if reply.get("found"):
+            buf = torch.frombuffer(bytearray(reply["data"]), dtype=torch.uint8)
+            tensors = {k: view(buf, TensorSpec.from_json(k, spec)) for k, spec in reply["tensors"].items()}
+            self.compress.load_state_dict(unflatten(reply["skeleton"], tensors))
+            return
+        print(f"ckptrun: warning: resumed step {resume.step} without the top-k error-feedback residual (the "
+              "engine that held it is gone); model and optimizer state are exact, the residual restarts at zero",
+              file=sys.stderr, flush=True)
 
     def before_step(self, step: int) -> None:
         rt = self.rt
@@ -126,6 +144,8 @@ class LowDiff(Strategy):
         diff = {"grads": grads, "groups": [{k: v for k, v in g.items() if k != "params"}
                                            for g in opt.param_groups]}
         need = rt.state_bytes(diff) + rt.state_bytes(self._post_state()) + rt.state_bytes(rt.late_state())
+        if self.compress:
+            need += rt.state_bytes(self.compress.state_dict())
         self.pending_diff = rt.begin(step, need, prefix=f"s{step}")
         self.diff_base = self.base
         rt.add(self.pending_diff, diff, background=True)
@@ -155,6 +175,8 @@ class LowDiff(Strategy):
     # ---- pieces ------------------------------------------------------------------------
     def _take_full(self, step: int) -> None:
         self.pending_full = self.rt.capture(step, background=True)
+        if self.compress:
+            self.rt.add(self.pending_full, {"lowdiff": self.compress.state_dict()})
         self.base = full_name(step)
 
     def _post_state(self) -> dict:
@@ -177,8 +199,12 @@ class LowDiff(Strategy):
         if self.pending_diff is not None:
             snap, self.pending_diff = self.pending_diff, None
             rt.seal(snap)
-            self.costs["diff_bytes"].append(snap.nbytes)
-            rt.submit(snap, op="diff", base=self.diff_base, batch=self.batch)
+            disk = snap.nbytes
+            self.costs["diff_bytes"].append(disk)
+            if self.compress:  # the tail of the slot: kept in the engine's memory, not written
+                rt.add(snap, {"volatile": self.compress.state_dict()})
+                rt.wait_copy(snap)
+            rt.submit(snap, op="diff", base=self.diff_base, batch=self.batch, disk_nbytes=disk)
 
     def _retune(self) -> None:
         c = self.costs

@@ -19,11 +19,25 @@ class LowDiffHandler(EngineHandler):
         super().__init__(engine)
         self.batch: list[tuple[dict, bytes]] = []
         self.chain: dict[str, str] = {}  # base record -> newest diff record based on it
+        self.volatile: dict | None = None  # newest step's memory-only state (top-k residual)
 
     def handle(self, msg: dict) -> None:
+        if msg["op"] == "lowdiff_residual":
+            held = self.volatile if self.volatile and self.volatile["step"] == msg["step"] else None
+            self.engine.reply(msg, found=held is not None, **(held or {}))
+            return
         if msg["op"] != "diff":
             super().handle(msg)
-        data = bytes(self.engine.slots[msg["slot"]].view[: msg["nbytes"]])
+        view = self.engine.slots[msg["slot"]].view
+        disk = msg.get("disk_nbytes", msg["nbytes"])
+        data = bytes(view[:disk])
+        if disk < msg["nbytes"]:
+            skeleton = msg["skeleton"].pop("volatile")
+            tensors = {k: {**spec, "offset": spec["offset"] - disk} for k, spec in msg["tensors"].items()
+                       if spec["offset"] >= disk}
+            msg["tensors"] = {k: spec for k, spec in msg["tensors"].items() if spec["offset"] < disk}
+            self.volatile = {"step": msg["step"], "skeleton": skeleton, "tensors": tensors,
+                             "data": bytes(view[disk : msg["nbytes"]])}
         self.engine.send({"op": "slot_free", "slot": msg["slot"]})
         if self.batch and self.batch[-1][0]["base"] != msg["base"]:
             self.flush()
