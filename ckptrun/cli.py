@@ -78,6 +78,11 @@ def run(
     io_threads: Annotated[int, typer.Option(help="Threads writing chunks of one checkpoint file.")] = 1,
     metrics_dir: Annotated[str, typer.Option(help="Keep the raw per-rank metrics (JSONL) in this folder.")]
     = "",
+    metrics_file: Annotated[str | None, typer.Option(help="Append every metrics event (one JSON object per "
+                                                          "line, per step per rank, per commit, per restart) "
+                                                          "to this file as it happens.")] = None,
+    dashboard: Annotated[bool, typer.Option(help="Live panel on a terminal, a log line every few seconds "
+                                                 "otherwise; an exit summary either way.")] = True,
     full_every: Annotated[str, typer.Option(help="lowdiff: steps between full checkpoints, or auto (eq. 10).")]
     = "auto",
     batch: Annotated[str, typer.Option(help="lowdiff: diffs written per record, or auto (eq. 10).")] = "auto",
@@ -114,7 +119,8 @@ def run(
                              **({"mtbf": mtbf_s} if mtbf_s else {})})
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id,
                          master_addr, master_port, max_restarts, standalone)
-    raise typer.Exit(launch(cfg, opts, script, list(script_args or [])))
+    raise typer.Exit(launch(cfg, opts, script, list(script_args or []), dashboard=dashboard,
+                            metrics_file=metrics_file))
 
 
 @app.command()

@@ -126,11 +126,19 @@ def preflight(cfg: RunConfig, script: str) -> None:
                          "pass another --dir or remove the old checkpoints")
 
 
-def run(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str]) -> int:
-    """Launch and supervise a training run; returns the exit code."""
+def run(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str], *,
+        dashboard: bool = True, metrics_file: str | None = None) -> int:
+    """Launch and supervise a training run; returns the exit code.
+
+    `dashboard`: a live panel on a terminal, a log line every few seconds otherwise."""
     preflight(cfg, script)
     import torch.distributed.run as torchrun
+    from rich.console import Console
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from .dashboard import Dashboard
+    from .hostmetrics import HostSampler
+    from .worker_logs import WorkerLogTailer
 
     nlocal = torchrun.determine_local_world_size(opts.nproc_per_node)
     tag = uuid.uuid4().hex[:12]
@@ -139,12 +147,23 @@ def run(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str]
     cfg.engine_dir, cfg.authkey = engine_dir, os.urandom(16).hex()
     cfg.metrics_dir = cfg.metrics_dir or os.path.join(engine_dir, "metrics")
     os.environ[ENV] = cfg.to_env()
+    console = Console()
+    live = dashboard and console.is_terminal
+    argv = opts.torchrun_argv()
+    logs = None
+    if live:  # workers write to files that are echoed above the panel
+        argv += ["--redirects", "3", "--log-dir", os.path.join(engine_dir, "logs")]
+        logs = WorkerLogTailer(os.path.join(engine_dir, "logs"), console)
+        logs.start()
+    dash = Dashboard(cfg.metrics_dir, metrics_file, live=live, console=console,
+                     sampler=HostSampler()) if dashboard or metrics_file else None
+    if dash is not None:
+        dash.start()
     engines = EngineSupervisor(cfg, nlocal, tag)
     engines.start()
     try:
         # torchrun's own entry: it picks a free local port on one node, as `torchrun` does.
-        torchrun.run(torchrun.parse_args([*opts.torchrun_argv(), "-m", "ckptrun.bootstrap", script,
-                                          *script_args]))
+        torchrun.run(torchrun.parse_args([*argv, "-m", "ckptrun.bootstrap", script, *script_args]))
         return 0
     except ChildFailedError as e:
         errors = sorted(Path(engine_dir).glob("error-*.txt"))
@@ -157,4 +176,8 @@ def run(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str]
                            "to recover from more failures") from None
     finally:
         engines.shutdown()
+        if logs is not None:
+            logs.stop()
+        if dash is not None:
+            dash.stop()
         shutil.rmtree(engine_dir, ignore_errors=True)
