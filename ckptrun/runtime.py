@@ -170,9 +170,10 @@ class Runtime:
         if op == "slot_free":
             if not self.slots.release(msg["slot"]):
                 self.client.send({"op": "retire", "slots": [msg["slot"]]})
-        elif op == "durable":
-            self.metrics.last_durable_step = max(self.metrics.last_durable_step or 0, msg["step"])
+        elif op == "durable":  # this rank's bytes are on disk; the step counts once committed
             self.durable.setdefault(msg["step"], threading.Event()).set()
+        elif op == "committed":
+            self.metrics.last_durable_step = max(self.metrics.last_durable_step or 0, msg["step"])
             if self.autotune is not None and msg.get("write_s"):
                 self.autotune.observe_write(msg["write_s"])
         elif op == "save_error":

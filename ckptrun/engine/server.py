@@ -208,9 +208,9 @@ class Engine:
                       queue_depth=len(self.inflight))
         self.send({"op": "durable", "step": msg["step"], "record": msg["record"], "bytes": n,
                    "write_s": write_s})
+        with self._pending_lock:
+            self.pending[msg["record"]] = msg
         if self.rank == 0:
-            with self._pending_lock:
-                self.pending[msg["record"]] = msg
             self.commit_ready()
         return n
 
@@ -249,12 +249,22 @@ class Engine:
             if todo and self.keep >= 0:
                 self.store.prune(self.keep)
 
+    def watch_commits(self) -> None:
+        """Other ranks: tell the worker when rank 0 has committed a record we wrote."""
+        with self._pending_lock:
+            done = [m for name, m in self.pending.items() if (self.store.root / name / "MANIFEST.json").exists()]
+            gone = [name for name in self.pending if not (self.store.root / name).exists()]  # pruned already
+            for name in [m["record"] for m in done] + gone:
+                del self.pending[name]
+        for m in sorted(done, key=lambda m: m["step"]):
+            self.send({"op": "committed", "step": m["step"], "record": m["record"]})
+
     def commit_loop(self) -> None:
-        """Retry pending commits that wait on other ranks' files."""
+        """Retry pending commits that wait on other ranks' files (rank 0), or watch for them."""
         while not self.stopping.wait(0.05):
             if self.pending and self.store is not None:
                 try:
-                    self.commit_ready()
+                    self.commit_ready() if self.rank == 0 else self.watch_commits()
                 except OSError as e:
                     self.log.emit(type="save_error", rank=self.rank, step=-1, error=f"commit: {e}")
 
