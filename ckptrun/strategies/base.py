@@ -4,6 +4,7 @@ A strategy decides *what* moves *when*; the runtime, engine, store and restore a
 Trainer-side hook points (all optional):
 
 - `on_ready(step)`: the optimizer exists and state is restored (training starts at `step`).
+- `on_ddp(ddp)`: a DistributedDataParallel wrapper was created (communication hooks).
 - `on_grad_ready(param)`: a parameter's gradient is final for this step (layer-wise capture);
   the runtime registers per-parameter hooks only for strategies with `wants_grad_hooks`.
 - `before_step(step)`: the optimizer is about to take step `step` (gradients are final, after
@@ -38,6 +39,10 @@ class Strategy:
         return None
 
     def on_grad_ready(self, param) -> None:
+        return None
+
+    def on_ddp(self, ddp) -> None:
+        """The script wrapped its model in DistributedDataParallel (e.g. to add a comm hook)."""
         return None
 
     def before_step(self, step: int) -> None:

@@ -55,6 +55,18 @@ class TopK:
             raise UsageError(f"--compress {spec!r}: expected topk:RATIO, e.g. topk:0.01")
         return cls(float(ratio))
 
+    def sparsify(self, key: int, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k of (grad + carried residual) as flat (indices, values); the rest is carried."""
+        acc = grad.detach().flatten().clone()
+        if key in self.residual:
+            acc += self.residual[key]
+        k = max(1, math.ceil(self.ratio * acc.numel()))
+        idx = acc.abs().topk(k, sorted=False).indices
+        val = acc[idx]
+        acc[idx] = 0
+        self.residual[key] = acc
+        return idx, val
+
     def apply(self, params: list[torch.Tensor]) -> list[Any]:
         """Replace each gradient by its sparse top-k (plus carried residual); return what was applied."""
         applied: list[Any] = []
@@ -63,24 +75,57 @@ class TopK:
                 if p.grad is None:
                     applied.append(None)
                     continue
-                acc = p.grad.detach().flatten().clone()
-                if i in self.residual:
-                    acc += self.residual[i]
-                k = max(1, math.ceil(self.ratio * acc.numel()))
-                idx = acc.abs().topk(k, sorted=False).indices
-                val = acc[idx]
-                acc[idx] = 0
-                self.residual[i] = acc
-                idx = idx.to(torch.int32) if acc.numel() < 2**31 else idx
+                idx, val = self.sparsify(i, p.grad)
+                idx = idx.to(torch.int32) if idx.numel() and p.numel() < 2**31 else idx
                 p.grad = densify(idx, val, p.grad)
                 applied.append({"idx": idx, "val": val})
         return applied
+
+    def ddp_hook(self, keys: dict[int, int]):
+        """A DDP communication hook: each rank sends only its top-k (indices, values) per
+        parameter (all-gather), and every rank sums them in rank order, so all ranks apply
+        bit-identical gradients. `keys` maps id(param) to its residual key."""
+        import torch.distributed as dist
+
+        def hook(_state, bucket):  # unannotated: DDP rejects annotations other than its own types
+            buf = bucket.buffer()
+            idx_parts, val_parts, offset = [], [], 0
+            with torch.no_grad():
+                for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
+                    idx, val = self.sparsify(keys[id(p)], g)
+                    idx_parts.append(idx + offset)
+                    val_parts.append(val)
+                    offset += g.numel()
+                idx, val = torch.cat(idx_parts), torch.cat(val_parts)
+                world = dist.get_world_size()
+                all_idx = [torch.empty_like(idx) for _ in range(world)]
+                all_val = [torch.empty_like(val) for _ in range(world)]
+                dist.all_gather(all_idx, idx)
+                dist.all_gather(all_val, val)
+                out = torch.zeros_like(buf)
+                for i, v in zip(all_idx, all_val, strict=True):
+                    out.index_add_(0, i, v)
+                out.div_(world)
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(out)
+            return fut
+
+        return hook
 
     def state_dict(self) -> dict:
         return {"ratio": self.ratio, "residual": dict(self.residual)}
 
     def load_state_dict(self, state: dict) -> None:
         self.residual = {int(k): v for k, v in state["residual"].items()}
+
+
+def _as_sparse(grad: torch.Tensor | None) -> Any:
+    """A gradient that is mostly zeros as (indices, values): exact, -0.0 included."""
+    if grad is None:
+        return None
+    flat = grad.flatten()
+    idx = torch.nonzero(flat.ne(0) | torch.signbit(flat)).flatten()
+    return {"idx": idx.to(torch.int32) if flat.numel() < 2**31 else idx, "val": flat[idx]}
 
 
 class LowDiff(Strategy):
@@ -106,6 +151,8 @@ class LowDiff(Strategy):
         self.costs: dict[str, list[float]] = {"step": [], "opt": [], "full_bytes": [], "diff_bytes": [],
                                               "bw": []}
         self._last_post = None
+        self.ddp_compressed = False
+        self._residual: dict = {}  # the top-k residual as it was right after the pending diff's step
 
     def settings(self) -> dict:
         return {"full_every": self.full_every, "batch": self.batch, "auto": self.auto_f or self.auto_b,
@@ -140,7 +187,12 @@ class LowDiff(Strategy):
         self._hand_over()
         opt = rt.primary
         params = optimizer_params(opt)
-        grads = self.compress.apply(params) if self.compress else [p.grad for p in params]
+        if self.compress and self.ddp_compressed:
+            grads = [_as_sparse(p.grad) for p in params]
+        elif self.compress:
+            grads = self.compress.apply(params)
+        else:
+            grads = [p.grad for p in params]
         diff = {"grads": grads, "groups": [{k: v for k, v in g.items() if k != "params"}
                                            for g in opt.param_groups]}
         need = rt.state_bytes(diff) + rt.state_bytes(self._post_state()) + rt.state_bytes(rt.late_state())
@@ -160,6 +212,8 @@ class LowDiff(Strategy):
         self._last_post = now
         rt.wait_copy(self.pending_diff)  # the next backward may overwrite these gradients
         rt.add(self.pending_diff, self._post_state())
+        if self.compress:  # residual tensors are replaced, never modified: references suffice
+            self._residual = self.compress.state_dict()
         if step % self.full_every == 0:
             self._take_full(step)
         if (self.auto_f or self.auto_b) and step % RETUNE_EVERY == 0:
@@ -171,6 +225,13 @@ class LowDiff(Strategy):
 
     def finish(self) -> None:
         self._hand_over()
+
+    def on_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """With --compress, compression runs as DDP's communication hook (it cuts traffic too)."""
+        if self.compress:
+            keys = {id(p): i for i, p in enumerate(ddp.module.parameters())}
+            ddp.register_comm_hook(None, self.compress.ddp_hook(keys))
+            self.ddp_compressed = True
 
     # ---- pieces ------------------------------------------------------------------------
     def _take_full(self, step: int) -> None:
@@ -202,7 +263,7 @@ class LowDiff(Strategy):
             disk = snap.nbytes
             self.costs["diff_bytes"].append(disk)
             if self.compress:  # the tail of the slot: kept in the engine's memory, not written
-                rt.add(snap, {"volatile": self.compress.state_dict()})
+                rt.add(snap, {"volatile": self._residual})
                 rt.wait_copy(snap)
             rt.submit(snap, op="diff", base=self.diff_base, batch=self.batch, disk_nbytes=disk)
 
