@@ -172,10 +172,10 @@ class Runtime:
                 self.client.send({"op": "retire", "slots": [msg["slot"]]})
         elif op == "durable":  # this rank's bytes are on disk; the step counts once committed
             self.durable.setdefault(msg["step"], threading.Event()).set()
-        elif op == "committed":
-            self.metrics.last_durable_step = max(self.metrics.last_durable_step or 0, msg["step"])
             if self.autotune is not None and msg.get("write_s"):
                 self.autotune.observe_write(msg["write_s"])
+        elif op == "committed":
+            self.metrics.last_durable_step = max(self.metrics.last_durable_step or 0, msg["step"])
         elif op == "save_error":
             self.save_errors.append(f"step {msg['step']}: {msg['error']}")
             print(f"ckptrun: rank {self.rank}: checkpoint of step {msg['step']} failed: {msg['error']}; "

@@ -119,6 +119,8 @@ class Store:
         `tensors` maps key -> {dtype, shape, offset, nbytes}; `data` holds them at those offsets.
         """
         rdir = self.root / name
+        if (rdir / MANIFEST).exists():
+            raise FileExistsError(f"{name} is committed; committed records are immutable")
         rdir.mkdir(parents=True, exist_ok=True)
         data_file, index_file = rank_files(rank)
         sums = {k: {**spec, "xxh3": checksum(data[spec["offset"] : spec["offset"] + spec["nbytes"]])}

@@ -162,9 +162,13 @@ class LowDiff(Strategy):
     def on_ready(self, step: int) -> None:
         if len(self.rt.optimizers) > 1:
             raise CkptrunError("lowdiff replays one optimizer; this script created several")
-        if self.compress and self.rt.resume is not None:
-            self._restore_residual(self.rt.resume)
-        self._take_full(step)
+        resume = self.rt.resume
+        if self.compress and resume is not None:
+            self._restore_residual(resume)
+        if resume is not None and resume.diffs is None:
+            self.base = resume.record  # resumed exactly at a committed full checkpoint: chain on it
+        else:
+            self._take_full(step)
 
     def _restore_residual(self, resume) -> None:
         """The error-feedback residual at the resume step: in the base full checkpoint if we
