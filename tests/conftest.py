@@ -1,0 +1,216 @@
+"""Shared helpers for the foundation tests: ckptrun and scripts as subprocesses with a timeout,
+bit-for-bit comparison of nested states, and ground-truth runs shared across test modules.
+
+The ground truth of "the state after step N" is always a script's own `torch.save` after step
+N in an uninterrupted run; what ckptrun restores or resumes must equal it bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ckptrun.layout import Layout, TensorSpec, view
+from ckptrun.store import MANIFEST, Store, full_name, rank_files
+from ckptrun.tree import flatten, unflatten
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "train_gpt.py"
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+STRATEGIES = ["sync", "checkfreq"]
+STEPS = 12
+# The tiny example run every test shares: one thread so that results never depend on load.
+TINY = ["--layers", "1", "--d-model", "32", "--steps", str(STEPS), "--threads", "1"]
+TIMEOUT_S = 240
+
+
+def clean_env(fault: str | None) -> dict[str, str]:
+    """The test process's environment without ckptrun's own variables, plus a fault if asked."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTRUN_")}
+    if fault:
+        env["CKPTRUN_FAULT"] = fault
+    return env
+
+
+def run_cmd(argv: list[Any], cwd: Path, *, fault: str | None = None,
+            timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run([str(a) for a in argv], cwd=cwd, env=clean_env(fault), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def ckptrun(cwd: Path, *args: Any, fault: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m ckptrun ARGS` in `cwd`; the caller checks the outcome."""
+    return run_cmd([sys.executable, "-m", "ckptrun", *args], cwd, fault=fault)
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def python(cwd: Path, script: Path, *args: Any) -> subprocess.CompletedProcess:
+    """Run a script with plain python (no ckptrun): the uninterrupted ground truth."""
+    return ok(run_cmd([sys.executable, script, *args], cwd))
+
+
+def error_line(proc: subprocess.CompletedProcess) -> str:
+    """The CLI's one-line error: a failing exit, no traceback, the last stderr line says it all."""
+    assert proc.returncode != 0, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("ckptrun: error: "), proc.stderr
+    return lines[-1]
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, weights_only=True)
+
+
+def restore(cwd: Path, ckpt_dir: Path, step: int | str, rank: int = 0) -> tuple[dict, str]:
+    """`ckptrun restore` of one step into a file; returns (the loaded state, stderr)."""
+    out = cwd / f"restored-{step}-{rank}.pt"
+    proc = ok(ckptrun(cwd, "restore", "--dir", ckpt_dir, "--step", step, "--rank", rank, "--out", out))
+    return load(out), proc.stderr
+
+
+def assert_same(a: Any, b: Any, path: str = "state") -> None:
+    """Equal structure (dict key order included), equal types (any dict counts as a dict: an
+    OrderedDict state_dict comes back as a plain one), equal scalars, bit-identical tensors."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), \
+            f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        assert torch.equal(_bits(a), _bits(b)), f"{path}: tensor values differ"
+    elif isinstance(a, np.ndarray):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{path}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
+        assert a.tobytes() == b.tobytes(), f"{path}: array values differ"
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), f"{path}: nan != {b}"
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor, so that -0.0 != 0.0 and nan == nan (bit for bit)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def pack(state: Any) -> tuple[Any, bytes, dict[str, dict]]:
+    """(skeleton, data, specs): a nested state laid out as ckptrun writes it (raw aligned bytes)."""
+    skeleton, tensors = flatten(state)
+    layout = Layout.of(tensors)
+    buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    with torch.no_grad():
+        for spec in layout.specs:
+            view(buf, spec).copy_(tensors[spec.key])
+    return skeleton, buf.numpy().tobytes(), {spec.key: spec.to_json() for spec in layout.specs}
+
+
+def unpack(skeleton: Any, data: bytes, specs: dict[str, dict]) -> Any:
+    """Inverse of `pack`, reading tensors back from the raw bytes."""
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return unflatten(skeleton, {k: view(buf, TensorSpec.from_json(k, s)) for k, s in specs.items()})
+
+
+def assert_training_state(state: dict, truth: dict) -> None:
+    """A restored or resumed state equals a script's own save: model and optimizer, bit for bit."""
+    for key in truth:
+        assert_same(state[key], truth[key], key)
+
+
+def run_events(metrics_dir: Path, rank: int = 0) -> list[dict]:
+    """The `run` events of one rank's worker attempts (one per start)."""
+    lines = (metrics_dir / f"worker-{rank}.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e.get("type") == "run"]
+
+
+def copy_dir(src: Path, dst: Path, *, up_to: int | None = None) -> Path:
+    """A private copy of a checkpoint dir, optionally without the records after step `up_to`."""
+    shutil.copytree(src, dst)
+    if up_to is not None:
+        for m in Store(dst).manifests(warn=False):
+            if m.step > up_to:
+                shutil.rmtree(dst / m.name)
+    return dst
+
+
+def data_file(ckpt_dir: Path, step: int, rank: int = 0) -> Path:
+    return ckpt_dir / full_name(step) / rank_files(rank)[0]
+
+
+def flip_tensor_byte(ckpt_dir: Path, step: int, rank: int = 0) -> str:
+    """Flip one bit inside the first tensor's bytes (not padding) of a record; returns its key."""
+    index = json.loads((ckpt_dir / full_name(step) / rank_files(rank)[1]).read_text())
+    key, spec = next((k, s) for k, s in index["tensors"].items() if s["nbytes"] > 0)
+    path = data_file(ckpt_dir, step, rank)
+    raw = bytearray(path.read_bytes())
+    raw[spec["offset"] + spec["nbytes"] // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+    return key
+
+
+def tear(ckpt_dir: Path, step: int, how: str) -> None:
+    """Damage record `step`: no manifest (a crash mid-commit), a short data file, or a manifest
+    whose bytes no longer match its checksum."""
+    if how == "no-manifest":
+        (ckpt_dir / full_name(step) / MANIFEST).unlink()
+    elif how == "truncated":
+        path = data_file(ckpt_dir, step)
+        os.truncate(path, path.stat().st_size // 2)
+    elif how == "bad-manifest":
+        path = ckpt_dir / full_name(step) / MANIFEST
+        path.write_text(path.read_text().replace('"kind": "full"', '"kind": "fuII"'))
+    else:
+        raise ValueError(how)
+
+
+@pytest.fixture(scope="session")
+def example_truth(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], dict]:
+    """The example's own saves after step N of an uninterrupted plain-python run (cached)."""
+    root = tmp_path_factory.mktemp("truth")
+    cache: dict[int, dict] = {}
+
+    def get(step: int) -> dict:
+        if step not in cache:
+            out = root / f"truth-{step}.pt"
+            python(root, EXAMPLE, *TINY, "--save-at", step, "--save-path", out)
+            cache[step] = load(out)
+        return cache[step]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def example_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Checkpoint dir of an uninterrupted ckptrun run of the example keeping every step (cached;
+    read-only: copy it with `copy_dir` before changing anything)."""
+    cache: dict[str, Path] = {}
+
+    def get(strategy: str) -> Path:
+        if strategy not in cache:
+            cwd = tmp_path_factory.mktemp(f"run-{strategy}")
+            ok(ckptrun(cwd, "--strategy", strategy, "--dir", "ckpts", "--keep", "0", EXAMPLE, *TINY))
+            cache[strategy] = cwd / "ckpts"
+        return cache[strategy]
+
+    return get

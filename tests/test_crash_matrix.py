@@ -1,0 +1,136 @@
+"""The crash matrix (DESIGN §8): for each strategy, any committed step restores bit-exact, a worker
+or engine killed at step k resumes to the same final state as an uninterrupted run, and torn or
+corrupt records are skipped in favour of the previous committed step."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from conftest import (
+    EXAMPLE,
+    STEPS,
+    STRATEGIES,
+    TINY,
+    assert_training_state,
+    ckptrun,
+    copy_dir,
+    error_line,
+    flip_tensor_byte,
+    load,
+    ok,
+    restore,
+    run_events,
+    tear,
+)
+
+from ckptrun.recovery import load_state, newest_good
+from ckptrun.store import Store
+
+K = 7  # the step every fault hits
+
+FAULTS = ["kill:step=7", "kill:step=7:phase=write", "kill-engine:step=7:phase=write"]
+
+
+def resume_run(cwd: Path, strategy: str, ckpt_dir: Path, *extra: str, fault: str | None = None):
+    """Run (or resume) the example to the end; the script saves its own final state."""
+    return ok(ckptrun(cwd, "--strategy", strategy, "--dir", ckpt_dir, "--metrics-dir", cwd / "metrics", *extra,
+                      EXAMPLE, *TINY, "--save-at", STEPS, "--save-path", cwd / "final.pt", fault=fault))
+
+
+def assert_clean_and_final(ckpt_dir: Path, truth: dict) -> None:
+    """The run left only committed, verifying records, the newest being the final step's state."""
+    store = Store(ckpt_dir)
+    assert store.incomplete() == []
+    assert [p for m in store.manifests() for p in store.verify_record(m)] == []
+    m = newest_good(store)
+    assert m is not None and m.step == STEPS
+    state = load_state(store, m, 0)
+    assert_training_state({"model": state["models"]["model"], "optimizer": state["optimizers"]["optimizer"]},
+                          truth)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_restore_any_step_equals_script_save(strategy, example_run, example_truth, tmp_path):
+    ckpt = example_run(strategy)
+    assert [m.step for m in Store(ckpt).manifests()] == list(range(1, STEPS + 1))
+    for step in (K, STEPS):
+        state, _ = restore(tmp_path, ckpt, step)
+        assert state["step"] == step
+        assert_training_state(state, example_truth(step))
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_killed_run_finishes_exactly(strategy, fault, example_truth, tmp_path):
+    proc = resume_run(tmp_path, strategy, tmp_path / "ckpts", "--max-restarts", "1", fault=fault)
+    attempts = run_events(tmp_path / "metrics")
+    assert [e["restart_count"] for e in attempts] == [0, 1], "the fault did not fire"
+    assert 0 < attempts[1]["resume_step"] <= K
+    if fault.startswith("kill-engine"):
+        assert "checkpoint engine of local rank 0 died" in proc.stderr
+    assert_training_state(load(tmp_path / "final.pt"), example_truth(STEPS))
+    assert_clean_and_final(tmp_path / "ckpts", example_truth(STEPS))
+
+
+@pytest.mark.parametrize("how", ["no-manifest", "truncated", "bad-manifest"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_torn_newest_record_is_ignored(strategy, how, example_run, example_truth, tmp_path):
+    ckpt = copy_dir(example_run(strategy), tmp_path / "ckpts", up_to=K + 1)
+    tear(ckpt, K + 1, how)
+    state, _ = restore(tmp_path, ckpt, "latest")
+    assert state["step"] == K
+    assert_training_state(state, example_truth(K))
+
+    resume_run(tmp_path, strategy, ckpt)
+    assert run_events(tmp_path / "metrics")[0]["resume_step"] == K
+    assert_training_state(load(tmp_path / "final.pt"), example_truth(STEPS))
+    assert_clean_and_final(ckpt, example_truth(STEPS))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_flipped_byte_is_reported_and_skipped(strategy, example_run, example_truth, tmp_path):
+    ckpt = copy_dir(example_run(strategy), tmp_path / "ckpts", up_to=K + 1)
+    key = flip_tensor_byte(ckpt, K + 1)
+
+    proc = ckptrun(tmp_path, "verify", "--dir", ckpt)
+    assert proc.returncode == 1
+    bad = [line for line in proc.stdout.splitlines() if line.startswith("BAD")]
+    assert len(bad) == 1 and f"step-{K + 1:08d}" in bad[0] and key in bad[0], proc.stdout
+
+    state, stderr = restore(tmp_path, ckpt, "latest")
+    assert state["step"] == K and f"step {K + 1} is damaged" in stderr
+    assert_training_state(state, example_truth(K))
+
+    line = error_line(ckptrun(tmp_path, "restore", "--dir", ckpt, "--step", K + 1, "--out", tmp_path / "bad.pt"))
+    assert f"step {K + 1}" in line and "checksum mismatch" in line
+    assert re.search(rf"good step\D*\b{K}\b", line), line
+    assert not (tmp_path / "bad.pt").exists()
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> Path:
+    """An uninterrupted 2-rank DDP (gloo) run; each rank saves its own state after the last step."""
+    cwd = tmp_path_factory.mktemp("ddp")
+    ok(ckptrun(cwd, "--nproc-per-node", "2", "--dir", "ckpts", EXAMPLE, *TINY,
+               "--save-at", STEPS, "--save-path", "own-{rank}.pt"))
+    return cwd
+
+
+def test_ddp_two_ranks_restore_exactly(ddp_run, tmp_path):
+    m = Store(ddp_run / "ckpts").manifests()[-1]
+    assert (m.step, m.world_size) == (STEPS, 2)
+    for rank in range(2):
+        state, _ = restore(tmp_path, ddp_run / "ckpts", STEPS, rank=rank)
+        assert_training_state(state, load(ddp_run / f"own-{rank}.pt"))
+
+
+def test_ddp_rank1_killed_resumes_exactly(ddp_run, tmp_path):
+    ok(ckptrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "--dir", "ckpts",
+               "--metrics-dir", "metrics", EXAMPLE, *TINY, "--save-at", STEPS, "--save-path", "own-{rank}.pt",
+               fault="kill:step=5:rank=1"))
+    for rank in range(2):
+        attempts = run_events(tmp_path / "metrics", rank)
+        assert [e["restart_count"] for e in attempts] == [0, 1], f"rank {rank} was not restarted"
+        assert_training_state(load(tmp_path / f"own-{rank}.pt"), load(ddp_run / f"own-{rank}.pt"))

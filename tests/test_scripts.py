@@ -1,0 +1,53 @@
+"""Third-party style scripts (tests/scripts/) run unmodified under ckptrun and, killed at step 7
+and restarted, end bit-identical to an uninterrupted plain-python run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import (
+    SCRIPTS,
+    STEPS,
+    TIMEOUT_S,
+    assert_training_state,
+    ckptrun,
+    clean_env,
+    error_line,
+    load,
+    ok,
+    run_events,
+)
+
+from ckptrun.store import Store
+
+
+@pytest.mark.parametrize("script, strategy, fault", [
+    ("while_loop.py", "sync", "kill:step=7"),
+    ("batchnorm_sgd.py", "checkfreq", "kill:step=7:phase=write"),
+    ("tracked_ema.py", "checkfreq", "kill:step=7"),
+])
+def test_script_resumes_exactly_after_a_kill(script, strategy, fault, tmp_path):
+    args = ["--steps", STEPS, "--save-at", STEPS, "--save-path"]
+    plain, managed = tmp_path / "plain", tmp_path / "ckptrun"
+    plain.mkdir()
+    managed.mkdir()
+    # The uninterrupted plain-python run goes alongside the ckptrun run (2 cores).
+    truth_run = subprocess.Popen([sys.executable, str(SCRIPTS / script), *map(str, args), "truth.pt"], cwd=plain,
+                                 env=clean_env(None), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = ckptrun(managed, "--strategy", strategy, "--dir", "ckpts", "--max-restarts", "1",
+                   "--metrics-dir", "metrics", SCRIPTS / script, *args, "resumed.pt", fault=fault)
+    _, truth_err = truth_run.communicate(timeout=TIMEOUT_S)
+    assert truth_run.returncode == 0, truth_err
+    ok(proc)
+    assert [e["restart_count"] for e in run_events(managed / "metrics")] == [0, 1], "the fault did not fire"
+    assert_training_state(load(managed / "resumed.pt"), load(plain / "truth.pt"))
+
+
+def test_script_without_optimizer_fails_clearly(tmp_path):
+    proc = ckptrun(tmp_path, "--dir", "ckpts", SCRIPTS / "no_optimizer.py")
+    line = error_line(proc)
+    assert "never created a torch.optim optimizer" in line
+    store = Store(tmp_path / "ckpts")
+    assert store.manifests() == [] and store.incomplete() == []

@@ -1,0 +1,172 @@
+"""The store's commit protocol (DESIGN invariant 2): a crash between any two steps of a commit
+leaves the previous step restorable, checksums catch any flipped byte, retention never drops the
+newest committed record."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SCRIPTS, assert_same, ckptrun, pack, run_cmd
+
+from ckptrun.errors import CorruptCheckpoint
+from ckptrun.recovery import newest_good
+from ckptrun.store import MANIFEST, Store, full_name, rank_files
+from ckptrun.tree import unflatten
+
+FAULT_POINTS = [f"{file}:{point}" for file in ("data", "index", "manifest")
+                for point in ("open", "written", "synced", "renamed", "dir-synced")]
+# The record exists for readers once the manifest's rename is done, not before.
+COMMITTED_AFTER = {"manifest:renamed", "manifest:dir-synced"}
+
+
+def make_state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "models": {"model": {"w": torch.randn(64, 33, generator=g), "b": torch.randn(7, generator=g).bfloat16(),
+                             "n": torch.tensor(step)}},
+        "optimizers": {"optimizer": {"state": {0: {"step": torch.tensor(float(step))}},
+                                     "param_groups": [{"lr": 0.1 * step, "betas": (0.9, 0.999), "params": [0]}]}},
+        "step": step,
+    }
+
+
+def write(store: Store, step: int, state: dict, **kwargs) -> None:
+    skeleton, data, specs = pack(state)
+    store.write_rank(full_name(step), 0, memoryview(data), specs, skeleton, {"step": step}, **kwargs)
+
+
+def commit(store: Store, step: int, state: dict) -> None:
+    write(store, step, state)
+    assert store.try_commit(full_name(step), kind="full", step=step, first_step=step, world_size=1) is not None
+
+
+def stored(store: Store, step: int) -> dict:
+    """The state of committed `step`, read through the checksummed path."""
+    index, tensors = store.read_rank(full_name(step), 0)
+    return unflatten(index["skeleton"], tensors)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    s = Store(tmp_path / "ckpts")
+    s.ensure_writable()
+    return s
+
+
+def test_fault_points_are_every_step_of_a_commit(store):
+    seen: list[str] = []
+    write(store, 1, make_state(1), fault=seen.append)
+    store.try_commit(full_name(1), kind="full", step=1, first_step=1, world_size=1, fault=seen.append)
+    assert seen == FAULT_POINTS
+
+
+@pytest.mark.parametrize("point", FAULT_POINTS)
+def test_crash_mid_commit_keeps_previous_step(point, store, tmp_path):
+    commit(store, 1, make_state(1))
+    skeleton, data, specs = pack(make_state(2))
+    payload = tmp_path / "payload"
+    payload.with_suffix(".data").write_bytes(data)
+    payload.with_suffix(".json").write_text(json.dumps({"tensors": specs, "skeleton": skeleton}))
+
+    proc = run_cmd([sys.executable, SCRIPTS / "crash_commit.py", store.root, 2, payload, point], tmp_path)
+    assert proc.returncode == 137, f"fault point {point} never reached\n{proc.stderr}"
+
+    committed = point in COMMITTED_AFTER
+    assert [m.step for m in store.manifests()] == ([1, 2] if committed else [1])
+    assert newest_good(store).step == (2 if committed else 1)
+    assert_same(stored(store, 1), make_state(1))
+    verify = ckptrun(tmp_path, "verify", "--dir", store.root)
+    if committed:
+        assert_same(stored(store, 2), make_state(2))
+        assert verify.returncode == 0, verify.stdout
+        return
+    bad = [line for line in verify.stdout.splitlines() if line.startswith("BAD")]
+    assert verify.returncode == 1 and bad == [f"BAD {full_name(2)}: incomplete (no manifest; torn or still "
+                                              "being written)"], verify.stdout
+    # A restarted writer publishes the same step over the torn leftovers.
+    commit(store, 2, make_state(2))
+    assert store.incomplete() == []
+    assert_same(stored(store, 2), make_state(2))
+
+
+def _bump_last_digit(path: Path, field: str) -> None:
+    """Change one digit of a JSON number field: still valid JSON, different bytes."""
+    text = path.read_text()
+    m = re.search(rf'"{field}": -?\d*(\d)', text)
+    assert m, f"no {field} in {path}"
+    i = m.start(1)
+    path.write_text(text[:i] + str((int(text[i]) + 1) % 10) + text[i + 1:])
+
+
+def _flip_data(store: Store) -> str:
+    index = json.loads((store.root / full_name(2) / rank_files(0)[1]).read_text())
+    spec = index["tensors"]["models/model/w"]
+    path = store.root / full_name(2) / rank_files(0)[0]
+    raw = bytearray(path.read_bytes())
+    raw[spec["offset"] + 17] ^= 0x80
+    path.write_bytes(bytes(raw))
+    return "tensor 'models/model/w' checksum mismatch"
+
+
+def _flip_index(store: Store) -> str:
+    _bump_last_digit(store.root / full_name(2) / rank_files(0)[1], "offset")
+    return "index checksum mismatch"
+
+
+def _flip_manifest(store: Store) -> str:
+    _bump_last_digit(store.root / full_name(2) / MANIFEST, "bytes")
+    return "manifest"
+
+
+@pytest.mark.parametrize("flip", [_flip_data, _flip_index, _flip_manifest], ids=["data", "index", "manifest"])
+def test_flipped_byte_is_detected(flip, store, tmp_path):
+    commit(store, 1, make_state(1))
+    commit(store, 2, make_state(2))
+    problem = flip(store)
+
+    with pytest.raises(CorruptCheckpoint, match=problem):
+        stored(store, 2)
+    with pytest.warns(UserWarning, match="step 2|step-00000002"):
+        assert newest_good(store).step == 1
+    assert_same(stored(store, 1), make_state(1))
+    verify = ckptrun(tmp_path, "verify", "--dir", store.root)
+    bad = [line for line in verify.stdout.splitlines() if line.startswith("BAD")]
+    assert verify.returncode == 1 and len(bad) == 1 and full_name(2) in bad[0] and problem in bad[0], \
+        verify.stdout + verify.stderr
+
+
+def test_prune_keeps_the_newest_k(store):
+    for step in range(1, 6):
+        commit(store, step, make_state(step))
+    assert store.prune(0) == []
+    assert store.prune(2) == [full_name(s) for s in (1, 2, 3)]
+    assert [m.step for m in store.manifests()] == [4, 5]
+    for step in (4, 5):
+        assert_same(stored(store, step), make_state(step))
+    assert not any((store.root / full_name(s)).exists() for s in (1, 2, 3))
+
+
+def test_prune_never_drops_the_newest_committed_for_a_torn_newer_one(store):
+    for step in (1, 2, 3):
+        commit(store, step, make_state(step))
+    write(store, 4, make_state(4))  # its files are durable, its manifest never came
+    store.prune(1, incomplete_grace_s=0)
+    assert [m.step for m in store.manifests()] == [3]
+    assert newest_good(store).step == 3
+    assert_same(stored(store, 3), make_state(3))
+    assert store.incomplete() == [full_name(4)]  # newer than every commit: maybe still being written
+
+
+def test_prune_drops_old_torn_records_after_the_grace_period(store):
+    commit(store, 1, make_state(1))
+    write(store, 2, make_state(2))
+    commit(store, 3, make_state(3))
+    assert store.prune(0) == []
+    assert store.incomplete() == [full_name(2)]
+    assert store.prune(0, incomplete_grace_s=0) == [full_name(2)]
+    assert store.incomplete() == [] and [m.step for m in store.manifests()] == [1, 3]
