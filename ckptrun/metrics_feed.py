@@ -455,7 +455,13 @@ class MetricsState:
         rs.last_error = str(e.get("error", ""))
         self.errors.append({"t": t, "rank": rs.rank, "step": e.get("step"), "error": rs.last_error})
 
+    def _on_interval(self, e: dict[str, Any], t: float) -> None:
+        """Settings chosen at run time (`--every auto`, lowdiff's auto F/B) replace the header's."""
+        skip = {"type", "t", "rank", "step", "reason", "strategy"}
+        self.settings.update({k: v for k, v in e.items() if k not in skip})
+
     _handlers = {
+        "interval": _on_interval,
         "run": _on_run,
         "step": _on_step,
         "restart": _on_restart,

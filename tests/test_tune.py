@@ -118,7 +118,7 @@ def test_every_strategy_has_a_recipe_and_both_scenarios_exist():
 def test_recipe_is_accepted_by_the_run_command(recipe, tmp_path, monkeypatch):
     seen = []
 
-    def preflight_only(cfg, opts, script, args):  # the run command's own checks, nothing launched
+    def preflight_only(cfg, opts, script, args, **launch_kwargs):  # the run command's own checks, nothing launched
         launcher.preflight(cfg, script)
         seen.append(cfg)
         return 0
@@ -133,7 +133,7 @@ def test_recipe_is_accepted_by_the_run_command(recipe, tmp_path, monkeypatch):
 
 def test_recipe_unknown_key_and_command_line_override(tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(launcher, "run", lambda cfg, opts, script, args: seen.append((cfg, opts)) or 0)
+    monkeypatch.setattr(launcher, "run", lambda cfg, opts, script, args, **kw: seen.append((cfg, opts)) or 0)
     bad = tmp_path / "bad.yaml"
     bad.write_text("strategy: sync\nevery_step: 3\n")
     assert cli.main(["--recipe", str(bad), str(EXAMPLE)]) == 2

@@ -1,0 +1,68 @@
+"""The metrics a real run emits: one line per step per rank, commits, and a durable step that
+never runs ahead of what `ckptrun ls` shows as committed; line-based output off a terminal."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from ckptrun.metrics_feed import STALL_CAUSES, MetricsState
+from ckptrun.recovery import restorable
+from ckptrun.store import Store
+
+from conftest import EXAMPLE, TINY, ckptrun, ok
+
+STEP_FIELDS = {"t", "rank", "step", "step_s", "stall_s", "bytes", "inflight", "last_snapshot_step",
+               "last_durable_step"}
+
+
+@pytest.fixture(scope="module")
+def lowdiff_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict], str]:
+    cwd = tmp_path_factory.mktemp("metrics")
+    proc = ok(ckptrun(cwd, "--strategy", "lowdiff", "--full-every", "4", "--batch", "3", "--keep", "0",
+                      "--nproc-per-node", "2", "--metrics-file", "m.jsonl", "--dir", "ck", EXAMPLE, *TINY))
+    events = [json.loads(line) for line in (cwd / "m.jsonl").read_text().splitlines()]
+    return cwd, events, proc.stdout
+
+
+def test_one_valid_step_line_per_step_and_rank(lowdiff_run) -> None:
+    _, events, _ = lowdiff_run
+    steps = [e for e in events if e["type"] == "step"]
+    for rank in (0, 1):
+        mine = [e for e in steps if e["rank"] == rank]
+        assert [e["step"] for e in mine] == list(range(1, int(TINY[TINY.index("--steps") + 1]) + 1))
+        for e in mine:
+            assert STEP_FIELDS <= set(e), STEP_FIELDS - set(e)
+            assert set(e["stall_s"]) == set(STALL_CAUSES)
+            assert e["step_s"] > 0 and e["bytes"] >= 0
+    commits = [e for e in events if e["type"] == "commit"]
+    assert {e["kind"] for e in commits} == {"full", "diff"} and all(e["ranks"] == 2 for e in commits)
+
+
+def test_durable_step_never_ahead_of_committed(lowdiff_run) -> None:
+    cwd, events, _ = lowdiff_run
+    committed = set(restorable(Store(cwd / "ck")))
+    listed = json.loads(ok(ckptrun(cwd, "ls", "--dir", "ck", "--json")).stdout)
+    assert max(committed) == max(r["step"] for r in listed)
+    durable = [e["last_durable_step"] for e in events if e["type"] == "step" and e["last_durable_step"] is not None]
+    assert durable, "no step ever reported a durable step"
+    assert all(d in committed for d in durable), sorted(set(durable) - committed)
+
+
+def test_output_off_a_terminal_is_line_based(lowdiff_run) -> None:
+    _, _, stdout = lowdiff_run
+    assert "\x1b[" not in stdout
+    assert re.search(r"^\[ckptrun\] step \d+ \|", stdout, re.M) or "ckptrun summary" in stdout
+    assert "checkpoints committed" in stdout
+
+
+def test_header_follows_settings_chosen_at_run_time() -> None:
+    state = MetricsState()
+    state.apply({"type": "run", "t": 1.0, "rank": 0, "strategy": "lowdiff", "settings": {"full_every": 50,
+                                                                                         "batch": 4}})
+    state.apply({"type": "interval", "t": 2.0, "rank": 0, "step": 25, "strategy": "lowdiff", "full_every": 531,
+                 "batch": 6, "reason": "measured"})
+    assert state.settings == {"full_every": 531, "batch": 6}
