@@ -8,12 +8,11 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import EXAMPLE, TINY, ckptrun, ok
 
 from ckptrun.metrics_feed import STALL_CAUSES, MetricsState
 from ckptrun.recovery import restorable
 from ckptrun.store import Store
-
-from conftest import EXAMPLE, TINY, ckptrun, ok
 
 STEP_FIELDS = {"t", "rank", "step", "step_s", "stall_s", "bytes", "inflight", "last_snapshot_step",
                "last_durable_step"}
