@@ -164,6 +164,23 @@ def optimal_fb(costs: LowDiffCosts) -> tuple[int, int]:
     return min(sorted(candidates), key=lambda fb: waste_fraction(costs, *fb))
 
 
+def optimal_fb_given(costs: LowDiffCosts, *, f: int | None = None, b: int | None = None) -> tuple[int, int]:
+    """Integer (F, B) minimising eq. (8) when one of them is fixed by the user (or neither).
+
+    With F fixed, dT_w/dB = 0 gives B = sqrt(R_D·F/t), clamped to [1, F]; with B fixed, the best F
+    is `_best_f_given_b`. The integers on either side are compared under eq. (8).
+    """
+    if f is None and b is None:
+        return optimal_fb(costs)
+    if f is not None:
+        b_c = math.sqrt(costs.diff_replay_time * f / costs.step_time)
+        cands = {(f, min(f, max(1, x))) for x in (math.floor(b_c), math.ceil(b_c))}
+    else:
+        f_b = _best_f_given_b(costs, float(b))
+        cands = {(max(b, x), b) for x in (math.floor(f_b), math.ceil(f_b))}
+    return min(sorted(cands), key=lambda fb: waste_fraction(costs, *fb))
+
+
 def numeric_optimal_fb(costs: LowDiffCosts, f_max: int, b_max: int) -> tuple[int, int]:
     """Integer argmin of eq. (8) over 1 <= B <= min(b_max, F), F <= f_max, by search.
 
@@ -196,7 +213,8 @@ def diff_writes_keep_up(costs: LowDiffCosts) -> bool:
 
 
 def retune(
-    prev: tuple[int, int], costs: LowDiffCosts, *, min_gain: float = 0.01
+    prev: tuple[int, int], costs: LowDiffCosts, *, min_gain: float = 0.01, fixed_f: int | None = None,
+    fixed_b: int | None = None,
 ) -> tuple[tuple[int, int], str | None]:
     """New (F, B) and a one-line reason if the current inputs moved the optimum enough.
 
@@ -207,7 +225,7 @@ def retune(
     """
     f0, b0 = int(prev[0]), int(prev[1])
     check_positive("min_gain", min_gain, allow_zero=True)
-    new = optimal_fb(costs)
+    new = optimal_fb_given(costs, f=fixed_f, b=fixed_b)
     if new == (f0, b0):
         return (f0, b0), None
     w_old, w_new = waste_fraction(costs, f0, b0), waste_fraction(costs, *new)

@@ -28,7 +28,7 @@ import torch
 from .. import discovery
 from ..errors import CkptrunError, UsageError
 from ..layout import TensorSpec, view
-from ..lowdiff_model import LowDiffCosts, optimal_fb, retune
+from ..lowdiff_model import LowDiffCosts, optimal_fb_given, retune
 from ..replay import densify, optimizer_params
 from ..runtime import Snapshot
 from ..store import full_name
@@ -283,12 +283,17 @@ class LowDiff(Strategy):
         prev = (self.full_every, self.batch)
         if prev == (DEFAULT_F, DEFAULT_B) and self._first_tune(costs):
             return
-        (f, b), reason = retune(prev, costs)
+        (f, b), reason = retune(prev, costs, **self._fixed())
         if reason:
             self._set(f, b, reason)
 
+    def _fixed(self) -> dict:
+        """The values the user set: the tuner optimises only the other one."""
+        return {"fixed_f": None if self.auto_f else self.full_every, "fixed_b": None if self.auto_b else self.batch}
+
     def _first_tune(self, costs: LowDiffCosts) -> bool:
-        f, b = optimal_fb(costs)
+        fixed = self._fixed()
+        f, b = optimal_fb_given(costs, f=fixed["fixed_f"], b=fixed["fixed_b"])
         if (f, b) == (self.full_every, self.batch):
             return False
         self._set(f, b, f"LowDiff auto: full checkpoint every {f} steps, batch {b} diffs from measured costs "

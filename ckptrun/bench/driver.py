@@ -1,0 +1,120 @@
+"""`ckptrun bench`: every configuration, interleaved (A B C A B C ...), R times; then the report.
+
+Interleaving spreads slow drifts of the machine (other load, page cache, thermal) over all
+configurations alike instead of charging them to whichever ran last.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from ..errors import UsageError
+from . import machine, plan, report, stats
+from .runner import Outcome, run_configuration
+
+
+@dataclass
+class BenchOptions:
+    model: str = "small"
+    strategies: str = "all"
+    every: str = "1"
+    steps: int = 30
+    repeat: int = 3
+    device: str = "cpu"
+    trainer_threads: int = 1
+    warmup: int = 2
+    dir: str = ""
+    json: str = ""
+    plot: str = ""
+
+    def validate(self) -> None:
+        if self.model not in plan.MODELS:
+            raise UsageError(f"--model must be one of {', '.join(plan.MODELS)} (got {self.model!r})")
+        if self.device not in ("cpu", "cuda"):
+            raise UsageError(f"--device must be cpu or cuda (got {self.device!r})")
+        if self.repeat < 1 or self.trainer_threads < 1 or self.warmup < 0:
+            raise UsageError("--repeat and --trainer-threads must be at least 1, --warmup at least 0")
+        if self.steps <= self.warmup:
+            raise UsageError(f"--steps ({self.steps}) must exceed --warmup ({self.warmup}): "
+                             "the figures come from the steps after the warm-up")
+
+    def command(self) -> str:
+        """The invocation that reproduces this bench (paths as given)."""
+        argv = ["ckptrun", "bench", "--model", self.model, "--strategies", self.strategies, "--every", self.every,
+                "--steps", str(self.steps), "--repeat", str(self.repeat), "--device", self.device,
+                "--trainer-threads", str(self.trainer_threads), "--warmup", str(self.warmup)]
+        for flag, value in (("--dir", self.dir), ("--json", self.json), ("--plot", self.plot)):
+            argv += [flag, value] if value else []
+        return " ".join(argv)
+
+    def run_timeout_s(self) -> float:
+        return 300.0 + 20.0 * self.steps
+
+
+def run_bench(o: BenchOptions, console: Console | None = None, progress: Console | None = None) -> int:
+    """Run the bench; returns the exit code (1 when a configuration failed)."""
+    console = console or Console(highlight=False)
+    progress = progress or Console(stderr=True, highlight=False)
+    o.validate()
+    configs = plan.configurations(o.strategies, o.every)
+    if o.plot:
+        report.require_matplotlib()
+    work = plan.Workload(plan.example_script(), o.model, o.device, o.trainer_threads)
+    root = Path(o.dir) if o.dir else machine.default_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    desc = machine.describe(root)
+    fs = desc["dir_filesystem"]["type"]
+    if fs in machine.MEMORY_FILESYSTEMS:
+        progress.print(f"ckptrun bench: warning: {root} is in memory ({fs}); the figures leave out disk writes")
+    progress.print(f"ckptrun bench: {len(configs)} configurations x {o.repeat} repetitions, {o.steps} steps "
+                   f"each, model {o.model}, in {root}")
+    t0 = time.perf_counter()
+    outcomes = _interleaved(o, configs, work, root, progress)
+    wall = time.perf_counter() - t0
+    desc["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    rows = stats.summarize(configs, outcomes)
+    title = (f"ckptrun bench: model {o.model}, {o.steps} steps (first {o.warmup} untimed), median of {o.repeat} "
+             f"[min-max], {o.device}, {o.trainer_threads} trainer thread(s), dir on {fs}")
+    report.print_table(rows, title, console)
+    params = next((out.params for runs in outcomes.values() for out in runs if out.params), None)
+    settings = {**asdict(o), "model_args": plan.MODELS[o.model], "params": params, "dir": str(root)}
+    if o.json:
+        report.write_json(report.document(settings, desc, rows, o.command(), wall), Path(o.json))
+    if o.plot:
+        report.plot(rows, title, Path(o.plot))
+    if any(out.error for runs in outcomes.values() for out in runs):
+        progress.print(f"ckptrun bench: some runs failed; their logs are kept under {root}")
+        return 1
+    if not o.dir:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+def _interleaved(o: BenchOptions, configs: list[plan.Configuration], work: plan.Workload, root: Path,
+                 progress: Console) -> dict[str, list[Outcome]]:
+    """Every configuration once per round, `repeat` rounds; a progress line per run."""
+    outcomes: dict[str, list[Outcome]] = {c.name: [] for c in configs}
+    t0, total = time.perf_counter(), len(configs) * o.repeat
+    for rep in range(o.repeat):
+        for i, cfg in enumerate(configs):
+            run_dir = root / f"run-{os.getpid()}-r{rep}-{i:02d}-{cfg.name.replace('@', '-every-')}"
+            out = run_configuration(cfg, work, run_dir, o.steps, o.warmup, o.run_timeout_s())
+            outcomes[cfg.name].append(out)
+            progress.print(f"[{rep * len(configs) + i + 1}/{total}] {cfg.name} (repetition {rep + 1}): "
+                           f"{_line(out)} [{time.perf_counter() - t0:.0f} s]", markup=False)
+    return outcomes
+
+
+def _line(out: Outcome) -> str:
+    if out.figures is None:
+        return f"FAILED: {out.error}"
+    f = out.figures
+    recovery = "-" if f.recovery_s is None else f"{f.recovery_s:.2f} s"
+    return (f"{f.step_s * 1e3:.1f} ms/step, stall {f.stall_ms_per_step:.1f} ms/step, "
+            f"{f.bytes_per_step / 1e6:.1f} MB/step, recovery {recovery} ({out.wall_s:.0f} s)")

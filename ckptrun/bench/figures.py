@@ -1,0 +1,120 @@
+"""The figures of one run, from the files it leaves behind: the example script's timing JSON
+(every configuration) and, for ckptrun runs, the workers' and engines' metrics.
+
+Step time and stall are averaged over the timed steps: all but the first `warmup` steps of the
+run (one-time costs such as first-touch of staging memory are left out of every configuration
+alike). Bytes and write bandwidth count the checkpoints of those same steps.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from statistics import fmean
+from typing import Any
+
+from ..errors import CkptrunError
+from ..metrics_feed import MetricsTailer
+
+# Per-run figures, in report order (the summary's `median_step_s` is the median of `step_s`).
+FIGURES = ("step_s", "stall_ms_per_step", "bytes_per_step", "write_MBps", "peak_rss_MB", "committed",
+           "recovery_s")
+
+
+@dataclass
+class RunFigures:
+    step_s: float
+    stall_ms_per_step: float
+    bytes_per_step: float
+    write_MBps: float | None  # None: nothing written in the timed steps
+    peak_rss_MB: float
+    committed: int
+    recovery_s: float | None = None  # None: nothing to recover from (no checkpoint)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Attempt:
+    """One process's part of the example script's timing file (`--timing-json`, JSON lines)."""
+
+    start_step: int
+    params: int
+    steps: list[dict] = field(default_factory=list)
+    saves: list[dict] = field(default_factory=list)
+    recovery_s: float | None = None
+
+    def window(self, warmup: int) -> tuple[list[dict], int, int]:
+        """The timed steps, and the step numbers that bound them (first, last)."""
+        timed = self.steps[warmup:]
+        if not timed:
+            raise CkptrunError(f"the run recorded {len(self.steps)} steps, none after the {warmup} warm-up steps")
+        return timed, timed[0]["step"], timed[-1]["step"]
+
+
+def attempts(path: Path) -> list[Attempt]:
+    """Every process that wrote to the timing file, in order (a killed one may end mid-line)."""
+    try:
+        lines = path.read_text().split("\n")[:-1]
+    except OSError as e:
+        raise CkptrunError(f"the run left no timing file {path}: {e}") from None
+    out: list[Attempt] = []
+    for e in map(json.loads, lines):
+        if e["event"] == "start":
+            out.append(Attempt(e["start_step"], e["params"]))
+        elif e["event"] == "step":
+            out[-1].steps.append(e)
+        elif e["event"] == "save":
+            out[-1].saves.append(e)
+        elif e["event"] == "recovery":
+            out[-1].recovery_s = e["recovery_s"]
+    if not out:
+        raise CkptrunError(f"the run wrote nothing to its timing file {path}")
+    return out
+
+
+def _io(writes: list[tuple[int, int, float]], first: int, last: int) -> tuple[int, float | None]:
+    """(bytes, MB/s) of the writes (step, bytes, seconds) of steps first..last."""
+    inside = [(b, s) for step, b, s in writes if first <= step <= last]
+    nbytes, seconds = sum(b for b, _ in inside), sum(s for _, s in inside)
+    return nbytes, (nbytes / seconds / 1e6 if seconds > 0 else None)
+
+
+def reference_figures(timing: Attempt, warmup: int, peak_rss_MB: float) -> RunFigures:
+    """`none` and the references: everything is in the script's timing file."""
+    timed, first, last = timing.window(warmup)
+    nbytes, mbps = _io([(s["step"], s["bytes"], s["write_s"]) for s in timing.saves], first, last)
+    return RunFigures(step_s=fmean(s["wall_s"] for s in timed),
+                      stall_ms_per_step=1e3 * fmean(s["stall_s"] for s in timed),
+                      bytes_per_step=nbytes / len(timed), write_MBps=mbps, peak_rss_MB=peak_rss_MB,
+                      committed=len(timing.saves))
+
+
+def ckptrun_figures(timing: Attempt, metrics_dir: Path, warmup: int, peak_rss_MB: float) -> RunFigures:
+    """ckptrun runs: step time from the script, stall from the worker (per cause, summed), bytes
+    and write time from the engine's `write` events, commits from its `commit` events (up to the
+    last timed step: the restarted worker's own are not counted)."""
+    timed, first, last = timing.window(warmup)
+    events = MetricsTailer(metrics_dir).poll()
+    stall = {e["step"]: sum(e["stall_s"].values()) for e in events if e.get("type") == "step"}
+    missing = [s["step"] for s in timed if s["step"] not in stall]
+    if missing:
+        raise CkptrunError(f"ckptrun's worker metrics in {metrics_dir} lack steps {missing[:5]}")
+    nbytes, mbps = _io([(e["step"], e["bytes"], e["write_s"]) for e in events if e.get("type") == "write"],
+                       first, last)
+    return RunFigures(step_s=fmean(s["wall_s"] for s in timed),
+                      stall_ms_per_step=1e3 * fmean(stall[s["step"]] for s in timed),
+                      bytes_per_step=nbytes / len(timed), write_MBps=mbps, peak_rss_MB=peak_rss_MB,
+                      committed=sum(1 for e in events if e.get("type") == "commit" and e["step"] <= last))
+
+
+def ckptrun_recovery(metrics_dir: Path) -> float:
+    """Restarted worker's start to the end of its first resumed step (ckptrun's `restart` event)."""
+    restarts = [e for e in MetricsTailer(metrics_dir).poll() if e.get("type") == "restart"]
+    if not restarts:
+        raise CkptrunError(f"the crashed worker was not restarted and resumed (no restart event in {metrics_dir})")
+    if not restarts[0]["resume_step"]:
+        raise CkptrunError("the restarted worker found no committed step and started over from step 0")
+    return float(restarts[0]["recovery_s"])

@@ -1,0 +1,115 @@
+"""Run one configuration once and time its recovery (see `plan.launch`): ckptrun runs crash
+and restart in one launch; the references run a second time from their newest save. Memory is
+sampled while the training run runs.
+
+A run that fails or hangs is reported with the tail of its log, not raised: one broken
+configuration must not cost the figures of the others.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from ..errors import CkptrunError
+from . import figures
+from .figures import RunFigures
+from .plan import Configuration, Launch, Workload, launch
+from .procmem import PeakRss
+
+LOG_TAIL_LINES = 15
+
+
+@dataclass
+class Outcome:
+    figures: RunFigures | None
+    error: str | None
+    wall_s: float
+    params: int | None = None  # parameters of the model trained
+
+
+class RunFailed(CkptrunError):
+    pass
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """Kill the run we started and every process it started, by pid."""
+    try:
+        kids = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        kids = []
+    for p in [*kids, proc]:
+        try:
+            p.kill()
+        except (psutil.Error, ProcessLookupError):
+            continue
+    proc.wait()
+
+
+def _execute(spec: Launch, log: Path, cwd: Path, timeout_s: float, *, include_root: bool) -> float:
+    """Run to completion with the output in `log`; returns the peak RSS (MB)."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(spec.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
+                                env=spec.env)
+        rss = PeakRss(proc.pid, include_root=include_root).start()
+        try:
+            rc = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc)
+            rc = None
+        except BaseException:  # Ctrl-C: leave no run behind
+            _kill_tree(proc)
+            raise
+        finally:
+            peak = rss.stop()
+    if rc != 0:
+        lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        what = f"timed out after {timeout_s:.0f} s" if rc is None else f"exited with code {rc}"
+        raise RunFailed(f"{' '.join(spec.argv[:6])} ... {what}; log {log}:\n" + "\n".join(lines))
+    return peak
+
+
+def _ckptrun_run(cfg: Configuration, work: Workload, run_dir: Path, steps: int, warmup: int,
+                 timeout_s: float) -> tuple[RunFigures, int]:
+    spec = launch(cfg, work, run_dir, steps)
+    peak = _execute(spec, run_dir / "log.txt", run_dir, timeout_s, include_root=False)
+    first = figures.attempts(run_dir / "timing.jsonl")[0]
+    result = figures.ckptrun_figures(first, run_dir / "metrics", warmup, peak)
+    if spec.crash_step is not None:
+        result.recovery_s = figures.ckptrun_recovery(run_dir / "metrics")
+    return result, first.params
+
+
+def _script_run(cfg: Configuration, work: Workload, run_dir: Path, steps: int, warmup: int,
+                timeout_s: float) -> tuple[RunFigures, int]:
+    peak = _execute(launch(cfg, work, run_dir, steps), run_dir / "log.txt", run_dir, timeout_s, include_root=True)
+    first = figures.attempts(run_dir / "timing.jsonl")[0]
+    result = figures.reference_figures(first, warmup, peak)
+    last = max((s["step"] for s in first.saves), default=None)
+    if last is not None:
+        _execute(launch(cfg, work, run_dir, last + 1, recovery=True), run_dir / "log-recovery.txt", run_dir,
+                 timeout_s, include_root=True)
+        result.recovery_s = figures.attempts(run_dir / "timing.jsonl")[-1].recovery_s
+        if result.recovery_s is None:
+            raise RunFailed(f"the recovery run in {run_dir} did not restore step {last}")
+    return result, first.params
+
+
+def run_configuration(cfg: Configuration, work: Workload, run_dir: Path, steps: int, warmup: int,
+                      timeout_s: float) -> Outcome:
+    """Train `steps` steps under `cfg` and time its recovery; the run's files are removed
+    afterwards unless it failed (its logs stay for reading)."""
+    t0 = time.perf_counter()
+    run_dir.mkdir(parents=True)
+    try:
+        run = _ckptrun_run if cfg.kind == "ckptrun" else _script_run
+        result, params = run(cfg, work, run_dir, steps, warmup, timeout_s)
+    except CkptrunError as e:
+        return Outcome(None, str(e), time.perf_counter() - t0)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return Outcome(result, None, time.perf_counter() - t0, params)

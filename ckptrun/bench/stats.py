@@ -1,0 +1,56 @@
+"""Fold the repetitions of each configuration into median, min and max per figure, and the
+overhead ratio against the `none` baseline of the same invocation.
+
+`overhead_ratio` = a configuration's `median_step_s` / `none`'s `median_step_s` (its min and max
+use the configuration's min and max step time over the same denominator). Figures that a run
+does not have (no bytes written, nothing to recover) are left out of the median; a figure no
+run has is None.
+"""
+
+from __future__ import annotations
+
+from statistics import median
+from typing import Any
+
+from .figures import FIGURES
+from .plan import BASELINE, Configuration
+from .runner import Outcome
+
+STEP = "median_step_s"
+RATIO = "overhead_ratio"
+# Summary keys, in report order.
+KEYS = (STEP, RATIO, *(f for f in FIGURES if f != "step_s"))
+
+
+def _key(figure: str) -> str:
+    return STEP if figure == "step_s" else figure
+
+
+def summarize(configs: list[Configuration], outcomes: dict[str, list[Outcome]]) -> list[dict[str, Any]]:
+    """One summary per configuration, in `configs` order."""
+    rows = []
+    for cfg in configs:
+        runs = outcomes.get(cfg.name, [])
+        ok = [o.figures for o in runs if o.figures is not None]
+        mid: dict[str, Any] = {}
+        low: dict[str, Any] = {}
+        high: dict[str, Any] = {}
+        for f in FIGURES:
+            values = [v for v in (getattr(x, f) for x in ok) if v is not None]
+            k = _key(f)
+            mid[k], low[k], high[k] = (median(values), min(values), max(values)) if values else (None, None, None)
+        rows.append({"name": cfg.name, "method": cfg.method, "kind": cfg.kind, "every": cfg.every,
+                     **{k: mid.get(k) for k in KEYS}, "min": low, "max": high, "repetitions": len(ok),
+                     "runs": [o.figures.to_json() if o.figures else {"error": o.error} for o in runs],
+                     "errors": [o.error for o in runs if o.error]})
+    _add_ratios(rows)
+    return rows
+
+
+def _add_ratios(rows: list[dict[str, Any]]) -> None:
+    base = next((r[STEP] for r in rows if r["name"] == BASELINE), None)
+    for r in rows:
+        for where in (r, r["min"], r["max"]):
+            where[RATIO] = where[STEP] / base if base and where[STEP] is not None else None
+        r["min"] = {k: r["min"][k] for k in KEYS}
+        r["max"] = {k: r["max"][k] for k in KEYS}

@@ -1,0 +1,356 @@
+"""`--strategy lowdiff` (DESIGN §5, invariant 1): any step restored by replaying the recorded
+gradients equals an uninterrupted run's own save at that step, bit for bit; killed workers and
+engines resume exactly (dense, and with top-k compression as long as the engine holding the
+error-feedback residual survives); damaged diff records are reported and skipped; `ls` shows the
+chains; the (F, B) auto-tuner follows the measured costs.
+
+Every run uses F=5, B=3 on 14 steps, so the records are fixed (see `RECORDS`): full checkpoints
+at 0 (the start), 5 and 10, and diff batches 1-3, 4-5, 6-8, 9-10, 11-13, 14 (a batch ends early
+where a full checkpoint starts a new chain, and at the end of training).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import runpy
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from conftest import (
+    EXAMPLE,
+    assert_training_state,
+    ckptrun,
+    copy_dir,
+    error_line,
+    load,
+    ok,
+    restore,
+    run_events,
+)
+
+from ckptrun.config import RESUME_ENV
+from ckptrun.export import export
+from ckptrun.lowdiff_model import LowDiffCosts, optimal_fb
+from ckptrun.store import Store, diff_name, full_name, rank_files
+from ckptrun.strategies.lowdiff import RETUNE_EVERY, LowDiff
+
+SCRIPT = Path(__file__).resolve().parent / "scripts_lowdiff" / "sgd_steplr.py"
+STEPS = 14
+TINY = ["--layers", "1", "--d-model", "32", "--steps", str(STEPS), "--threads", "1"]
+LOWDIFF = ["--strategy", "lowdiff", "--full-every", "5", "--batch", "3"]
+RECORDS = [  # (kind, first_step, step, depends_on) in `ckptrun ls` order
+    ("full", 0, 0, []),
+    ("diff", 1, 3, [full_name(0)]),
+    ("full", 5, 5, []),
+    ("diff", 4, 5, [full_name(0), diff_name(1, 3)]),
+    ("diff", 6, 8, [full_name(5)]),
+    ("full", 10, 10, []),
+    ("diff", 9, 10, [full_name(5), diff_name(6, 8)]),
+    ("diff", 11, 13, [full_name(10)]),
+    ("diff", 14, 14, [full_name(10), diff_name(11, 13)]),
+]
+AFTER_FULL, MID_BATCH, END_BATCH = 6, 7, 8
+CHECKED_STEPS = (AFTER_FULL, MID_BATCH, END_BATCH, STEPS)
+TOPK = "topk:0.01"
+RESIDUAL_LOST = "without the top-k error-feedback residual"
+# Every fault hits step 9, the first of batch 9-10; the step the restarted worker resumes from.
+# The crash-matrix runs use one engine writer, so records become durable in order and the
+# engine dying while it writes step 9 always leaves batch 6-8 committed (resume from step 8).
+FAULTS = {
+    "kill:step=9": 8,  # diffs up to 8 were handed to the engine, which writes them for the restart
+    "kill:step=9:phase=write": 9,  # killed while diff 9 was written; the engine finishes it
+    "kill-engine:step=9:phase=write": 8,  # diff 9 torn; what the engine held in memory is gone
+}
+
+
+def run_in_process(script: Path, *args: Any) -> None:
+    """Run a script as plain python (no ckptrun) inside the test process: its own saves are the
+    ground truth, and no torch import per run (~1 s instead of ~5 s on 2 cores)."""
+    argv, threads, resume = sys.argv, torch.get_num_threads(), os.environ.pop(RESUME_ENV, None)
+    sys.argv = [str(script), *map(str, args)]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = argv
+        torch.set_num_threads(threads)
+        if resume is not None:
+            os.environ[RESUME_ENV] = resume
+
+
+def exported(ckpt_dir: Path, step: int | str, out_dir: Path) -> dict:
+    """`ckptrun restore --step STEP` without a subprocess: the same `export` the CLI calls."""
+    out = out_dir / f"exported-{step}.pt"
+    export(ckpt_dir, step, out, "torch")
+    return load(out)
+
+
+def finish_run(cwd: Path, *extra: Any, fault: str | None = None):
+    """The example (AdamW) under lowdiff to the end, saving its own final state as final.pt."""
+    return ok(ckptrun(cwd, *LOWDIFF, "--writers", "1", "--dir", "ckpts", "--metrics-dir", "metrics", *extra,
+                      EXAMPLE, *TINY, "--save-at", STEPS, "--save-path", "final.pt", fault=fault))
+
+
+def models_differ(a: dict, b: dict) -> bool:
+    return any(not torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def assert_store_restores(ckpt_dir: Path, final: dict, out_dir: Path) -> None:
+    """The run left only committed, verifying records, and its newest step replays to `final`."""
+    store = Store(ckpt_dir)
+    assert store.incomplete() == []
+    assert [p for m in store.manifests() for p in store.verify_record(m)] == []
+    state = exported(ckpt_dir, "latest", out_dir)
+    assert state["step"] == STEPS
+    assert_training_state(state, final)
+
+
+def flip_diff_byte(record_dir: Path, rank: int = 0) -> str:
+    """Flip one bit inside the first tensor of a diff record's data file; returns its key."""
+    index = json.loads((record_dir / rank_files(rank)[1]).read_text())
+    key, spec = next((k, s) for k, s in index["tensors"].items() if s["nbytes"] > 0)
+    path = record_dir / index["data"]
+    raw = bytearray(path.read_bytes())
+    raw[spec["offset"] + spec["nbytes"] // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+    return key
+
+
+@pytest.fixture(scope="module")
+def gpt_truth(tmp_path_factory: pytest.TempPathFactory):
+    """(optimizer, step) -> the example's own save after `step` of an uninterrupted plain run."""
+    root = tmp_path_factory.mktemp("lowdiff-truth")
+    cache: dict[tuple[str, int], dict] = {}
+
+    def get(optimizer: str, step: int) -> dict:
+        if (optimizer, step) not in cache:
+            out = root / f"{optimizer}-{step}.pt"
+            run_in_process(EXAMPLE, *TINY, "--optimizer", optimizer, "--save-at", step, "--save-path", out)
+            cache[optimizer, step] = load(out)
+        return cache[optimizer, step]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory: pytest.TempPathFactory):
+    """optimizer -> checkpoint dir of an uninterrupted lowdiff run keeping every record (read-only)."""
+    cache: dict[str, Path] = {}
+
+    def get(optimizer: str) -> Path:
+        if optimizer not in cache:
+            cwd = tmp_path_factory.mktemp(f"lowdiff-{optimizer}")
+            ok(ckptrun(cwd, *LOWDIFF, "--keep", "0", "--dir", "ckpts", EXAMPLE, *TINY, "--optimizer", optimizer))
+            cache[optimizer] = cwd / "ckpts"
+        return cache[optimizer]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def topk_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run with --compress topk: the ground truth of the compressed crash matrix
+    (compression changes training, so a plain run is not)."""
+    cwd = tmp_path_factory.mktemp("lowdiff-topk")
+    finish_run(cwd, "--compress", TOPK)
+    return cwd
+
+
+# ---- replay exactness -------------------------------------------------------------------------
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
+def test_restore_replays_exactly(optimizer, gpt_run, gpt_truth, tmp_path):
+    """SGD with momentum, Adam, AdamW with weight decay; a LambdaLR schedule and gradient clipping."""
+    ckpt = gpt_run(optimizer)
+    state, stderr = restore(tmp_path, ckpt, MID_BATCH)
+    assert f"from {full_name(5)} + 1 diff record(s) replayed" in stderr
+    assert state["step"] == MID_BATCH
+    assert_training_state(state, gpt_truth(optimizer, MID_BATCH))
+    for step in (AFTER_FULL, END_BATCH, STEPS):
+        state = exported(ckpt, step, tmp_path)
+        assert state["step"] == step
+        assert_training_state(state, gpt_truth(optimizer, step))
+
+
+def test_restore_replays_exactly_sgd_steplr_batchnorm(tmp_path):
+    """Nesterov SGD in two parameter groups, StepLR changing lr inside a batch, BatchNorm buffers,
+    and a parameter without a gradient on odd steps."""
+    run_in_process(SCRIPT, "--steps", STEPS, "--save-at", ",".join(map(str, CHECKED_STEPS)),
+                   "--save-path", tmp_path / "truth-{step}.pt")
+    ok(ckptrun(tmp_path, *LOWDIFF, "--keep", "0", "--dir", "ckpts", SCRIPT, "--steps", STEPS))
+    assert [(m.kind, m.first_step, m.step) for m in Store(tmp_path / "ckpts").manifests()] == \
+        [r[:3] for r in RECORDS]
+    for step in CHECKED_STEPS:
+        state = exported(tmp_path / "ckpts", step, tmp_path)
+        assert_training_state(state, load(tmp_path / f"truth-{step}.pt"))
+
+
+def test_ls_json_shows_full_checkpoints_and_diff_ranges(gpt_run, tmp_path):
+    rows = json.loads(ok(ckptrun(tmp_path, "ls", "--dir", gpt_run("adamw"), "--json")).stdout)
+    assert [(r["kind"], r["first_step"], r["step"], r["depends_on"]) for r in rows] == RECORDS
+    assert [r["record"] for r in rows] == [full_name(s) if k == "full" else diff_name(f, s)
+                                           for k, f, s, _ in RECORDS]
+
+
+def test_corrupt_diff_record_is_reported_and_skipped(gpt_run, gpt_truth, tmp_path):
+    ckpt = copy_dir(gpt_run("adamw"), tmp_path / "ckpts")
+    bad = diff_name(11, 13)
+    key = flip_diff_byte(ckpt / bad)
+
+    proc = ckptrun(tmp_path, "verify", "--dir", ckpt)
+    assert proc.returncode == 1
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("BAD")]
+    assert len(lines) == 1 and bad in lines[0] and key in lines[0], proc.stdout
+
+    for step in (12, STEPS):  # inside the damaged batch; after it, in the same chain
+        line = error_line(ckptrun(tmp_path, "restore", "--dir", ckpt, "--step", step, "--out", tmp_path / "x.pt"))
+        assert f"step {step} cannot be restored" in line and bad in line and "checksum mismatch" in line
+        assert re.search(r"newest good step before it is 10\b", line), line
+    assert not (tmp_path / "x.pt").exists()
+
+    state, stderr = restore(tmp_path, ckpt, "latest")
+    assert state["step"] == 10 and f"step {STEPS} is damaged" in stderr
+    assert_training_state(state, gpt_truth("adamw", 10))
+    assert_training_state(exported(ckpt, 9, tmp_path), gpt_truth("adamw", 9))  # another chain: intact
+
+
+# ---- crash matrix -----------------------------------------------------------------------------
+def test_topk_changes_training_and_replays_exactly(topk_run, gpt_truth, tmp_path):
+    """Compression is applied in training (so the compressed run is its own ground truth), and the
+    stored diffs are the sparse gradients it applied: offline replay reaches its final state."""
+    final = load(topk_run / "final.pt")
+    assert models_differ(final, gpt_truth("adamw", STEPS))
+    assert_store_restores(topk_run / "ckpts", final, tmp_path)
+
+
+@pytest.mark.parametrize("fault, resume_step", FAULTS.items())
+@pytest.mark.parametrize("compress", [None, TOPK], ids=["dense", "topk"])
+def test_killed_run_finishes_exactly(compress, fault, resume_step, gpt_truth, request, tmp_path):
+    proc = finish_run(tmp_path, "--max-restarts", "1", *(["--compress", compress] if compress else []), fault=fault)
+    attempts = run_events(tmp_path / "metrics")
+    assert [e["restart_count"] for e in attempts] == [0, 1], "the fault did not fire"
+    assert attempts[1]["resume_step"] == resume_step
+    if fault.startswith("kill-engine"):
+        assert "checkpoint engine of local rank 0 died" in proc.stderr
+    truth = load(request.getfixturevalue("topk_run") / "final.pt") if compress else gpt_truth("adamw", STEPS)
+    final = load(tmp_path / "final.pt")
+    if compress and fault.startswith("kill-engine"):
+        # The residual of step 8 lived only in the dead engine's memory (it is written with full
+        # checkpoints, not with diffs): the run says so and goes on, no longer bit-exact.
+        assert f"resumed step {resume_step} {RESIDUAL_LOST}" in proc.stderr
+        assert models_differ(final, truth)
+    else:  # a surviving engine hands the residual to the restarted worker
+        assert RESIDUAL_LOST not in proc.stderr
+        assert_training_state(final, truth)
+    assert_store_restores(tmp_path / "ckpts", final, tmp_path)
+
+
+def test_ddp_topk_rank1_killed_resumes_exactly(tmp_path):
+    """2 ranks (gloo), compression as DDP's comm hook: a rank killed mid-step 7 resumes both ranks
+    to the uninterrupted run's state, and both ranks hold the same state."""
+    for name, fault, extra in (("whole", None, []), ("killed", "kill:step=7:rank=1", ["--max-restarts", "1"])):
+        (tmp_path / name).mkdir()
+        proc = ok(ckptrun(tmp_path / name, "--nproc-per-node", "2", *LOWDIFF, "--compress", "topk:0.05", *extra,
+                          "--dir", "ckpts", "--metrics-dir", "metrics", EXAMPLE, *TINY, "--save-at", STEPS,
+                          "--save-path", "own-{rank}.pt", fault=fault))
+        assert RESIDUAL_LOST not in proc.stderr
+    whole = [load(tmp_path / "whole" / f"own-{rank}.pt") for rank in range(2)]
+    assert_training_state(whole[1], whole[0])
+    for rank in range(2):
+        assert [e["restart_count"] for e in run_events(tmp_path / "killed" / "metrics", rank)] == [0, 1]
+        assert_training_state(load(tmp_path / "killed" / f"own-{rank}.pt"), whole[rank])
+    assert_training_state(exported(tmp_path / "killed" / "ckpts", STEPS, tmp_path), whole[0])
+
+
+# ---- (F, B) auto-tuning -----------------------------------------------------------------------
+class FakeMetrics:
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+
+    def emit(self, **event: Any) -> None:
+        self.events.append(event)
+
+
+class FakeWriter:
+    """Stands in for the engine's writers: each record becomes durable at `bandwidth` bytes/s,
+    reported to the strategy as the runtime forwards the engine's `durable` events."""
+
+    def __init__(self, strategy: LowDiff, bandwidth: float) -> None:
+        self.strategy, self.bandwidth = strategy, bandwidth
+
+    def write(self, nbytes: float, times: int = 10) -> None:
+        for _ in range(times):
+            self.strategy.on_event({"op": "durable", "step": 1, "record": full_name(1), "bytes": nbytes,
+                                    "write_s": nbytes / self.bandwidth})
+
+
+STEP_S, OPT_S, FULL_BYTES, DIFF_BYTES, MTBF_S = 0.1, 0.01, 100e6, 20e6, 1800.0
+
+
+def tuner(**options: str) -> LowDiff:
+    """A LowDiff strategy on a fake runtime with measured step and optimizer times and sizes."""
+    rt = SimpleNamespace(cfg=SimpleNamespace(options={"full_every": "auto", "batch": "auto", "mtbf": MTBF_S,
+                                                      **options}),
+                         metrics=FakeMetrics(), models={}, optimizers=[],
+                         capture=lambda step, background: SimpleNamespace(step=step),
+                         wait_copy=lambda snap: None, add=lambda snap, state, background=False: None)
+    s = LowDiff(rt)
+    s.costs.update(step=[STEP_S] * 30, opt=[OPT_S] * 30, full_bytes=[FULL_BYTES], diff_bytes=[DIFF_BYTES] * 10)
+    return s
+
+
+def expected_fb(bandwidth: float) -> tuple[int, int]:
+    return optimal_fb(LowDiffCosts(step_time=STEP_S, full_ckpt_bytes=FULL_BYTES, diff_bytes=DIFF_BYTES,
+                                   write_bandwidth=bandwidth, full_load_time=FULL_BYTES / bandwidth,
+                                   diff_replay_time=OPT_S, mtbf=MTBF_S))
+
+
+def test_auto_fb_follows_the_measured_write_bandwidth(capsys):
+    chosen = {}
+    for bw in (1e9, 1e7):
+        s = tuner()
+        FakeWriter(s, bw).write(FULL_BYTES)
+        s._retune()
+        chosen[bw] = (s.full_every, s.batch)
+        assert chosen[bw] == expected_fb(bw)
+        [event] = s.rt.metrics.events
+        assert (event["type"], event["full_every"], event["batch"]) == ("interval", *chosen[bw])
+        assert event["reason"].startswith("LowDiff auto:") and f"W={bw / 1e6:.0f} MB/s" in event["reason"]
+        assert event["reason"] in capsys.readouterr().err
+    # Slower writes make full checkpoints dearer: fewer of them, and longer batches between.
+    assert chosen[1e7][0] > chosen[1e9][0] and chosen[1e7][1] > chosen[1e9][1]
+
+
+def test_auto_fb_is_retuned_when_the_bandwidth_moves():
+    s = tuner()
+    writer = FakeWriter(s, 1e9)
+    writer.write(FULL_BYTES)
+    s._retune()
+    first = (s.full_every, s.batch)
+    s._retune()  # same inputs: no change, nothing logged
+    assert len(s.rt.metrics.events) == 1
+    writer.bandwidth = 1e7  # the storage slows down
+    writer.write(FULL_BYTES)
+    s._retune()
+    assert (s.full_every, s.batch) == expected_fb(1e7) != first
+    event = s.rt.metrics.events[-1]
+    assert (event["type"], event["full_every"], event["batch"]) == ("interval", *expected_fb(1e7))
+    assert event["reason"].startswith(f"LowDiff re-tune: full checkpoint every {first[0]}->{s.full_every} steps")
+
+
+def test_fixed_full_every_and_batch_are_kept():
+    s = tuner(full_every="5", batch="3")
+    FakeWriter(s, 1e7).write(FULL_BYTES)
+    s.after_step(RETUNE_EVERY)  # where an auto setting would be re-tuned
+    assert (s.full_every, s.batch) == (5, 3)
+    assert s.rt.metrics.events == []
+
+    s = tuner(full_every="5")  # only the batch is free: optimised given F, so never above F
+    FakeWriter(s, 1e7).write(FULL_BYTES)
+    s._retune()
+    assert s.full_every == 5 and 1 <= s.batch <= 5
+    assert all(e["full_every"] == 5 and e["batch"] <= 5 for e in s.rt.metrics.events)
