@@ -458,3 +458,19 @@ def test_failure_log_mixed_timezones(tmp_path):
     log.write_text("2024-05-01T00:00:00Z\n2024-05-02T00:00:00\n")
     with pytest.raises(ValueError, match=":2: mixes"):
         mtbf_from_failure_log(log)
+
+
+@pytest.mark.parametrize("fixed", [{"f": 5}, {"f": 400}, {"b": 1}, {"b": 6}])
+def test_optimum_with_one_value_fixed_matches_grid(fixed):
+    """When the user fixes F or B, only the other is optimised, and it equals the grid argmin of eq. (8)."""
+    from ckptrun.lowdiff_model import optimal_fb_given, waste_fraction
+
+    costs = LowDiffCosts(step_time=0.1, full_ckpt_bytes=100e6, diff_bytes=20e6, write_bandwidth=1e7,
+                         full_load_time=10.0, diff_replay_time=0.01, mtbf=1800.0)
+    f, b = optimal_fb_given(costs, **fixed)
+    if "f" in fixed:
+        grid = min(range(1, fixed["f"] + 1), key=lambda x: waste_fraction(costs, fixed["f"], x))
+        assert (f, b) == (fixed["f"], grid)
+    else:
+        grid = min(range(fixed["b"], 200_000), key=lambda x: waste_fraction(costs, x, fixed["b"]))
+        assert b == fixed["b"] and abs(f - grid) <= 1
