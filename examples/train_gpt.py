@@ -86,7 +86,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--save-at", type=int, default=0, help="torch.save model+optimizer after this step")
     p.add_argument("--save-path", default="")
     p.add_argument("--log-every", type=int, default=0)
-    p.add_argument("--timing-json", default="", help="write per-step wall time and checkpoint stall here")
+    p.add_argument("--timing-json", default="", help="append per-step wall time and checkpoint stall here (JSON lines)")
     p.add_argument("--ref-save", choices=["none", "torch", "dcp-thread", "dcp-process"], default="none",
                    help="reference checkpointing done by the script itself (ckptrun bench)")
     p.add_argument("--ref-every", type=int, default=1, help="steps between reference saves")

@@ -1,5 +1,5 @@
-"""The figures of one run, from the files it leaves behind: the example script's timing JSON
-(every configuration) and, for ckptrun runs, the workers' and engines' metrics.
+"""The figures of one run, from the files it leaves behind: the example script's timing file
+(`--timing-json`, every configuration) and, for ckptrun runs, the workers' and engines' metrics.
 
 Step time and stall are averaged over the timed steps: all but the first `warmup` steps of the
 run (one-time costs such as first-touch of staging memory are left out of every configuration
@@ -57,11 +57,11 @@ class Attempt:
 def attempts(path: Path) -> list[Attempt]:
     """Every process that wrote to the timing file, in order (a killed one may end mid-line)."""
     try:
-        lines = path.read_text().split("\n")[:-1]
-    except OSError as e:
-        raise CkptrunError(f"the run left no timing file {path}: {e}") from None
+        events = [json.loads(line) for line in path.read_text().split("\n")[:-1]]
+    except (OSError, ValueError) as e:
+        raise CkptrunError(f"the run left no readable timing file {path}: {e}") from None
     out: list[Attempt] = []
-    for e in map(json.loads, lines):
+    for e in events:
         if e["event"] == "start":
             out.append(Attempt(e["start_step"], e["params"]))
         elif e["event"] == "step":

@@ -77,7 +77,8 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
 
     rows = [r for r in rows if r["repetitions"]]
     names = [r["name"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6.0, 0.8 * len(rows) + 2), 7), sharex=True)
+    width = max(6.0, 0.8 * len(rows) + 2)
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(width, 7), sharex=True)
     ratio = [r["overhead_ratio"] or 0.0 for r in rows]
     err = [[max(0.0, m - (r["min"]["overhead_ratio"] or m)) for m, r in zip(ratio, rows, strict=True)],
            [max(0.0, (r["max"]["overhead_ratio"] or m) - m) for m, r in zip(ratio, rows, strict=True)]]
@@ -86,7 +87,7 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
     ax1.bar(names, ratio, yerr=err, capsize=3, color=colors)
     ax1.axhline(1.0, color="0.3", linewidth=0.8)
     ax1.set_ylabel("step time / none")
-    ax1.set_title(textwrap.fill(title, 110), fontsize=8)
+    ax1.set_title(textwrap.fill(title, int(width * 13)), fontsize=8)
     ax2.bar(names, [r["stall_ms_per_step"] or 0.0 for r in rows], color=colors)
     ax2.set_ylabel("stall ms / step")
     ax2.tick_params(axis="x", labelrotation=45)

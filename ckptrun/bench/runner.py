@@ -8,6 +8,7 @@ configuration must not cost the figures of the others.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -31,6 +32,12 @@ class Outcome:
     error: str | None
     wall_s: float
     params: int | None = None  # parameters of the model trained
+    load_1m: float | None = None  # the machine's 1-minute load average when the run ended
+
+    def to_json(self) -> dict:
+        """A run as the JSON lists it: its figures (or its error), its wall time and the load."""
+        result = self.figures.to_json() if self.figures else {"error": self.error}
+        return {**result, "wall_s": self.wall_s, "load_1m": self.load_1m}
 
 
 class RunFailed(CkptrunError):
@@ -110,6 +117,10 @@ def run_configuration(cfg: Configuration, work: Workload, run_dir: Path, steps: 
         run = _ckptrun_run if cfg.kind == "ckptrun" else _script_run
         result, params = run(cfg, work, run_dir, steps, warmup, timeout_s)
     except CkptrunError as e:
-        return Outcome(None, str(e), time.perf_counter() - t0)
+        return Outcome(None, str(e), time.perf_counter() - t0, load_1m=_load())
     shutil.rmtree(run_dir, ignore_errors=True)
-    return Outcome(result, None, time.perf_counter() - t0, params)
+    return Outcome(result, None, time.perf_counter() - t0, params, _load())
+
+
+def _load() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None

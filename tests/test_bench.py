@@ -1,0 +1,117 @@
+"""`ckptrun bench`: one tiny end-to-end bench (JSON schema, ratios against the `none` of the same
+invocation, the plot); the references restore what they saved; the pure parts (aggregation,
+configuration choice) without runs. Nothing here asserts speed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+from conftest import EXAMPLE, assert_training_state, ckptrun, load, ok, python
+
+from ckptrun.bench import figures, plan, report, stats
+from ckptrun.bench.figures import FIGURES, RunFigures
+from ckptrun.bench.runner import Outcome
+from ckptrun.errors import CkptrunError, UsageError
+
+MACHINE_KEYS = {"cpu_model", "logical_cores", "torch", "gpus", "dir_filesystem"}
+
+
+def test_tiny_bench_writes_every_figure_with_ratios_against_its_own_none(tmp_path):
+    out, png, runs = tmp_path / "b.json", tmp_path / "b.png", tmp_path / "runs"
+    proc = ok(ckptrun(tmp_path, "bench", "--model", "tiny", "--strategies", "sync", "--steps", 4, "--warmup", 1,
+                      "--repeat", 1, "--dir", runs, "--json", out, "--plot", png))
+    assert "overhead" in proc.stdout and "sync" in proc.stdout  # the terminal table
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == report.SCHEMA and doc["command"].startswith("ckptrun bench --model tiny")
+    assert MACHINE_KEYS <= doc["machine"].keys()
+    assert doc["machine"]["dir_filesystem"]["type"] not in ("", "unknown")
+    assert doc["settings"]["params"] > 0
+    rows = {c["name"]: c for c in doc["configurations"]}
+    assert list(rows) == ["none", "sync"]
+    for row in rows.values():
+        assert set(stats.KEYS) <= row.keys()
+        assert set(row["min"]) == set(row["max"]) == set(stats.KEYS)
+        assert row["repetitions"] == 1 and row["errors"] == []
+        assert set(row["runs"][0]) == {*FIGURES, "wall_s", "load_1m"}
+        assert row["min"]["median_step_s"] <= row["median_step_s"] <= row["max"]["median_step_s"]
+    none, sync = rows["none"], rows["sync"]
+    assert none["overhead_ratio"] == 1.0
+    assert sync["overhead_ratio"] == pytest.approx(sync["median_step_s"] / none["median_step_s"], rel=1e-12)
+    assert none["committed"] == 0 and none["bytes_per_step"] == 0 and none["recovery_s"] is None
+    assert none["stall_ms_per_step"] == 0 and none["write_MBps"] is None
+    assert sync["committed"] == 4 and sync["bytes_per_step"] > 0 and sync["write_MBps"] > 0
+    assert sync["stall_ms_per_step"] > 0 and sync["recovery_s"] > 0 and sync["peak_rss_MB"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list(runs.iterdir()) == []  # successful runs leave nothing behind
+
+
+def _figures(step_s: float, recovery_s: float | None = 1.0) -> RunFigures:
+    return RunFigures(step_s=step_s, stall_ms_per_step=step_s * 100, bytes_per_step=10.0, write_MBps=None,
+                      peak_rss_MB=100.0, committed=3, recovery_s=recovery_s)
+
+
+def test_summary_is_median_min_max_with_ratios_against_none_and_keeps_failures():
+    configs = plan.configurations("sync", "1")
+    outcomes = {
+        "none": [Outcome(_figures(s, None), None, 1.0) for s in (2.0, 1.0, 4.0)],
+        "sync": [Outcome(_figures(3.0), None, 1.0), Outcome(None, "boom", 1.0), Outcome(_figures(5.0, 3.0), None, 1.0)],
+    }
+    none, sync = stats.summarize(configs, outcomes)
+    assert (none["median_step_s"], none["min"]["median_step_s"], none["max"]["median_step_s"]) == (2.0, 1.0, 4.0)
+    assert none["recovery_s"] is None and none["write_MBps"] is None
+    assert sync["median_step_s"] == 4.0 and sync["repetitions"] == 2 and sync["errors"] == ["boom"]
+    assert (sync["overhead_ratio"], sync["min"]["overhead_ratio"], sync["max"]["overhead_ratio"]) == (2.0, 1.5, 2.5)
+    assert (sync["recovery_s"], sync["min"]["recovery_s"], sync["max"]["recovery_s"]) == (2.0, 1.0, 3.0)
+    assert sync["runs"][1] == {"error": "boom", "wall_s": 1.0, "load_1m": None}
+
+
+def test_configurations_put_none_first_and_name_intervals():
+    names = [c.name for c in plan.configurations("checkfreq,torch.save", "1,5")]
+    assert names == ["none", "checkfreq@1", "checkfreq@5", "torch.save@1", "torch.save@5"]
+    everything = {c.method for c in plan.configurations("all", "1")}
+    assert {"none", "torch.save", "dcp-thread", "dcp-process", "sync", "checkfreq"} <= everything
+    with pytest.raises(UsageError, match="unknown --strategies nope"):
+        plan.configurations("nope", "1")
+    with pytest.raises(UsageError, match="--every"):
+        plan.configurations("sync", "0")
+
+
+def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(CkptrunError, match=r"pip install 'ckptrun\[plot\]'"):
+        report.require_matplotlib()
+
+
+# Dropout off: the references save model, optimizer and scheduler, not the RNG (as most scripts).
+REF_ARGS = ["--layers", "1", "--d-model", "32", "--steps", 6, "--threads", 1, "--dropout", 0]
+
+
+@pytest.fixture(scope="module")
+def no_dropout_truth(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("ref-truth")
+    python(root, EXAMPLE, *REF_ARGS, "--save-at", 6, "--save-path", root / "truth.pt")
+    return load(root / "truth.pt")
+
+
+@pytest.mark.parametrize("ref", ["torch", "dcp-thread", "dcp-process"])
+def test_reference_resumes_from_its_newest_save_like_an_uninterrupted_run(tmp_path, ref, no_dropout_truth):
+    """Saves at 2, 4, 6 (the newest two kept); without the one of step 6, a resumed run restores
+    step 4, takes steps 5 and 6, and ends where the uninterrupted run did."""
+    ref_dir, timing = tmp_path / "ref", tmp_path / "timing.jsonl"
+    python(tmp_path, EXAMPLE, *REF_ARGS, "--ref-save", ref, "--ref-every", 2, "--ref-dir", ref_dir,
+           "--timing-json", timing)
+    saves = sorted(p.name for p in ref_dir.iterdir() if p.name.startswith("step-"))
+    assert [s.split(".")[0] for s in saves] == ["step-00000004", "step-00000006"]
+    newest = ref_dir / saves[-1]
+    shutil.rmtree(newest) if newest.is_dir() else newest.unlink()
+    python(tmp_path, EXAMPLE, *REF_ARGS, "--ref-save", ref, "--ref-every", 7, "--ref-dir", ref_dir, "--ref-resume",
+           "--timing-json", timing, "--save-at", 6, "--save-path", tmp_path / "resumed.pt")
+    assert_training_state(load(tmp_path / "resumed.pt"), no_dropout_truth)
+    first, resumed = figures.attempts(timing)
+    assert [s["step"] for s in first.saves] == [2, 4, 6] and all(s["bytes"] > 0 for s in first.saves)
+    assert [s["step"] for s in first.steps] == [1, 2, 3, 4, 5, 6]
+    assert resumed.start_step == 4 and [s["step"] for s in resumed.steps] == [5, 6]
+    assert resumed.recovery_s > 0 and resumed.saves == []
