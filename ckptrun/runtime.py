@@ -209,7 +209,7 @@ class Runtime:
             raise StopRun(self.step)
         self.check_engine()
         step = self.step + 1
-        self.strategy.before_step(step)
+        self._timed(self.strategy.before_step, step)
         if self.fault and self.fault.target == "kill" and self.fault.phase == "compute" \
                 and self.fault.step == step:
             self.metrics.flush()
@@ -222,7 +222,7 @@ class Runtime:
         self.metrics.optim_s = time.perf_counter() - self._optim_t0
         self.step += 1
         self._generators = {n: o.get_state() for n, o in self.tracked.items() if isinstance(o, torch.Generator)}
-        self.strategy.after_step(self.step)
+        self._timed(self.strategy.after_step, self.step)
         if self.recovery_started is not None:
             self.metrics.emit(type="restart", restart_count=self.restart_count,
                               resume_step=self.resume.step if self.resume else 0,
@@ -238,6 +238,15 @@ class Runtime:
 
     def stall(self, cause: str, since: float) -> None:
         self.metrics.add_stall(cause, time.perf_counter() - since)
+
+    def _timed(self, hook, step: int) -> None:
+        """Run a strategy hook; all the time it blocks training is stall. Whatever the inner timers
+        (back-pressure, sync write) did not claim is the snapshot's (state building, copies, sends)."""
+        claimed = sum(self.metrics.stall.values())
+        t0 = time.perf_counter()
+        hook(step)
+        spent = time.perf_counter() - t0
+        self.metrics.add_stall("snapshot", max(0.0, spent - (sum(self.metrics.stall.values()) - claimed)))
 
     # ---- registration and restore ------------------------------------------------------
     def on_optimizer(self, opt: torch.optim.Optimizer) -> None:
@@ -387,7 +396,6 @@ class Runtime:
         """Append `state` to the slot. With `background`, tensors other than module buffers
         (which the next forward changes) are copied off the training thread (a side stream on GPU)."""
         self.wait_copy(snap)
-        t0 = time.perf_counter()
         skeleton, tensors = flatten(state, snap.prefix)
         layout = Layout.of(tensors, start=snap.layout.nbytes)
         if layout.nbytes > self.slots.buffers[snap.slot].numel():
@@ -404,7 +412,6 @@ class Runtime:
         snap.skeleton.update(skeleton)
         snap.layout = snap.layout + layout
         snap.nbytes = snap.layout.nbytes
-        self.stall("snapshot", t0)
 
     def _move_to_larger_slot(self, snap: Snapshot, need: int) -> None:
         """The state outgrew its slot mid-snapshot: carry what is written into a bigger one."""
@@ -452,14 +459,12 @@ class Runtime:
 
     def wait_copy(self, snap: Snapshot) -> None:
         """Block until the slot holds `snap`'s post-step state (the next update may then run)."""
-        t0 = time.perf_counter()
         if snap.copy is not None:
             snap.copy.result()
             snap.copy = None
         if snap.event is not None:
             snap.event.synchronize()
             snap.event = None
-        self.stall("snapshot", t0)
 
     def seal(self, snap: Snapshot) -> None:
         """Add the state that settles after the step: schedulers, scaler, tracked objects, and
