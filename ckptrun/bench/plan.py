@@ -38,6 +38,7 @@ class Configuration:
     method: str  # "none", a REFERENCES key, or a strategy name
     kind: str  # "baseline", "reference" or "ckptrun"
     every: int | None
+    flags: tuple[str, ...] = ()  # a strategy's own run options (VARIANTS)
 
 
 @dataclass(frozen=True)
@@ -74,11 +75,15 @@ def parse_every(text: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
+# Strategy settings worth a bar of their own: name -> (strategy, its run options).
+VARIANTS = {"lowdiff+topk": ("lowdiff", ("--compress", "topk:0.01"))}
+
+
 def configurations(methods: str, every: str) -> list[Configuration]:
     """`none` first, then each chosen reference and strategy at each interval, in that order."""
     from ..strategies import REGISTRY
 
-    known = [*REFERENCES, *REGISTRY]
+    known = [*REFERENCES, *REGISTRY, *VARIANTS]
     wanted = known if methods.strip() == "all" else [m.strip() for m in methods.split(",") if m.strip()]
     unknown = [m for m in wanted if m != BASELINE and m not in known]
     if unknown:
@@ -89,7 +94,8 @@ def configurations(methods: str, every: str) -> list[Configuration]:
     for method in dict.fromkeys(m for m in wanted if m != BASELINE):
         for e in intervals:
             name = method if len(intervals) == 1 else f"{method}@{e}"
-            configs.append(Configuration(name, method, "reference" if method in REFERENCES else "ckptrun", e))
+            base, flags = VARIANTS.get(method, (method, ()))
+            configs.append(Configuration(name, base, "reference" if method in REFERENCES else "ckptrun", e, flags))
     return configs
 
 
@@ -114,7 +120,7 @@ def launch(cfg: Configuration, work: Workload, run_dir: Path, steps: int, *, rec
         crash = steps + 1 if cfg.every <= steps else None  # nothing to recover from otherwise
         if crash:
             env[FAULT_ENV] = f"kill:step={crash}"
-        argv = [sys.executable, "-m", "ckptrun", "run", "--strategy", cfg.method, "--dir", ckpt,
+        argv = [sys.executable, "-m", "ckptrun", "run", "--strategy", cfg.method, *cfg.flags, "--dir", ckpt,
                 "--every", str(cfg.every), "--max-restarts", "1" if crash else "0",
                 "--metrics-dir", str(run_dir / "metrics"), str(work.script), *work.script_args(crash or steps, timing)]
         return Launch(argv, env, crash)
