@@ -46,9 +46,31 @@ def owning_modules(optimizer: torch.optim.Optimizer) -> list[nn.Module]:
     return sorted(roots, key=lambda r: min(order.get(id(p), len(order)) for p in r.parameters()))
 
 
-def orphan_params(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> list[torch.Tensor]:
+def orphan_params(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> dict[int, torch.Tensor]:
+    """Parameters the optimizer updates that no discovered module owns, by optimizer index."""
     owned = {id(p) for m in models for p in m.parameters()}
-    return [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return {i: p for i, p in enumerate(params) if id(p) not in owned}
+
+
+def orphans_key(optimizer: str) -> str:
+    """Where an optimizer's module-less parameters are tracked (under "extra")."""
+    return f"ckptrun.orphan_params.{optimizer}"
+
+
+class OrphanParams:
+    """Checkpoints free-standing optimized tensors (no module owns them), restored in place."""
+
+    def __init__(self, params: dict[int, torch.Tensor]) -> None:
+        self.params = params
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {str(i): p.detach() for i, p in self.params.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for i, p in self.params.items():
+                p.copy_(state[str(i)])
 
 
 def rng_state() -> dict[str, Any]:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from queue import Queue
 
+from .discovery import orphans_key
 from .errors import CkptrunError, CorruptCheckpoint, StepNotAvailable
 from .store import Manifest, Store
 from .tree import unflatten
@@ -177,7 +178,8 @@ def _replay_offline(store: Store, plan: Plan, rank: int, state: dict) -> dict:
     except (ImportError, AttributeError):
         raise CkptrunError(f"replaying step {plan.step} needs the optimizer class {info['class']}; "
                            "install the package that defines it") from None
-    params = [state["models"][aliases[0][0]][aliases[0][1]] for aliases in info["params"]]
+    orphans = state.get("extra", {}).get(orphans_key("optimizer"), {})
+    params = [state["models"][a[0][0]][a[0][1]] if a else orphans[str(i)] for i, a in enumerate(info["params"])]
     saved = state["optimizers"]["optimizer"]
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[i] for i in g["params"]]}
               for g in saved["param_groups"]]
@@ -188,4 +190,7 @@ def _replay_offline(store: Store, plan: Plan, rank: int, state: dict) -> dict:
         for model, key in aliases:
             state["models"][model][key] = p.detach()
     state["optimizers"]["optimizer"] = opt.state_dict()
-    return finish_state(state, last)
+    state = finish_state(state, last)
+    for i in orphans:  # module-less parameters: the replayed values
+        state["extra"][orphans_key("optimizer")][i] = params[int(i)].detach()
+    return state

@@ -261,6 +261,9 @@ class Runtime:
                 self.models["model" if not self.models else f"model_{len(self.models)}"] = m
         self._volatile = discovery.module_buffers(list(self.models.values()))
         self.optimizer_info[_indexed("optimizer", idx)] = self._describe(opt)
+        orphans = discovery.orphan_params(opt, list(self.models.values()))
+        if orphans:
+            self.track(discovery.orphans_key(_indexed("optimizer", idx)), discovery.OrphanParams(orphans))
         self.metrics.emit(type="optimizer", index=idx, cls=type(opt).__name__,
                           param_bytes=sum(p.numel() * p.element_size() for g in opt.param_groups for p in g["params"]))
         if self.resume is not None:

@@ -27,6 +27,8 @@ from ckptrun.store import Store
     ("while_loop.py", "sync", "kill:step=7"),
     ("batchnorm_sgd.py", "checkfreq", "kill:step=7:phase=write"),
     ("tracked_ema.py", "checkfreq", "kill:step=7"),
+    ("orphan_param.py", "checkfreq", "kill:step=7"),
+    ("orphan_param.py", "lowdiff", "kill:step=7"),
 ])
 def test_script_resumes_exactly_after_a_kill(script, strategy, fault, tmp_path):
     args = ["--steps", STEPS, "--save-at", STEPS, "--save-path"]
@@ -51,3 +53,16 @@ def test_script_without_optimizer_fails_clearly(tmp_path):
     assert "never created a torch.optim optimizer" in line
     store = Store(tmp_path / "ckpts")
     assert store.manifests() == [] and store.incomplete() == []
+
+
+def test_module_less_parameter_is_restored_by_offline_replay(tmp_path):
+    """`restore` of a lowdiff step replays the free-standing tensor too (it has no model key)."""
+    ok(subprocess.run([sys.executable, str(SCRIPTS / "orphan_param.py"), "--steps", str(STEPS), "--save-at", "8",
+                       "--save-path", "truth.pt"], cwd=tmp_path, env=clean_env(None), capture_output=True,
+                      timeout=TIMEOUT_S))
+    ok(ckptrun(tmp_path, "--strategy", "lowdiff", "--full-every", "5", "--batch", "3", "--keep", "0", "--dir",
+               "ckpts", SCRIPTS / "orphan_param.py", "--steps", STEPS))
+    ok(ckptrun(tmp_path, "restore", "--dir", "ckpts", "--step", "8", "--out", "r8.pt"))
+    truth, restored = load(tmp_path / "truth.pt"), load(tmp_path / "r8.pt")
+    (scale,) = restored["extra"]["ckptrun.orphan_params.optimizer"].values()
+    assert_training_state({**restored, "model": {**restored["model"], "scale": scale}}, truth)
