@@ -51,6 +51,7 @@ class Snapshot:
     event: Any = None  # CUDA event marking the end of the device-to-host copy
     nbytes: int = 0
     prefix: str = ""  # tensor-key prefix, so several snapshots can share one record
+    kind: str = "full"  # snapshots of one kind have about the same size (slot sizing)
 
 
 @dataclass
@@ -149,6 +150,7 @@ class Runtime:
         self.save_errors: list[str] = []
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="ckptrun-snapshot")
         self._volatile: set[int] = set()
+        self._sizes: dict[str, int] = {}  # bytes the last submitted snapshot of each kind took
         self._cuda = torch.cuda.is_available()
         self._stream = None
         self.client = EngineClient(cfg.engine_address(local_rank), bytes.fromhex(cfg.authkey), self._on_event)
@@ -387,19 +389,23 @@ class Runtime:
         if retire:
             self.client.send({"op": "retire", "slots": retire})
 
-    def begin(self, step: int, need: int, prefix: str = "") -> Snapshot:
-        """Take a free staging slot for `step` (back-pressure: wait while none is free)."""
-        self._ensure_slots(need)
+    def begin(self, step: int, kind: str = "full", need: int = 0, prefix: str = "") -> Snapshot:
+        """Take a free staging slot for `step` (back-pressure: wait while none is free), big
+        enough for `need` bytes and for what the last snapshot of this `kind` took; a snapshot
+        that still outgrows it moves to a larger slot."""
+        self._ensure_slots(max(need, self._sizes.get(kind, 0)))
         t0 = time.perf_counter()
         slot = self.slots.acquire(self.lost)
         self.stall("backpressure", t0)
-        return Snapshot(step, slot, {}, Layout((), 0), time.time(), prefix=prefix)
+        return Snapshot(step, slot, {}, Layout((), 0), time.time(), prefix=prefix, kind=kind)
 
     def add(self, snap: Snapshot, state: dict, *, background: bool = False) -> None:
         """Append `state` to the slot. With `background`, tensors other than module buffers
         (which the next forward changes) are copied off the training thread (a side stream on GPU)."""
+        self._append(snap, *flatten(state, snap.prefix), background=background)
+
+    def _append(self, snap: Snapshot, skeleton: Any, tensors: dict[str, torch.Tensor], *, background: bool) -> None:
         self.wait_copy(snap)
-        skeleton, tensors = flatten(state, snap.prefix)
         layout = Layout.of(tensors, start=snap.layout.nbytes)
         if layout.nbytes > self.slots.buffers[snap.slot].numel():
             self._move_to_larger_slot(snap, layout.nbytes)
@@ -428,15 +434,12 @@ class Runtime:
         if not self.slots.release(old):
             self.client.send({"op": "retire", "slots": [old]})
 
-    def state_bytes(self, state: dict) -> int:
-        return Layout.of(flatten(state)[1]).nbytes
-
     def capture(self, step: int, *, background: bool) -> Snapshot:
         """Copy the post-step state of `step` (parameters, optimizer state, buffers, RNG) into a
         free slot; `seal` adds what settles later."""
-        early = self.early_state()
-        snap = self.begin(step, self.state_bytes(early) + self.state_bytes(self.late_state()))
-        self.add(snap, early, background=background)
+        skeleton, tensors = flatten(self.early_state())
+        snap = self.begin(step, "full", Layout.of(tensors).nbytes)
+        self._append(snap, skeleton, tensors, background=background)
         self.metrics.last_snapshot_step = step
         return snap
 
@@ -494,6 +497,7 @@ class Runtime:
             **fields,
         })
         self.metrics.bytes += snap.nbytes
+        self._sizes[snap.kind] = snap.nbytes
         if self.fault and self.fault.target == "kill" and self.fault.phase == "write" \
                 and self.fault.step == snap.step and not wait_durable:
             done.wait()  # the engine kills us mid-write (fault_kill) before this returns

@@ -213,10 +213,7 @@ class LowDiff(Strategy):
             grads = [p.grad for p in params]
         diff = {"grads": grads, "groups": [{k: v for k, v in g.items() if k != "params"}
                                            for g in opt.param_groups]}
-        need = rt.state_bytes(diff) + rt.state_bytes(self._post_state()) + rt.state_bytes(rt.late_state())
-        if self.compress:
-            need += rt.state_bytes(self.compress.state_dict())
-        self.pending_diff = rt.begin(step, need, prefix=f"s{step}")
+        self.pending_diff = rt.begin(step, "diff", prefix=f"s{step}")
         self.diff_base = self.base
         rt.add(self.pending_diff, diff, background=True)
         self._opt_t0 = time.perf_counter()
