@@ -159,9 +159,7 @@ def ls(dir: Dir = Path("ckpts"),
     """List committed steps."""
     from .store import Store
 
-    store = Store(dir)
-    if not dir.is_dir():
-        raise CkptrunError(f"no checkpoint directory at {dir}; pass --dir", exit_code=2)
+    store = Store.existing(dir)
     rows = [{"step": m.step, "kind": m.kind, "record": m.name, "bytes": m.bytes, "ranks": m.world_size,
              "depends_on": m.depends_on, "first_step": m.first_step} for m in store.manifests()]
     if as_json:
@@ -180,9 +178,7 @@ def verify(dir: Dir = Path("ckpts")) -> None:
     """Re-check every checksum and dependency; exit 1 listing the bad objects."""
     from .store import Store
 
-    store = Store(dir)
-    if not dir.is_dir():
-        raise CkptrunError(f"no checkpoint directory at {dir}; pass --dir", exit_code=2)
+    store = Store.existing(dir)
     ms = store.manifests(warn=False)
     problems = [*store.unreadable().values()] + [p for m in ms for p in store.verify_record(m)]
     problems += [f"{name}: incomplete (no manifest; torn or still being written)" for name in store.incomplete()]

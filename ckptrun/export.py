@@ -45,9 +45,7 @@ def as_torch_dict(state: dict, step: int) -> dict[str, Any]:
 
 
 def export(directory: Path, step: int | str, out: Path, fmt: str, rank: int = 0) -> Plan:
-    store = Store(directory)
-    if not directory.is_dir():
-        raise CkptrunError(f"no checkpoint directory at {directory}; pass --dir", exit_code=2)
+    store = Store.existing(directory)
     plan = find(store, step)
     if not 0 <= rank < plan.base.world_size:
         raise CkptrunError(f"--rank {rank}: step {plan.step} has ranks 0..{plan.base.world_size - 1}", exit_code=2)

@@ -81,6 +81,13 @@ class Store:
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
 
+    @classmethod
+    def existing(cls, root: str | os.PathLike) -> Store:
+        """The directory a reading command (ls, verify, restore) works on; an error if absent."""
+        if not Path(root).is_dir():
+            raise CkptrunError(f"no checkpoint directory at {root}; pass --dir", exit_code=2)
+        return cls(root)
+
     # ---- writing -----------------------------------------------------------------------
     def ensure_writable(self) -> None:
         """Create the directory and prove it accepts durable writes, or explain why not."""
