@@ -88,7 +88,7 @@ def main() -> None:
                     f"{world_size}; launch {plan.base.world_size} ranks, or export it with `ckptrun restore`")
             rt.resume = ResumeState(plan.step, plan.base.name, read_state(store, plan.base, rank),
                                     plan.base.world_size, diff_states(store, plan, rank) if plan.diffs else None)
-            rt.step = plan.step
+            rt.step = rt.checkpointed_step = plan.step
         if plan is not None or restart_count > 0:
             rt.recovery_started = t_start
         os.environ[RESUME_ENV] = str(rt.step)

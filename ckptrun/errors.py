@@ -34,3 +34,7 @@ class CheckpointMismatch(CkptrunError):
     """The checkpoint directory holds state of another model or world size."""
 
     exit_code = 2
+
+
+class AlreadyCommitted(CkptrunError):
+    """A write aimed at a record that is already committed; nothing was touched."""

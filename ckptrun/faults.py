@@ -3,6 +3,9 @@
 Forms: `kill:step=7` (the worker SIGKILLs itself mid-step 7: after backward, before the
 update), `kill:step=7:phase=write` (the worker dies while step 7's checkpoint is being
 written), `kill-engine:step=7:phase=write` (the engine dies mid-write, leaving a torn record).
+`enospc:step=7:at=manifest.synced[:times=3]` makes the engine's writes fail with ENOSPC at that
+point of the durable-write sequence (data|index|manifest . open|written|synced|renamed|dir-synced)
+for records of step 7 and later, `times` times in all (default 1): a full disk for a while.
 Faults fire only in the first attempt, so the restarted run can finish.
 """
 
@@ -17,20 +20,24 @@ ENV = "CKPTRUN_FAULT"
 
 @dataclass(frozen=True)
 class Fault:
-    target: str  # "kill" (worker) or "kill-engine"
+    target: str  # "kill" (worker), "kill-engine" or "enospc" (engine writes fail)
     step: int
     phase: str  # "compute" or "write"
     rank: int | None = None
+    at: str = ""  # enospc: the fault point of fsutil.publish_bytes, e.g. "data:written"
+    times: int = 1  # enospc: how many writes fail
 
     @classmethod
     def parse(cls, text: str) -> Fault:
         parts = text.split(":")
-        if parts[0] not in ("kill", "kill-engine"):
-            raise ValueError(f"{ENV}={text!r}: expected kill:step=N[:phase=compute|write][:rank=R]")
+        if parts[0] not in ("kill", "kill-engine", "enospc"):
+            raise ValueError(f"{ENV}={text!r}: expected kill:step=N[:phase=compute|write][:rank=R] "
+                             "or enospc:step=N:at=FILE.POINT[:times=T]")
         opts = dict(p.split("=", 1) for p in parts[1:])
-        phase = opts.get("phase", "write" if parts[0] == "kill-engine" else "compute")
+        phase = opts.get("phase", "compute" if parts[0] == "kill" else "write")
         rank = int(opts["rank"]) if "rank" in opts else None
-        return cls(parts[0], int(opts["step"]), phase, rank)
+        return cls(parts[0], int(opts["step"]), phase, rank, opts.get("at", "").replace(".", ":", 1),
+                   int(opts.get("times", 1)))
 
     def applies(self, rank: int, restart_count: int) -> bool:
         return restart_count == 0 and (self.rank is None or self.rank == rank)

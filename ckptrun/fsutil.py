@@ -50,14 +50,18 @@ def publish_bytes(
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        fault(f"{name}:open")
-        write_buffer(fd, memoryview(data).cast("B"), threads)
-        fault(f"{name}:written")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fault(f"{name}:synced")
-    os.replace(tmp, path)
+        try:
+            fault(f"{name}:open")
+            write_buffer(fd, memoryview(data).cast("B"), threads)
+            fault(f"{name}:written")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fault(f"{name}:synced")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind
+        raise
     fault(f"{name}:renamed")
     fsync_dir(path.parent)
     fault(f"{name}:dir-synced")

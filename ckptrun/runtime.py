@@ -139,6 +139,7 @@ class Runtime:
         self.resume: ResumeState | None = None
         self.recovery_started: float | None = None  # set on resume: time to the first resumed step
         self.replaying = False  # optimizer steps taken by replay are not training steps
+        self.checkpointed_step: int | None = None  # newest step committed already or captured by this run
         self.optimizer_info: dict[str, dict] = {}
         self.metrics = WorkerMetrics(cfg.metrics_dir, rank)
         self.fault = faults.from_env(rank, restart_count)
@@ -380,7 +381,9 @@ class Runtime:
         }
 
     def _ensure_slots(self, need: int) -> None:
-        if need <= self.slots.nbytes:
+        """Make the slots hold `need` bytes; with none yet (a fresh engine), allocate some anyway,
+        so that a snapshot of unknown size has a slot to start in and grow from."""
+        if self.slots.buffers and need <= self.slots.nbytes:
             return
         self.check_engine()
         size = align(int(need * 1.25) + ALIGN)
@@ -440,7 +443,7 @@ class Runtime:
         skeleton, tensors = flatten(self.early_state())
         snap = self.begin(step, "full", Layout.of(tensors).nbytes)
         self._append(snap, skeleton, tensors, background=background)
-        self.metrics.last_snapshot_step = step
+        self.metrics.last_snapshot_step = self.checkpointed_step = step
         return snap
 
     @staticmethod

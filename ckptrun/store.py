@@ -9,6 +9,8 @@ files are durable (DESIGN invariant 2). Nothing here unpickles.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -20,7 +22,7 @@ from typing import Any
 
 import xxhash
 
-from .errors import CkptrunError, CorruptCheckpoint
+from .errors import AlreadyCommitted, CkptrunError, CorruptCheckpoint
 from .fsutil import FaultHook, _no_fault, fsync_dir, publish_bytes, publish_json
 
 FORMAT = 1
@@ -124,19 +126,64 @@ class Store:
         """Durably publish one rank's part of record `name`; returns the bytes written.
 
         `tensors` maps key -> {dtype, shape, offset, nbytes}; `data` holds them at those offsets.
+        Raises AlreadyCommitted (touching nothing) if `name` is committed, and OSError after
+        removing whatever it wrote if a write fails. The run's directory is never re-created: a
+        directory deleted under a running job is a save error, not a silent fresh start.
         """
         rdir = self.root / name
-        if (rdir / MANIFEST).exists():
-            raise FileExistsError(f"{name} is committed; committed records are immutable")
-        rdir.mkdir(parents=True, exist_ok=True)
+        if self.is_committed(name):
+            raise AlreadyCommitted(f"{name} is committed; committed records are immutable")
+        if not (self.root / MARKER).is_file():
+            raise FileNotFoundError(errno.ENOENT, f"checkpoint directory {self.root} is gone (no {MARKER})")
+        rdir.mkdir(exist_ok=True)
+        self.discard_rank(name, rank, keep_dir=True)  # a stale part of an earlier attempt must not commit
         data_file, index_file = rank_files(rank)
         sums = {k: {**spec, "xxh3": checksum(data[spec["offset"] : spec["offset"] + spec["nbytes"]])}
                 for k, spec in tensors.items()}
-        publish_bytes(rdir / data_file, data, fault=fault, name="data", threads=threads)
         index = {"format": FORMAT, "record": name, "rank": rank, "data": data_file,
                  "data_nbytes": len(data), "tensors": sums, "skeleton": skeleton, "meta": meta}
-        publish_json(rdir / index_file, index, fault=fault, name="index")
+        try:
+            publish_bytes(rdir / data_file, data, fault=fault, name="data", threads=threads)
+            publish_json(rdir / index_file, index, fault=fault, name="index")
+        except OSError:
+            self.discard_rank(name, rank)
+            raise
         return len(data)
+
+    def is_committed(self, name: str) -> bool:
+        return (self.root / name / MANIFEST).exists()
+
+    def discard_rank(self, name: str, rank: int, *, keep_dir: bool = False) -> None:
+        """Remove one rank's files of an uncommitted record (and the record's directory once it
+        is empty). A committed record is never touched: that is retention's job alone."""
+        rdir = self.root / name
+        if self.is_committed(name):
+            return
+        for f in (rank_files(rank)[1], rank_files(rank)[0]):  # index first: the part stops counting
+            with contextlib.suppress(OSError):
+                (rdir / f).unlink(missing_ok=True)
+        if not keep_dir:
+            with contextlib.suppress(OSError):
+                rdir.rmdir()  # only if empty; other ranks' files keep it
+
+    def mark_failed(self, name: str, rank: int) -> None:
+        """Tell the committer (another process) that this rank's part of `name` will not come.
+        Best effort: with the disk full even an empty file may fail; the record then waits."""
+        rdir = self.root / name
+        with contextlib.suppress(OSError):
+            if self.root.is_dir() and not self.is_committed(name):
+                rdir.mkdir(exist_ok=True)
+                (rdir / f"rank-{rank:05d}.failed").touch()
+
+    def failed_ranks(self, name: str) -> list[int]:
+        rdir = self.root / name
+        return sorted(int(p.name[5:10]) for p in rdir.glob("rank-*.failed")) if rdir.is_dir() else []
+
+    def abandon(self, name: str) -> None:
+        """Remove an uncommitted record whose commit will never happen (a rank failed to write
+        it, or it depends on one that did). Never a committed one."""
+        if not self.is_committed(name):
+            shutil.rmtree(self.root / name, ignore_errors=True)
 
     def ranks_present(self, name: str) -> list[int]:
         rdir = self.root / name
@@ -159,6 +206,7 @@ class Store:
         """Publish the manifest of `name` if every rank's files are there; else None."""
         rdir = self.root / name
         if (rdir / MANIFEST).exists():
+            fsync_dir(rdir)  # a retry after a failed directory fsync makes the commit durable
             return self.manifest(name)
         if self.ranks_present(name) != list(range(world_size)):
             return None

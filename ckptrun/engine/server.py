@@ -8,6 +8,7 @@ files are durable, and prunes old ones. It imports no torch on the plain persist
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -18,10 +19,15 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
 
+from ..errors import AlreadyCommitted
 from ..faults import Fault
+from ..fsutil import FaultHook, _no_fault
 from ..staging import EngineSlot, shm_root
-from ..store import Store, rank_files
+from ..store import Store
 from .handlers import engine_handler
+
+COMMIT_TRIES = 6  # a commit that fails this often is abandoned (reported; the previous step stays)
+COMMIT_BACKOFF_S = 0.1  # first retry delay; doubles each time
 
 
 class EventLog:
@@ -58,7 +64,10 @@ class Engine:
         self.handler = None
         self.strategy: str | None = None
         self.pending: dict[str, dict] = {}
-        self._pending_lock = threading.Lock()
+        self.failed: dict[str, str] = {}  # records that will never commit -> why
+        self._retries: dict[str, tuple[int, float]] = {}  # record -> (failed commits, next try)
+        self._enospc_left = 0
+        self._pending_lock = threading.RLock()
         self.committed_step: int | None = None
         self.stopping = threading.Event()
         self.log.emit(type="engine", local_rank=local_rank, pid=os.getpid())
@@ -123,6 +132,7 @@ class Engine:
         self.rank, self.world_size, self.keep = msg["rank"], msg["world_size"], msg["keep"]
         self.store = Store(msg["dir"])
         self.fault = Fault.parse(msg["fault"]) if msg.get("fault") else None
+        self._enospc_left = self.fault.times if self.fault and self.fault.target == "enospc" else 0
         if self.pool is None:
             self.pool = ThreadPoolExecutor(max(1, msg.get("writers", 2)), thread_name_prefix="writer")
         self.io_threads = max(1, msg.get("io_threads", 1))
@@ -172,10 +182,15 @@ class Engine:
         self.handler.handle(msg)
 
     # ---- persisting --------------------------------------------------------------------
-    def _fault_hook(self, step: int):
+    def _fault_hook(self, step: int) -> FaultHook:
+        """The injected fault (tests) for the writes of a record of `step`, if one applies."""
         fault = self.fault
-        if fault is None or fault.step != step or fault.phase != "write":
-            return lambda point: None
+        if fault is None or fault.phase != "write":
+            return _no_fault
+        if fault.target == "enospc":
+            return self._enospc_hook(fault) if step >= fault.step else _no_fault
+        if fault.step != step:
+            return _no_fault
 
         def hook(point: str) -> None:
             if point != "data:written":
@@ -191,28 +206,53 @@ class Engine:
 
         return hook
 
+    def _enospc_hook(self, fault: Fault) -> FaultHook:
+        def hook(point: str) -> None:
+            with self._pending_lock:
+                if point != fault.at or self._enospc_left <= 0:
+                    return
+                self._enospc_left -= 1
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected at {point})")
+
+        return hook
+
     def write_record(self, msg: dict, data: memoryview) -> int:
         """Persist this rank's part of a record and hand it to the committer (rank 0)."""
         t0 = time.time()
+        name, step = msg["record"], msg["step"]
         try:
-            n = self.store.write_rank(msg["record"], self.rank, data, msg["tensors"], msg["skeleton"],
-                                      msg["meta"], fault=self._fault_hook(msg["step"]),
-                                      threads=self.io_threads)
-        except OSError as e:
-            self._discard_rank_files(msg["record"])
-            self.log.emit(type="save_error", rank=self.rank, step=msg["step"], error=str(e))
-            self.send({"op": "save_error", "step": msg["step"], "record": msg["record"], "error": str(e)})
+            n = self.store.write_rank(name, self.rank, data, msg["tensors"], msg["skeleton"], msg["meta"],
+                                      fault=self._fault_hook(step), threads=self.io_threads)
+        except AlreadyCommitted:
+            # A re-run reaching a step that is committed already (the same state, by exactness):
+            # nothing to write, and the committed record is left exactly as it is.
+            self.log.emit(type="skip", rank=self.rank, step=step, record=name)
+            self.send({"op": "durable", "step": step, "record": name, "bytes": 0, "write_s": 0.0})
+            self.send({"op": "committed", "step": step, "record": name})
+            return 0
+        except Exception as e:  # noqa: BLE001 - any failure is a save error: reported, never a hang
+            with self._pending_lock:
+                self.failed[name] = f"rank {self.rank} failed to write it ({e})"
+            if self.rank == 0:  # the committer itself: the record goes now
+                self.store.abandon(name)
+            else:
+                self.store.mark_failed(name, self.rank)
+            self.save_error(step, name, f"write: {e}")
             return 0
         write_s = time.time() - t0
-        self.log.emit(type="write", rank=self.rank, step=msg["step"], bytes=n, write_s=write_s,
+        self.log.emit(type="write", rank=self.rank, step=step, bytes=n, write_s=write_s,
                       queue_depth=len(self.inflight))
-        self.send({"op": "durable", "step": msg["step"], "record": msg["record"], "bytes": n,
-                   "write_s": write_s})
+        self.send({"op": "durable", "step": step, "record": name, "bytes": n, "write_s": write_s})
         with self._pending_lock:
-            self.pending[msg["record"]] = msg
+            self.pending[name] = msg
         if self.rank == 0:
             self.commit_ready()
         return n
+
+    def save_error(self, step: int, record: str, error: str) -> None:
+        """Report a failed save to the log and to the worker (dashboard, --on-save-error)."""
+        self.log.emit(type="save_error", rank=self.rank, step=step, record=record, error=error)
+        self.send({"op": "save_error", "step": step, "record": record, "error": error})
 
     def _persist(self, msg: dict) -> None:
         slot = msg["slot"]
@@ -221,57 +261,111 @@ class Engine:
         finally:
             self.send({"op": "slot_free", "slot": slot})
 
-    def _discard_rank_files(self, record: str) -> None:
-        for f in rank_files(self.rank):
-            (self.store.root / record / f).unlink(missing_ok=True)
-
     # ---- committing (global rank 0) ----------------------------------------------------
     def commit_ready(self) -> None:
-        """Commit, in step order, every pending record whose ranks and dependencies are durable."""
+        """Commit, in step order, every pending record whose ranks and dependencies are durable.
+
+        A record that a rank failed to write, or that depends on one, is abandoned (its
+        uncommitted files removed, the worker told); a failed commit is retried with back-off,
+        COMMIT_TRIES times, then abandoned the same way."""
         with self._pending_lock:
             todo = sorted(self.pending.values(), key=lambda m: m["step"])
             committed = {m.name for m in self.store.manifests(warn=False)} if todo else set()
             for msg in todo:
-                if any(d not in committed for d in msg.get("depends_on", [])):
+                name = msg["record"]
+                reason = self._failure(name, msg.get("depends_on", []))
+                if reason:
+                    self._abandon(msg, reason)
                     continue
-                m = self.store.try_commit(msg["record"], kind=msg["kind"], step=msg["step"],
-                                          first_step=msg.get("first_step", msg["step"]),
-                                          world_size=self.world_size, depends_on=msg.get("depends_on"),
-                                          meta=msg["meta"])
+                if any(d not in committed for d in msg.get("depends_on", [])) or not self._retry_due(name):
+                    continue
+                try:
+                    m = self.store.try_commit(name, kind=msg["kind"], step=msg["step"],
+                                              first_step=msg.get("first_step", msg["step"]),
+                                              world_size=self.world_size, depends_on=msg.get("depends_on"),
+                                              meta=msg["meta"], fault=self._fault_hook(msg["step"]))
+                except OSError as e:
+                    self._commit_failed(msg, e)
+                    continue
                 if m is None:
                     continue
-                del self.pending[msg["record"]]
+                del self.pending[name]
+                self._retries.pop(name, None)
                 committed.add(m.name)
                 self.committed_step = max(self.committed_step or 0, m.step)
                 self.log.emit(type="commit", step=m.step, bytes=m.bytes, kind=m.kind, ranks=m.world_size,
                               lag_s=time.time() - msg["meta"].get("snapshot_time", time.time()))
                 self.send({"op": "committed", "step": m.step, "record": m.name})
             if todo and self.keep >= 0:
-                self.store.prune(self.keep)
+                try:
+                    self.store.prune(self.keep)
+                except OSError as e:  # retention failing never fails a commit; it runs again next time
+                    self.log.emit(type="save_error", rank=self.rank, step=-1, record="", error=f"prune: {e}")
+
+    def _failure(self, name: str, depends_on: list[str]) -> str | None:
+        """Why record `name` can never commit, if it cannot (caller holds the pending lock)."""
+        if name in self.failed:
+            return self.failed[name]
+        ranks = self.store.failed_ranks(name)
+        if ranks:
+            return f"rank {ranks[0]} failed to write it"
+        bad = next((d for d in depends_on if d in self.failed), None)
+        return f"it depends on {bad}, which was not saved" if bad else None
+
+    def _abandon(self, msg: dict, reason: str) -> None:
+        name = msg["record"]
+        self.failed[name] = reason
+        del self.pending[name]
+        self._retries.pop(name, None)
+        self.store.abandon(name)
+        self.save_error(msg["step"], name, f"not committed: {reason}")
+
+    def _retry_due(self, name: str) -> bool:
+        tries, when = self._retries.get(name, (0, 0.0))
+        return time.monotonic() >= when
+
+    def _commit_failed(self, msg: dict, err: OSError) -> None:
+        name = msg["record"]
+        tries = self._retries.get(name, (0, 0.0))[0] + 1
+        self.log.emit(type="commit_retry", rank=self.rank, step=msg["step"], record=name, tries=tries,
+                      error=str(err))
+        if tries >= COMMIT_TRIES:
+            self._abandon(msg, f"commit failed {tries} times ({err})")
+        else:
+            self._retries[name] = (tries, time.monotonic() + COMMIT_BACKOFF_S * 2 ** (tries - 1))
 
     def watch_commits(self) -> None:
         """Other ranks: tell the worker when rank 0 has committed a record we wrote."""
         with self._pending_lock:
-            done = [m for name, m in self.pending.items() if (self.store.root / name / "MANIFEST.json").exists()]
-            gone = [name for name in self.pending if not (self.store.root / name).exists()]  # pruned already
+            done = [m for name, m in self.pending.items() if self.store.is_committed(name)]
+            gone = [name for name in self.pending if not (self.store.root / name).exists()]  # pruned/abandoned
             for name in [m["record"] for m in done] + gone:
                 del self.pending[name]
         for m in sorted(done, key=lambda m: m["step"]):
             self.send({"op": "committed", "step": m["step"], "record": m["record"]})
 
     def commit_loop(self) -> None:
-        """Retry pending commits that wait on other ranks' files (rank 0), or watch for them."""
+        """Retry pending commits that wait on other ranks' files or on a back-off (rank 0), or
+        watch for them (other ranks)."""
         while not self.stopping.wait(0.05):
             if self.pending and self.store is not None:
                 try:
                     self.commit_ready() if self.rank == 0 else self.watch_commits()
                 except OSError as e:
-                    self.log.emit(type="save_error", rank=self.rank, step=-1, error=f"commit: {e}")
+                    self.log.emit(type="save_error", rank=self.rank, step=-1, record="", error=f"commit: {e}")
+
+    def settle(self, timeout: float) -> None:
+        """Rank 0 at shutdown: commit what can be committed, waiting out retry back-offs."""
+        deadline = time.monotonic() + timeout
+        self.commit_ready()
+        while self._retries and time.monotonic() < deadline:
+            time.sleep(COMMIT_BACKOFF_S)
+            self.commit_ready()
 
     def close(self) -> None:
         self.flush()
         if self.store is not None and self.rank == 0:
-            self.commit_ready()
+            self.settle(timeout=COMMIT_BACKOFF_S * 2 ** COMMIT_TRIES)
         for s in self.slots.values():
             s.close()
         if self.pool:

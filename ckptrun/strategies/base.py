@@ -91,7 +91,6 @@ class SnapshotStrategy(Strategy):
 
     def finish(self) -> None:
         rt = self.rt
-        if rt.cfg.final_checkpoint and self.pending is None and rt.step > 0 \
-                and rt.metrics.last_snapshot_step != rt.step:
+        if rt.cfg.final_checkpoint and self.pending is None and rt.step > 0 and rt.checkpointed_step != rt.step:
             self.pending = rt.capture(rt.step, background=False)
         self._hand_over()

@@ -167,6 +167,7 @@ class LowDiff(Strategy):
         self._last_post = None
         self.ddp_compressed = False
         self._residual: dict = {}  # the top-k residual as it was right after the pending diff's step
+        self.broken: str | None = None  # a record of the current chain that failed to save
 
     def settings(self) -> dict:
         return {"full_every": self.full_every, "batch": self.batch, "auto": self.auto_f or self.auto_b,
@@ -229,7 +230,7 @@ class LowDiff(Strategy):
         rt.add(self.pending_diff, self._post_state())
         if self.compress:  # residual tensors are replaced, never modified: references suffice
             self._residual = self.compress.state_dict()
-        if step % self.full_every == 0:
+        if step % self.full_every == 0 or self._restart_chain(step):
             self._take_full(step)
         if (self.auto_f or self.auto_b) and step % RETUNE_EVERY == 0:
             self._retune()
@@ -237,6 +238,19 @@ class LowDiff(Strategy):
     def on_event(self, msg: dict) -> None:
         if msg["op"] == "durable" and msg.get("write_s"):
             self.costs["bw"].append(msg["bytes"] / max(msg["write_s"], 1e-9))
+        elif msg["op"] == "save_error":
+            self.broken = msg.get("record") or f"step {msg['step']}"
+
+    def _restart_chain(self, step: int) -> bool:
+        """After a record failed to save, every later diff of its chain would depend on it and
+        never commit: start a new chain with a full checkpoint now. Ranks must start it at the
+        same step, so a multi-rank run waits for the next regular full checkpoint instead."""
+        if self.broken is None or self.rt.world_size > 1:
+            return False
+        print(f"ckptrun: lowdiff: {self.broken} was not saved; starting a new chain with a full checkpoint "
+              f"at step {step}", file=sys.stderr, flush=True)
+        self.rt.metrics.emit(type="chain_restart", step=step, broken=self.broken)
+        return True
 
     def finish(self) -> None:
         self._hand_over()
@@ -250,6 +264,7 @@ class LowDiff(Strategy):
 
     # ---- pieces ------------------------------------------------------------------------
     def _take_full(self, step: int) -> None:
+        self.broken = None
         self.pending_full = self.rt.capture(step, background=True)
         if self.compress:
             self.rt.add(self.pending_full, {"lowdiff": self.compress.state_dict()})
