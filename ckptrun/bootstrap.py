@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import runpy
+import signal
 import sys
 import time
 import warnings
@@ -60,6 +61,16 @@ def _agreed_resume(rt: Runtime, store: Store) -> Plan | None:
     return plans(store)[int(step)] if step else None
 
 
+def _error_file(cfg: RunConfig, rank: int) -> Path:
+    """Where a worker leaves the one line (and exit code) the launcher reports if it fails for good."""
+    return Path(cfg.engine_dir, f"error-{rank}.txt")
+
+
+def _leave_error(cfg: RunConfig | None, rank: int, code: int, message: str) -> None:
+    if cfg and cfg.engine_dir:
+        _error_file(cfg, rank).write_text(f"{code}\n{message}\n")
+
+
 def _fail(cfg: RunConfig | None, rank: int, err: CkptrunError) -> None:
     """Exit the worker. A lost engine is transient (the elastic agent restarts the worker and
     the launcher the engine); anything else is the user's to fix and is reported by the launcher."""
@@ -67,9 +78,20 @@ def _fail(cfg: RunConfig | None, rank: int, err: CkptrunError) -> None:
         print(f"ckptrun: rank {rank}: {err}; exiting so the worker restarts", file=sys.stderr, flush=True)
         sys.exit(1)
     print(f"ckptrun: error: {err}", file=sys.stderr, flush=True)
-    if cfg and cfg.engine_dir:
-        Path(cfg.engine_dir, f"error-{rank}.txt").write_text(f"{err.exit_code}\n{err}\n")
+    _leave_error(cfg, rank, err.exit_code, str(err))
     sys.exit(err.exit_code)
+
+
+def _on_signal(rt: Runtime):
+    """SIGTERM/SIGINT: stop at the next optimizer step every rank agrees on (Runtime._stop_here),
+    after handing over the newest finished step. Repeats (the terminal's Ctrl-C and the agent's
+    forwarded one) change nothing; the agent kills what outlives the grace period."""
+
+    def handler(signum: int, frame) -> None:
+        if rt.stop_signal is None:
+            rt.stop_signal = signum
+
+    return handler
 
 
 def main() -> None:
@@ -77,6 +99,8 @@ def main() -> None:
     cfg = RunConfig.from_env()
     rank, local_rank, world_size, restart_count = _rank_env()
     t_start = time.time()
+    if cfg.engine_dir:
+        _error_file(cfg, rank).unlink(missing_ok=True)  # an earlier attempt's: this one decides
     try:
         rt = Runtime(cfg, rank, local_rank, world_size, restart_count)
         store = Store(cfg.dir)
@@ -96,17 +120,25 @@ def main() -> None:
                         settings=rt.strategy.settings(), dir=cfg.dir, world_size=world_size,
                         restart_count=restart_count, resume_step=rt.step, start_t=t_start)
         install(rt)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _on_signal(rt))
     except CkptrunError as e:
         _fail(cfg, rank, e)
     sys.argv = [script, *args]
+    stop: StopRun | None = None
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
         runpy.run_path(script, run_name="__main__")
     except StopRun as e:
+        stop = e
         if rank == 0:
-            print(f"ckptrun: stopped the script after step {e.args[0]} (--max-steps)", file=sys.stderr, flush=True)
+            print(f"ckptrun: stopped the script after step {e.step} ({e.reason})", file=sys.stderr, flush=True)
     except SystemExit as e:
-        if e.code not in (None, 0):
+        if e.code not in (None, 0):  # the script's own choice: its code is the run's, no restart advice
+            code = e.code if isinstance(e.code, int) else 1
+            if rt.optimizers:  # what it trained is handed over as after a normal exit
+                rt.finish()
+            _leave_error(cfg, rank, code, f"the training script exited with code {code} (rank {rank})")
             raise
     except CkptrunError as e:
         _fail(cfg, rank, e)
@@ -114,6 +146,8 @@ def main() -> None:
         rt.finish()
     except CkptrunError as e:
         _fail(cfg, rank, e)
+    if stop is not None and stop.signum is not None:
+        sys.exit(128 + stop.signum)
 
 
 if __name__ == "__main__":

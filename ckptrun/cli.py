@@ -102,6 +102,10 @@ def run(
     max_restarts: Annotated[int, typer.Option(help="Restarts of failed workers before giving up.")] = 0,
     standalone: Annotated[bool, typer.Option(help="Single-node rendezvous on a free port (torchrun).")]
     = False,
+    term_timeout: Annotated[str, typer.Option(help="Grace period on SIGTERM/SIGINT: the workers hand over "
+                                                   "their newest finished step, the engines commit it, and "
+                                                   "ckptrun exits (143/130) within this time, e.g. 30s, 2m.")]
+    = "30s",
 ) -> None:
     """Run SCRIPT under ckptrun: hooks installed, state checkpointed, failures restarted."""
     from .config import RunConfig
@@ -118,7 +122,8 @@ def run(
                     options={"full_every": full_every, "batch": batch, "compress": compress,
                              **({"mtbf": mtbf_s} if mtbf_s else {})})
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id,
-                         master_addr, master_port, max_restarts, standalone)
+                         master_addr, master_port, max_restarts, standalone,
+                         term_timeout=_duration("--term-timeout", term_timeout))
     raise typer.Exit(launch(cfg, opts, script, list(script_args or []), dashboard=dashboard,
                             metrics_file=metrics_file))
 
@@ -176,12 +181,20 @@ def ls(dir: Dir = Path("ckpts"),
 @app.command()
 def verify(dir: Dir = Path("ckpts")) -> None:
     """Re-check every checksum and dependency; exit 1 listing the bad objects."""
+    from .dirlock import live_holder
     from .store import Store
 
     store = Store.existing(dir)
     ms = store.manifests(warn=False)
-    problems = [*store.unreadable().values()] + [p for m in ms for p in store.verify_record(m)]
-    problems += [f"{name}: incomplete (no manifest; torn or still being written)" for name in store.incomplete()]
+    # A record that retention removed while it was being checked (a run is writing) is no problem.
+    problems = [*store.unreadable().values()] + [p for m in ms for p in store.verify_record(m)
+                                                 if store.is_committed(m.name)]
+    running = live_holder(store.root)
+    if running:  # a record without a manifest is one being written
+        out.print(f"note: a run is writing to {dir} ({running}); records without a manifest are skipped",
+                  soft_wrap=True)
+    else:
+        problems += [f"{name}: incomplete (no manifest; torn)" for name in store.incomplete()]
     for p in problems:
         out.print(f"BAD {p}", soft_wrap=True)
     if problems:

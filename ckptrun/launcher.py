@@ -3,9 +3,11 @@ elastic agent (rendezvous, restarts), and report failures as one line."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -15,6 +17,7 @@ from multiprocessing.connection import Client
 from pathlib import Path
 
 from .config import ENV, RunConfig
+from .dirlock import DirLock, lock_name
 from .errors import CkptrunError, UsageError
 from .staging import shm_root
 from .store import Store
@@ -34,6 +37,7 @@ class LaunchOptions:
     master_port: int | None = None
     max_restarts: int = 0
     standalone: bool = False
+    term_timeout: float = 30.0  # seconds from SIGTERM/SIGINT to exit (ckptrun's own, not torchrun's)
     extra: list[str] = field(default_factory=list)
 
     def torchrun_argv(self) -> list[str]:
@@ -52,8 +56,8 @@ class LaunchOptions:
 class EngineSupervisor:
     """Runs the engines (spawn), restarts one that dies, and shuts them down after a flush."""
 
-    def __init__(self, cfg: RunConfig, nlocal: int, tag: str) -> None:
-        self.cfg, self.nlocal, self.tag = cfg, nlocal, tag
+    def __init__(self, cfg: RunConfig, nlocal: int, tag: str, engines_lock: str) -> None:
+        self.cfg, self.nlocal, self.tag, self.engines_lock = cfg, nlocal, tag, engines_lock
         self.ctx = mp.get_context("spawn")
         self.procs: list = [None] * nlocal
         self._stop = threading.Event()
@@ -66,7 +70,7 @@ class EngineSupervisor:
         Path(address).unlink(missing_ok=True)
         p = self.ctx.Process(target=engine_main, name=f"ckptrun-engine-{local_rank}",
                              args=(address, bytes.fromhex(self.cfg.authkey), local_rank, self.tag,
-                                   self.cfg.metrics_dir))
+                                   self.cfg.metrics_dir, self.engines_lock))
         p.start()
         self.procs[local_rank] = p
 
@@ -103,8 +107,8 @@ class EngineSupervisor:
             leftover.unlink(missing_ok=True)
 
 
-def preflight(cfg: RunConfig, script: str) -> None:
-    """Every check that can fail before anything starts or is written."""
+def preflight(cfg: RunConfig, script: str, *, per_host_lock: bool = False) -> DirLock:
+    """Every check that can fail before anything starts; returns the directory's lock, held."""
     from .strategies import REGISTRY
 
     if cfg.strategy not in REGISTRY:
@@ -121,25 +125,48 @@ def preflight(cfg: RunConfig, script: str) -> None:
         raise UsageError(f"--on-save-error must be warn or fail (got {cfg.on_save_error!r})")
     store = Store(cfg.dir)
     store.ensure_writable()
-    if not cfg.resume and store.manifests(warn=False):
-        raise UsageError(f"--no-resume, but {cfg.dir} already holds committed steps; "
-                         "pass another --dir or remove the old checkpoints")
+    lock = DirLock(store.root, lock_name(per_host_lock)).acquire()
+    try:
+        if not cfg.resume and store.manifests(warn=False):
+            raise UsageError(f"--no-resume, but {cfg.dir} already holds committed steps; "
+                             "pass another --dir or remove the old checkpoints")
+    except BaseException:
+        lock.release()
+        raise
+    if lock.taken_over:
+        print(f"ckptrun: took over {lock.path} from a run that ended without releasing it ({lock.taken_over})",
+              file=sys.stderr, flush=True)
+    return lock
 
 
 def run(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str], *,
         dashboard: bool = True, metrics_file: str | None = None) -> int:
-    """Launch and supervise a training run; returns the exit code.
+    """Launch and supervise a training run; returns the exit code. The directory is locked for
+    the whole run (engines included).
 
     `dashboard`: a live panel on a terminal, a log line every few seconds otherwise."""
-    preflight(cfg, script)
+    lock = preflight(cfg, script, per_host_lock=opts.nnodes != "1")
+    try:
+        return _launch(cfg, opts, script, script_args, str(lock.engines_path), dashboard, metrics_file)
+    finally:
+        lock.release()
+
+
+def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str], engines_lock: str,
+            dashboard: bool, metrics_file: str | None) -> int:
     import torch.distributed.run as torchrun
     from rich.console import Console
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from .dashboard import Dashboard
     from .hostmetrics import HostSampler
     from .worker_logs import WorkerLogTailer
 
+    # The agent's own warnings on a signal ("Received 15 death signal", "Sending process ... closing
+    # signal") restate what ckptrun reports in one line.
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     nlocal = torchrun.determine_local_world_size(opts.nproc_per_node)
     tag = uuid.uuid4().hex[:12]
     engine_dir = tempfile.mkdtemp(prefix=f"ckptrun-{tag}-")
@@ -149,7 +176,10 @@ def run(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str]
     os.environ[ENV] = cfg.to_env()
     console = Console()
     live = dashboard and console.is_terminal
-    argv = opts.torchrun_argv()
+    # On SIGTERM/SIGINT the elastic agent forwards the signal and gives the workers this long to
+    # hand over their newest finished step; the engines then get the rest of the grace period.
+    worker_grace = max(1, int(opts.term_timeout * 2 / 3))
+    argv = [*opts.torchrun_argv(), "--shutdown-timeout", str(worker_grace)]
     logs = None
     if live:  # workers write to files that are echoed above the panel
         argv += ["--redirects", "3", "--log-dir", os.path.join(engine_dir, "logs")]
@@ -159,25 +189,49 @@ def run(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str]
                      sampler=HostSampler()) if dashboard or metrics_file else None
     if dash is not None:
         dash.start()
-    engines = EngineSupervisor(cfg, nlocal, tag)
+    engines = EngineSupervisor(cfg, nlocal, tag, engines_lock)
     engines.start()
+    stopped_by: int | None = None
     try:
         # torchrun's own entry: it picks a free local port on one node, as `torchrun` does.
         torchrun.run(torchrun.parse_args([*argv, "-m", "ckptrun.bootstrap", script, *script_args]))
         return 0
+    except SignalException as e:
+        stopped_by = int(e.sigval)
+        return 128 + stopped_by
     except ChildFailedError as e:
-        errors = sorted(Path(engine_dir).glob("error-*.txt"))
-        if errors:
-            code, message = errors[0].read_text().split("\n", 1)
-            raise CkptrunError(message.strip(), exit_code=int(code)) from None
-        first = next(iter(e.failures.values()))
-        raise CkptrunError(f"training failed (rank {first.local_rank}, exit code {first.exitcode}) after "
-                           f"{opts.max_restarts} restart(s); see the log above, and raise --max-restarts "
-                           "to recover from more failures") from None
+        raise _failure(e, engine_dir, opts) from None
     finally:
-        engines.shutdown()
+        engines.shutdown(timeout=max(1.0, opts.term_timeout - worker_grace) if stopped_by else 600.0)
         if logs is not None:
             logs.stop()
         if dash is not None:
             dash.stop()
         shutil.rmtree(engine_dir, ignore_errors=True)
+        if opts.nnodes == "1":  # every writer of this directory has stopped: no record is on its way
+            Store(cfg.dir).sweep_incomplete()
+        if stopped_by is not None:
+            print(f"ckptrun: stopped by {signal.Signals(stopped_by).name}; {_committed_line(cfg.dir)}",
+                  file=sys.stderr, flush=True)
+
+
+def _failure(e: Exception, engine_dir: str, opts: LaunchOptions) -> CkptrunError:
+    """The one line (and exit code) for a run whose workers failed for good: the script's own
+    exit code when it chose to exit, the crash otherwise."""
+    errors = sorted(Path(engine_dir).glob("error-*.txt"))
+    if errors:
+        code, message = errors[0].read_text().split("\n", 1)
+        return CkptrunError(message.strip(), exit_code=int(code))
+    first = next(iter(e.failures.values()))
+    code = first.exitcode if first.exitcode > 0 else 128 - first.exitcode  # killed by a signal: 128+N
+    how = (f"was killed by {signal.Signals(-first.exitcode).name}" if first.exitcode < 0
+           else f"crashed (exit code {code})")
+    return CkptrunError(f"training failed: rank {first.local_rank} {how} after {opts.max_restarts} restart(s); "
+                        "see the log above, and raise --max-restarts to recover from more failures", exit_code=code)
+
+
+def _committed_line(directory: str) -> str:
+    from .recovery import restorable
+
+    steps = restorable(Store(directory))
+    return f"step {steps[-1]} is committed in {directory}" if steps else f"no step is committed in {directory}"

@@ -10,6 +10,7 @@ buffers, RNG), `seal` (state that settles after the step: schedulers, scaler, tr
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -120,9 +121,14 @@ class SlotPool:
 
 
 class StopRun(BaseException):
-    """Raised at the pre-step hook once `--max-steps` optimizer steps are done. A BaseException, so
-    the script's own `except Exception` does not swallow it; bootstrap then finishes the
-    checkpoints as after a normal exit (the last step's state is complete: its scheduler stepped)."""
+    """Raised at the pre-step hook once `--max-steps` optimizer steps are done, or at the agreed
+    step after SIGTERM/SIGINT. A BaseException, so the script's own `except Exception` does not
+    swallow it; bootstrap then finishes the checkpoints as after a normal exit (the last step's
+    state is complete: its scheduler stepped)."""
+
+    def __init__(self, step: int, reason: str, signum: int | None = None) -> None:
+        super().__init__(step, reason)
+        self.step, self.reason, self.signum = step, reason, signum
 
 
 class Runtime:
@@ -140,6 +146,9 @@ class Runtime:
         self.recovery_started: float | None = None  # set on resume: time to the first resumed step
         self.replaying = False  # optimizer steps taken by replay are not training steps
         self.checkpointed_step: int | None = None  # newest step committed already or captured by this run
+        self.stop_signal: int | None = None  # SIGTERM/SIGINT received: stop at the agreed step
+        self._stop_at: int | None = None
+        self._stopping: tuple[str, int | None] | None = None  # (why, signal): stop before the next step
         self.optimizer_info: dict[str, dict] = {}
         self.metrics = WorkerMetrics(cfg.metrics_dir, rank)
         self.fault = faults.from_env(rank, restart_count)
@@ -209,7 +218,9 @@ class Runtime:
         if optimizer is not self.primary or self.replaying:
             return
         if self.cfg.max_steps and self.step >= self.cfg.max_steps:
-            raise StopRun(self.step)
+            raise StopRun(self.step, "--max-steps")
+        if self._stopping is not None:
+            raise StopRun(self.step, *self._stopping)
         self.check_engine()
         step = self.step + 1
         self._timed(self.strategy.before_step, step)
@@ -225,6 +236,10 @@ class Runtime:
         self.metrics.optim_s = time.perf_counter() - self._optim_t0
         self.step += 1
         self._generators = {n: o.get_state() for n, o in self.tracked.items() if isinstance(o, torch.Generator)}
+        if self.cfg.max_steps and self.step >= self.cfg.max_steps:
+            self._stopping = ("--max-steps", None)
+        elif self.stop_signal is not None and self._stop_here():
+            self._stopping = (signal.Signals(self.stop_signal).name, self.stop_signal)
         self._timed(self.strategy.after_step, self.step)
         if self.recovery_started is not None:
             self.metrics.emit(type="restart", restart_count=self.restart_count,
@@ -236,7 +251,30 @@ class Runtime:
         if self.autotune is not None:
             self.autotune.after_step(self.step, record)
 
+    def _stop_here(self) -> bool:
+        """After SIGTERM/SIGINT: is the step just finished the one every rank stops after?
+
+        Decided right after a step, so that its state is captured then, exactly (the next
+        forward changes RNG and buffers). One rank alone stops at once. Ranks agree through the
+        job store: the first to ask proposes the step after its own (compare-and-set, so every
+        rank gets the same answer); no rank in lock-step training (DDP) can be past it, and none
+        blocks waiting for another, so no collective is left half-done."""
+        if self.world_size == 1:
+            return True
+        if self._stop_at is None:
+            from .jobstore import job_store
+
+            kv = job_store(self.restart_count, "stop")
+            self._stop_at = int(kv.compare_set("step", "", str(self.step + 1)).decode())
+        if self.step > self._stop_at:
+            print(f"ckptrun: rank {self.rank} is past the agreed stop step {self._stop_at} (it trains without "
+                  f"collectives); stopping after step {self.step}", file=sys.stderr, flush=True)
+        return self.step >= self._stop_at
+
     def due(self, step: int) -> bool:
+        """Is a checkpoint of `step` due? Always for the step the run stops after."""
+        if self._stopping is not None:
+            return True
         return self.autotune.due(step) if self.autotune is not None else step % self.cfg.every == 0
 
     def stall(self, cause: str, since: float) -> None:

@@ -307,6 +307,14 @@ class Store:
         return sorted(p.name for p in self.root.iterdir()
                       if p.is_dir() and p.name[:5] in ("step-", "diff-") and not (p / MANIFEST).exists())
 
+    def sweep_incomplete(self) -> list[str]:
+        """Remove every record directory without a manifest. Only when no writer is left (the
+        run is over), since a record being written has no manifest yet either."""
+        names = self.incomplete()
+        for name in names:
+            self.abandon(name)
+        return names
+
     # ---- retention ---------------------------------------------------------------------
     def remove(self, name: str) -> None:
         """Unpublish (manifest first, so a crash never leaves a half-deleted committed record)."""

@@ -83,6 +83,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--stop-after", type=int, default=0,
+                   help="end the loop after this step (0: run all --steps); the LR schedule still spans --steps")
     p.add_argument("--save-at", type=int, default=0, help="torch.save model+optimizer after this step")
     p.add_argument("--save-path", default="")
     p.add_argument("--log-every", type=int, default=0)
@@ -128,7 +130,7 @@ def main() -> None:
         probe = Probe(args, model, opt, sched, device, t_main)
         start = probe.resume(start)
     t0 = time.perf_counter()
-    for step in range(start, args.steps):
+    for step in range(start, min(args.steps, args.stop_after or args.steps)):
         if probe:
             probe.begin_step()
         x, y = (t.to(device) for t in batch(step, args, rank))

@@ -32,6 +32,7 @@ STRATEGIES = ["sync", "checkfreq"]
 STEPS = 12
 # The tiny example run every test shares: one thread so that results never depend on load.
 TINY = ["--layers", "1", "--d-model", "32", "--steps", str(STEPS), "--threads", "1"]
+LONG = [a if a != str(STEPS) else "100000" for a in TINY]  # the example, running until stopped
 TIMEOUT_S = 240
 
 
@@ -194,6 +195,23 @@ def example_truth(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], d
         if step not in cache:
             out = root / f"truth-{step}.pt"
             python(root, EXAMPLE, *TINY, "--save-at", step, "--save-path", out)
+            cache[step] = load(out)
+        return cache[step]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def long_truth(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], dict]:
+    """The state after step N of the example run with LONG arguments (its LR schedule spans
+    100000 steps), from a plain-python run that stops there (cached)."""
+    root = tmp_path_factory.mktemp("long-truth")
+    cache: dict[int, dict] = {}
+
+    def get(step: int) -> dict:
+        if step not in cache:
+            out = root / f"truth-{step}.pt"
+            python(root, EXAMPLE, *LONG, "--stop-after", step, "--save-at", step, "--save-path", out)
             cache[step] = load(out)
         return cache[step]
 

@@ -119,7 +119,7 @@ def test_recipe_is_accepted_by_the_run_command(recipe, tmp_path, monkeypatch):
     seen = []
 
     def preflight_only(cfg, opts, script, args, **launch_kwargs):  # the run command's own checks, nothing launched
-        launcher.preflight(cfg, script)
+        launcher.preflight(cfg, script).release()
         seen.append(cfg)
         return 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import threading
 import time
 import traceback
@@ -19,6 +20,7 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
 
+from ..dirlock import hold_for_engine
 from ..errors import AlreadyCommitted
 from ..faults import Fault
 from ..fsutil import FaultHook, _no_fault
@@ -331,8 +333,11 @@ class Engine:
                       error=str(err))
         if tries >= COMMIT_TRIES:
             self._abandon(msg, f"commit failed {tries} times ({err})")
-        else:
-            self._retries[name] = (tries, time.monotonic() + COMMIT_BACKOFF_S * 2 ** (tries - 1))
+            return
+        delay = COMMIT_BACKOFF_S * 2 ** (tries - 1)
+        self._retries[name] = (tries, time.monotonic() + delay)
+        self.save_error(msg["step"], name, f"commit failed ({err}); retrying in {delay:.1f} s "
+                                           f"(try {tries} of {COMMIT_TRIES})")
 
     def watch_commits(self) -> None:
         """Other ranks: tell the worker when rank 0 has committed a record we wrote."""
@@ -372,8 +377,17 @@ class Engine:
             self.pool.shutdown()
 
 
-def main(address: str, authkey: bytes, local_rank: int, tag: str, metrics_dir: str | None) -> None:
-    """Engine process entry point: serve one worker connection after another until shutdown."""
+def main(address: str, authkey: bytes, local_rank: int, tag: str, metrics_dir: str | None,
+         engines_lock: str) -> None:
+    """Engine process entry point: serve one worker connection after another until shutdown.
+
+    Signals meant for the training (Ctrl-C on the terminal's process group, a scheduler's
+    SIGTERM) are the launcher's to handle: it shuts the engines down after the workers have
+    handed over their last step, so the engine ignores them. It holds its share of the
+    directory lock for as long as it lives."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    hold_for_engine(engines_lock)
     listener = Listener(address, family="AF_UNIX", authkey=authkey)
     engine = Engine(local_rank, tag, metrics_dir)
     threading.Thread(target=engine.commit_loop, daemon=True).start()

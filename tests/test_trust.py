@@ -1,0 +1,246 @@
+"""The core's promises in ordinary use (issue 10): a committed step is never lost or changed by a
+re-run, a second launcher, a failed write or a signal; save errors are loud, bounded and
+recovered from; the script's exit code is the run's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import (
+    EXAMPLE,
+    LONG,
+    STEPS,
+    TINY,
+    assert_training_state,
+    ckptrun,
+    clean_env,
+    error_line,
+    load,
+    ok,
+    restore,
+    run_events,
+)
+
+from ckptrun.errors import AlreadyCommitted
+from ckptrun.recovery import restorable
+from ckptrun.store import Store, full_name
+from ckptrun.strategies import REGISTRY
+
+
+def start(cwd: Path, *args, fault: str | None = None) -> subprocess.Popen:
+    """A ckptrun run in its own session (so a test can signal its whole process tree)."""
+    return subprocess.Popen([sys.executable, "-m", "ckptrun", *map(str, args)], cwd=cwd, env=clean_env(fault),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_committed(ckpt: Path, at_least: int = 1, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not (ckpt.is_dir() and len(Store(ckpt).manifests(warn=False)) >= at_least):
+        assert time.monotonic() < deadline, f"nothing committed in {ckpt} after {timeout} s"
+        time.sleep(0.1)
+
+
+def stray_files(ckpt: Path) -> list[str]:
+    """Anything a failed save may leave behind: temp files and record dirs without a manifest."""
+    temps = [str(p.relative_to(ckpt)) for p in ckpt.rglob(".*.tmp-*")]
+    return temps + Store(ckpt).incomplete()
+
+
+def final_run(cwd: Path, strategy: str, ckpt: Path, *extra, fault: str | None = None):
+    return ckptrun(cwd, "--strategy", strategy, "--dir", ckpt, "--keep", "0", "--metrics-dir", cwd / "metrics",
+                   *extra, EXAMPLE, *TINY, "--save-at", STEPS, "--save-path", cwd / "final.pt", fault=fault)
+
+
+# ---- 1. a re-run of a finished command --------------------------------------------------
+@pytest.mark.parametrize("strategy", list(REGISTRY))
+def test_rerun_of_a_finished_command_keeps_every_step(strategy, example_truth, tmp_path):
+    ckpt = tmp_path / "ckpts"
+    args = ["--strategy", strategy, "--dir", ckpt, "--keep", "0", EXAMPLE, *TINY]
+    ok(ckptrun(tmp_path, *args))
+    before = {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("step-*/*")}
+    ok(ckptrun(tmp_path, *args))
+    ok(ckptrun(tmp_path, "verify", "--dir", ckpt))
+    after = {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("step-*/*")}
+    assert {k: v for k, v in after.items() if k in before} == before, "a committed record changed"
+    assert restorable(Store(ckpt))[-1] == STEPS
+    for step in restorable(Store(ckpt)):
+        restore(tmp_path, ckpt, step)
+    assert_training_state(restore(tmp_path, ckpt, STEPS)[0], example_truth(STEPS))
+
+
+def test_store_refuses_a_committed_record_without_touching_it(tmp_path):
+    store = Store(tmp_path / "ckpts")
+    store.ensure_writable()
+    data = memoryview(bytes(4096))
+    spec = {"x": {"dtype": "uint8", "shape": [8], "offset": 0, "nbytes": 8}}
+    store.write_rank(full_name(3), 0, data, spec, {}, {})
+    assert store.try_commit(full_name(3), kind="full", step=3, first_step=3, world_size=1)
+    files = {p: p.read_bytes() for p in (tmp_path / "ckpts" / full_name(3)).iterdir()}
+    with pytest.raises(AlreadyCommitted):
+        store.write_rank(full_name(3), 0, memoryview(bytes(8192)), spec, {}, {})
+    store.discard_rank(full_name(3), 0)
+    store.abandon(full_name(3))
+    assert {p: p.read_bytes() for p in (tmp_path / "ckpts" / full_name(3)).iterdir()} == files
+
+
+def test_a_deleted_directory_is_a_save_error_not_a_fresh_start(tmp_path):
+    store = Store(tmp_path / "ckpts")
+    store.ensure_writable()
+    for p in sorted(store.root.rglob("*"), reverse=True):
+        p.unlink()
+    store.root.rmdir()
+    with pytest.raises(FileNotFoundError):
+        store.write_rank(full_name(1), 0, memoryview(bytes(4096)), {}, {}, {})
+    assert not store.root.exists()
+
+
+# ---- 2. one run owns a directory ---------------------------------------------------------
+def test_second_launcher_is_refused_and_the_first_is_unharmed(long_truth, tmp_path):
+    ckpt = tmp_path / "ckpts"
+    first = start(tmp_path, "--no-dashboard", "--dir", ckpt, EXAMPLE, *LONG)
+    try:
+        wait_committed(ckpt)
+        t0 = time.monotonic()
+        line = error_line(ckptrun(tmp_path, "--dir", ckpt, EXAMPLE, *TINY, "--seed", "3"))
+        assert time.monotonic() - t0 < 30
+        assert "in use by another ckptrun run" in line and f"pid {first.pid}" in line and "--dir" in line
+        for cmd in (["ls", "--dir", ckpt], ["verify", "--dir", ckpt]):  # readers never need the lock
+            ok(ckptrun(tmp_path, *cmd))
+    finally:
+        first.send_signal(signal.SIGTERM)
+        _, err = first.communicate(timeout=60)
+    assert first.returncode == 143, err
+    ok(ckptrun(tmp_path, "verify", "--dir", ckpt))
+    step = restorable(Store(ckpt))[-1]
+    assert_training_state(restore(tmp_path, ckpt, step)[0], long_truth(step))
+
+
+def test_a_dead_runs_lock_is_taken_over_and_said(tmp_path):
+    ckpt = tmp_path / "ckpts"
+    dead = start(tmp_path, "--no-dashboard", "--dir", ckpt, EXAMPLE, *LONG)
+    wait_committed(ckpt)
+    os.killpg(dead.pid, signal.SIGKILL)
+    dead.communicate(timeout=30)
+    proc = ok(ckptrun(tmp_path, "--dir", ckpt, EXAMPLE, *TINY))
+    assert f"took over {ckpt}/ckptrun.lock" in proc.stderr and f"pid {dead.pid}" in proc.stderr
+    ok(ckptrun(tmp_path, "verify", "--dir", ckpt))
+
+
+# ---- 7-9. save errors: loud, bounded, recovered from -----------------------------------
+ENOSPC_CASES = [  # (strategy, fault point, failing writes)
+    ("sync", "data.written", 2), ("sync", "manifest.synced", 3),
+    ("checkfreq", "index.renamed", 2), ("checkfreq", "manifest.dir-synced", 1),
+    ("lowdiff", "data.synced", 2), ("lowdiff", "manifest.renamed", 2),
+]
+
+
+@pytest.mark.parametrize(("strategy", "point", "times"), ENOSPC_CASES)
+def test_disk_full_for_a_while_is_reported_and_the_run_recovers_exactly(strategy, point, times, example_truth,
+                                                                         tmp_path):
+    ckpt = tmp_path / "ckpts"
+    extra = ["--full-every", "4", "--batch", "2"] if strategy == "lowdiff" else []
+    proc = final_run(tmp_path, strategy, ckpt, "--max-steps", STEPS - 3, *extra,
+                     fault=f"enospc:step=3:at={point}:times={times}")
+    ok(proc)
+    assert "No space left on device" in proc.stderr and "training goes on" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert stray_files(ckpt) == []
+    ok(ckptrun(tmp_path, "verify", "--dir", ckpt))
+    steps = restorable(Store(ckpt))
+    assert steps[-1] == STEPS - 3, f"nothing committed after the outage: {steps}"
+    if strategy == "lowdiff" and not point.startswith("manifest.dir"):
+        assert "starting a new chain" in proc.stderr
+    # resumed to the end: bit-exact
+    ok(final_run(tmp_path, strategy, ckpt, *extra))
+    assert run_events(tmp_path / "metrics")[-1]["resume_step"] == STEPS - 3
+    assert_training_state(load(tmp_path / "final.pt"), example_truth(STEPS))
+    assert stray_files(ckpt) == []
+
+
+def test_a_commit_that_keeps_failing_is_given_up_and_fails_the_run_when_asked(tmp_path):
+    ckpt = tmp_path / "ckpts"
+    t0 = time.monotonic()
+    proc = final_run(tmp_path, "sync", ckpt, "--on-save-error", "fail", fault="enospc:step=4:at=manifest.written"
+                     ":times=1000")
+    assert time.monotonic() - t0 < 120
+    line = error_line(proc)
+    assert "--on-save-error=fail" in line and "step 4" in line and "No space left on device" in line
+    assert restorable(Store(ckpt))[-1] == 3
+    assert stray_files(ckpt) == []
+
+
+# ---- 10. no wait on the engine without a way out ---------------------------------------
+def test_lowdiff_resumes_at_a_full_checkpoint_with_a_fresh_engine(example_truth, tmp_path):
+    ckpt = tmp_path / "ckpts"
+    lowdiff = ["--full-every", "4", "--batch", "2"]
+    ok(final_run(tmp_path, "lowdiff", ckpt, "--max-steps", 4, *lowdiff))
+    newest = Store(ckpt).manifests()[-1]
+    assert (newest.step, newest.kind) == (4, "full")
+    ok(final_run(tmp_path, "lowdiff", ckpt, *lowdiff))
+    assert_training_state(load(tmp_path / "final.pt"), example_truth(STEPS))
+
+
+# ---- 12. signals ---------------------------------------------------------------------------
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_commits_the_last_finished_step_and_exits_in_time(sig, code, long_truth, tmp_path):
+    ckpt = tmp_path / "ckpts"
+    run = start(tmp_path, "--no-dashboard", "--strategy", "checkfreq", "--every", "5", "--term-timeout", "20s",
+                "--dir", ckpt, EXAMPLE, *LONG)
+    wait_committed(ckpt)  # a step is taken when it is due; the stop saves the last one whatever it is
+    t0 = time.monotonic()
+    os.killpg(run.pid, sig)  # as a scheduler or a terminal does: the whole tree
+    _, err = run.communicate(timeout=60)
+    assert time.monotonic() - t0 < 20
+    assert run.returncode == code, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"ckptrun: stopped by {sig.name}; step ") and "is committed" in last, err
+    assert "Traceback" not in err and "died" not in err
+    step = int(last.split("step ")[1].split()[0])
+    assert restorable(Store(ckpt))[-1] == step and step >= 5
+    ok(ckptrun(tmp_path, "verify", "--dir", ckpt))
+    # resumed for a few more steps: bit-exact with the uninterrupted run
+    ok(ckptrun(tmp_path, "--strategy", "checkfreq", "--every", "5", "--max-steps", step + 2, "--dir", ckpt,
+               EXAMPLE, *LONG))
+    assert_training_state(restore(tmp_path, ckpt, step + 2)[0], long_truth(step + 2))
+
+
+def test_ddp_ranks_agree_on_the_step_they_stop_after(tmp_path):
+    ckpt = tmp_path / "ckpts"
+    run = start(tmp_path, "--no-dashboard", "--nproc-per-node", "2", "--dir", ckpt, EXAMPLE, *LONG)
+    wait_committed(ckpt, at_least=2)
+    run.send_signal(signal.SIGTERM)  # the launcher alone: the agent forwards it to both workers
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 143, err
+    ok(ckptrun(tmp_path, "verify", "--dir", ckpt))
+    newest = Store(ckpt).manifests()[-1]
+    assert newest.world_size == 2 and f"step {newest.step} is committed" in err
+    assert Store(ckpt).incomplete() == []
+
+
+# ---- 13. exit codes ------------------------------------------------------------------------
+EXIT3 = """
+import sys, torch
+m = torch.nn.Linear(2, 2)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for _ in range(3):
+    m(torch.ones(2)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("restarts", ["0", "1"])
+def test_the_scripts_exit_code_is_the_runs(restarts, tmp_path):
+    (tmp_path / "exit3.py").write_text(EXIT3)
+    proc = ckptrun(tmp_path, "--max-restarts", restarts, "--dir", "ckpts", "exit3.py")
+    line = error_line(proc)
+    assert proc.returncode == 3 and "exited with code 3" in line and "restart" not in line
+    # what it trained is committed (a restarted attempt resumes at 3 and trains 3 more steps)
+    assert restorable(Store(tmp_path / "ckpts"))[-1] == 3 * (1 + int(restarts))
