@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ..faults import Fault
-from ..staging import EngineSlot, shm_root
+from ..leftovers import exit_with_owner, remove_staging, staging_path
+from ..staging import EngineSlot
 from ..store import Store, rank_files
 from .handlers import engine_handler
 
@@ -138,8 +139,7 @@ class Engine:
         """Add a generation of staging slots; the worker retires the old ones as they free up."""
         first = max(self.slots, default=-1) + 1
         for i in range(first, first + msg["nslots"]):
-            path = shm_root() / f"ckptrun-{self.tag}-{self.local_rank}-{i}"
-            self.slots[i] = EngineSlot(path, msg["nbytes"])
+            self.slots[i] = EngineSlot(staging_path(self.tag, self.local_rank, i), msg["nbytes"])
         self.reply(msg, slots=self._slot_list(range(first, first + msg["nslots"])))
 
     def op_retire(self, msg: dict) -> None:
@@ -278,8 +278,13 @@ class Engine:
             self.pool.shutdown()
 
 
-def main(address: str, authkey: bytes, local_rank: int, tag: str, metrics_dir: str | None) -> None:
-    """Engine process entry point: serve one worker connection after another until shutdown."""
+def main(address: str, authkey: bytes, local_rank: int, tag: str, metrics_dir: str | None,
+         owner_pid: int | None = None, pdeathsig: bool = False) -> None:
+    """Engine process entry point: serve one worker connection after another until shutdown, or
+    until the launcher `owner_pid` dies (then without its staging files)."""
+    if owner_pid is not None:
+        exit_with_owner(owner_pid, lambda: remove_staging(tag, local_rank), pdeathsig=pdeathsig,
+                        name=f"checkpoint engine of local rank {local_rank}")
     listener = Listener(address, family="AF_UNIX", authkey=authkey)
     engine = Engine(local_rank, tag, metrics_dir)
     threading.Thread(target=engine.commit_loop, daemon=True).start()
