@@ -70,7 +70,10 @@ def kill_tree(pid: int) -> None:
     """SIGKILL a launcher and every process under it at one moment, as a node failure does. The
     launcher's process group is not the whole tree: torch elastic starts each worker in a session of
     its own. The group is stopped first so that nothing in it starts another process meanwhile."""
-    os.killpg(pid, signal.SIGSTOP)
+    try:
+        os.killpg(pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        return
     try:
         tree = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
