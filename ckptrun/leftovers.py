@@ -11,6 +11,7 @@ remove their own staging files on the way out.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -163,17 +164,21 @@ def exit_with_owner(owner_pid: int, cleanup: Callable[[], None], *, pdeathsig: b
     started from the launcher's main thread asks for it. SIGTERM, however sent, runs `cleanup`
     and then ends the process as before.
     """
-    owner = psutil.Process(owner_pid)
+    try:
+        owner = psutil.Process(owner_pid)
+    except psutil.NoSuchProcess:
+        owner = None
 
-    def gone() -> bool:  # re-parented, or dying: a SIGTERM from the parent-death signal comes before re-parenting
+    def gone() -> bool:  # the parent-death signal comes while the dying launcher is still the parent
         try:
-            return os.getppid() != owner_pid or owner.status() == psutil.STATUS_ZOMBIE
+            return owner is None or os.getppid() != owner_pid or owner.status() == psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return True
 
     def leave() -> None:
         if gone():
-            print(f"ckptrun: {name}: launcher (pid {owner_pid}) is gone; exiting", file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError, RuntimeError):  # no terminal left, or stderr busy in this thread
+                print(f"ckptrun: {name}: launcher (pid {owner_pid}) is gone; exiting", file=sys.stderr, flush=True)
         cleanup()
 
     def on_sigterm(signum: int, frame: object) -> None:
