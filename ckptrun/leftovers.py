@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,23 +135,29 @@ def _footprint(path: Path) -> int:
     return total
 
 
+def owned() -> Iterator[tuple[Path, Owner]]:
+    """Every staging file and temporary folder whose name says who owns it, with its owner."""
+    for root in {shm_root(), Path(tempfile.gettempdir())}:
+        for path in root.glob(f"{PREFIX}*"):
+            if (owner := Owner.of(path.name)) is not None:
+                yield path, owner
+
+
 def sweep_stale() -> Swept:
     """Remove the staging files and temporary folders of runs whose launcher is gone."""
     swept, alive = Swept(), {}
-    for root in {shm_root(), Path(tempfile.gettempdir())}:
-        for path in root.glob(f"{PREFIX}*"):
-            owner = Owner.of(path.name)
-            if owner is None or alive.setdefault(owner, owner.alive()):
-                continue
-            try:
-                size, folder = _footprint(path), path.is_dir() and not path.is_symlink()
-                shutil.rmtree(path) if folder else path.unlink()
-            except OSError:  # gone meanwhile, or not ours to remove
-                continue
-            swept.bytes += size
-            swept.folders += folder
-            swept.files += not folder
-            swept.owners.add(owner)
+    for path, owner in owned():
+        if alive.setdefault(owner, owner.alive()):
+            continue
+        try:
+            size, folder = _footprint(path), path.is_dir() and not path.is_symlink()
+            shutil.rmtree(path) if folder else path.unlink()
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+        swept.bytes += size
+        swept.folders += folder
+        swept.files += not folder
+        swept.owners.add(owner)
     return swept
 
 

@@ -7,6 +7,7 @@ N in an uninterrupted run; what ckptrun restores or resumes must equal it bit fo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -72,28 +73,15 @@ def kill_tree(pid: int) -> None:
     its own. The group is stopped first so that nothing in it starts another process meanwhile."""
     try:
         os.killpg(pid, signal.SIGSTOP)
-    except ProcessLookupError:
-        return
-    try:
         tree = psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    groups = {pid}
-    for p in tree:
-        try:
-            groups.add(os.getpgid(p.pid))
-        except ProcessLookupError:
-            pass
-    for group in groups:
-        try:
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        return
+    for group in {pid, *(p.pid for p in tree)}:  # a worker leads its own group
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(group, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     for p in tree:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def ckptrun(cwd: Path, *args: Any, fault: str | None = None) -> subprocess.CompletedProcess:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,8 +21,7 @@ from conftest import EXAMPLE, TINY, assert_training_state, kill_tree, load, pyth
 
 from ckptrun.cli import main as cli
 from ckptrun.export import export
-from ckptrun.leftovers import Owner
-from ckptrun.staging import shm_root
+from ckptrun.leftovers import owned
 from ckptrun.store import Store
 from ckptrun.strategies import REGISTRY
 
@@ -163,9 +161,7 @@ class Loop:
 
     def leftovers(self) -> list[Path]:
         """What the killed launchers left in shared memory or the temporary folder."""
-        mine = set(self.launchers)
-        return [p for root in {shm_root(), Path(tempfile.gettempdir())} for p in root.glob("ckptrun-*")
-                if (o := Owner.of(p.name)) is not None and o.pid in mine and not o.alive()]
+        return [path for path, owner in owned() if owner.pid in self.launchers and not owner.alive()]
 
     def failed(self, cwd: Path, e: AssertionError) -> AssertionError:
         log = (cwd / "ckptrun.log").read_text()[-3000:] if (cwd / "ckptrun.log").exists() else ""

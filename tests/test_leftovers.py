@@ -17,7 +17,7 @@ import psutil
 import pytest
 from conftest import EXAMPLE, TINY, ckptrun, kill_tree, ok, spawn
 
-from ckptrun.leftovers import Owner, new_tag, run_name, staging_path, sweep_stale
+from ckptrun.leftovers import Owner, new_tag, owned, run_name, staging_path, sweep_stale
 from ckptrun.staging import shm_root
 from ckptrun.store import Store
 
@@ -34,8 +34,7 @@ def wait_for(what: str, cond: Callable[[], object], proc: subprocess.Popen | Non
 
 def owned_by(pid: int) -> list[Path]:
     """The staging files and temporary folders whose names say that launcher `pid` owns them."""
-    return sorted(p for root in {shm_root(), Path(tempfile.gettempdir())} for p in root.glob("ckptrun-*")
-                  if (o := Owner.of(p.name)) is not None and o.pid == pid)
+    return sorted(path for path, owner in owned() if owner.pid == pid)
 
 
 def start_and_commit(cwd: Path, *args: str, fault: str | None = None,
