@@ -43,7 +43,11 @@ def start_and_commit(cwd: Path, *args: str, fault: str | None = None,
     cwd.mkdir(exist_ok=True)
     proc = spawn(cwd, "--dir", "ckpts", "--metrics-dir", "metrics", "--no-dashboard", *args, EXAMPLE, *LONG,
                  fault=fault)
-    wait_for("committed checkpoint", lambda: Store(cwd / "ckpts").manifests(warn=False) and ready(), proc)
+    try:
+        wait_for("committed checkpoint", lambda: Store(cwd / "ckpts").manifests(warn=False) and ready(), proc)
+    except AssertionError:
+        kill_tree(proc.pid)
+        raise
     return proc
 
 
