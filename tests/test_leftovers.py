@@ -88,9 +88,9 @@ def test_names_carry_their_owner():
 def test_whole_tree_kill_leftovers_are_swept_by_the_next_run(tmp_path):
     proc = start_and_commit(tmp_path / "killed", "--strategy", "checkfreq")
     left = owned_by(proc.pid)
-    assert any(p.is_file() for p in left) and any(p.is_dir() for p in left), left
     kill_tree(proc.pid)
     proc.wait()
+    assert any(p.is_file() for p in left) and any(p.is_dir() for p in left), left
     assert all(p.exists() for p in left), "nothing should have removed them before the next run"
 
     # A live run's files (this test process owns them), and a dead run's whose pid was reused by this process.
