@@ -180,23 +180,25 @@ def ls(dir: Dir = Path("ckpts"),
 
 @app.command()
 def verify(dir: Dir = Path("ckpts")) -> None:
-    """Re-check every checksum and dependency; exit 1 listing the bad objects."""
+    """Re-check every checksum and dependency of the committed records; exit 1 listing the bad
+    ones. A record directory without a manifest is not committed (a crash leaves one torn, the next
+    run removes it): it is noted, and does not fail the check."""
     from .dirlock import live_holder
     from .store import Store
 
     store = Store.existing(dir)
     ms = store.manifests(warn=False)
+    names = {m.name for m in ms}
     # A record that retention removed while it was being checked (a run is writing) is no problem.
-    problems = [*store.unreadable().values()] + [p for m in ms for p in store.verify_record(m)
+    problems = [*store.unreadable().values()] + [p for m in ms for p in store.verify_record(m, names)
                                                  if store.is_committed(m.name)]
     running = live_holder(store.root)
-    if running:  # a record without a manifest is one being written
-        out.print(f"note: a run is writing to {dir} ({running}); records without a manifest are skipped",
-                  soft_wrap=True)
-    else:
-        problems += [f"{name}: incomplete (no manifest; torn)" for name in store.incomplete()]
+    if running:
+        out.print(f"note: a run is writing to {dir} ({running})", soft_wrap=True)
     for p in problems:
         out.print(f"BAD {p}", soft_wrap=True)
+    for name in store.incomplete():
+        out.print(f"note: {name}: incomplete (no manifest; torn or still being written), not committed", soft_wrap=True)
     if problems:
         raise typer.Exit(1)
     out.print(f"ok: {len(ms)} committed record(s) verified in {dir}")

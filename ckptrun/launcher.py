@@ -11,7 +11,6 @@ import signal
 import sys
 import tempfile
 import threading
-import uuid
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 from .config import ENV, RunConfig
 from .dirlock import DirLock, lock_name
 from .errors import CkptrunError, UsageError
-from .staging import shm_root
+from .leftovers import new_tag, remove_staging, run_name, sweep_stale
 from .store import Store
 
 
@@ -68,9 +67,12 @@ class EngineSupervisor:
 
         address = self.cfg.engine_address(local_rank)
         Path(address).unlink(missing_ok=True)
+        # The kernel's parent-death signal only for engines started from the main thread: it fires
+        # when the starting thread ends, and a restart comes from the monitor thread.
         p = self.ctx.Process(target=engine_main, name=f"ckptrun-engine-{local_rank}",
                              args=(address, bytes.fromhex(self.cfg.authkey), local_rank, self.tag,
-                                   self.cfg.metrics_dir, self.engines_lock))
+                                   self.cfg.metrics_dir, self.engines_lock, os.getpid(),
+                                   threading.current_thread() is threading.main_thread()))
         p.start()
         self.procs[local_rank] = p
 
@@ -103,8 +105,7 @@ class EngineSupervisor:
                 p.join(timeout)
                 if p.is_alive():
                     p.kill()
-        for leftover in shm_root().glob(f"ckptrun-{self.tag}-*"):
-            leftover.unlink(missing_ok=True)
+        remove_staging(self.tag)
 
 
 def preflight(cfg: RunConfig, script: str, *, per_host_lock: bool = False) -> DirLock:
@@ -168,8 +169,11 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).setLevel(logging.ERROR)
     nlocal = torchrun.determine_local_world_size(opts.nproc_per_node)
-    tag = uuid.uuid4().hex[:12]
-    engine_dir = tempfile.mkdtemp(prefix=f"ckptrun-{tag}-")
+    swept = sweep_stale()
+    if swept.owners:
+        print(swept, file=sys.stderr, flush=True)
+    tag = new_tag()
+    engine_dir = tempfile.mkdtemp(prefix=run_name(tag, ""))
     cfg.dir = str(Path(cfg.dir).resolve())
     cfg.engine_dir, cfg.authkey = engine_dir, os.urandom(16).hex()
     cfg.metrics_dir = cfg.metrics_dir or os.path.join(engine_dir, "metrics")

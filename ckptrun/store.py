@@ -280,10 +280,11 @@ class Store:
             tensors[key] = view(buf, TensorSpec.from_json(key, spec))
         return index, tensors
 
-    def verify_record(self, m: Manifest) -> list[str]:
-        """Problems found re-checking every checksum of one record and its dependencies."""
+    def verify_record(self, m: Manifest, committed: set[str] | None = None) -> list[str]:
+        """Problems found re-checking every checksum of one record and its dependencies
+        (`committed`: the names of the committed records, when the caller has them already)."""
         problems = []
-        names = {x.name for x in self.manifests(warn=False)}
+        names = committed if committed is not None else {x.name for x in self.manifests(warn=False)}
         problems += [f"{m.name}: depends on {d}, which is not committed" for d in m.depends_on if d not in names]
         for r in range(m.world_size):
             try:

@@ -3,7 +3,8 @@
 Runs with plain `python` and under `ckptrun` unchanged (it asks `ckptrun.resume_step()` where
 to start). Deterministic: the batch of step i depends only on (--seed, i), dropout draws from
 the global RNG that ckptrun checkpoints. `--save-at N --save-path P` saves the script's own
-`torch.save({"model", "optimizer"})` after step N, the ground truth the tests compare against.
+`torch.save({"model", "optimizer"})` after step N, the ground truth the tests compare against
+(`--save-every K` after every K-th step, into `{step}` of the path).
 `--timing-json` and `--ref-*` are `ckptrun bench`'s instrumentation (see bench_refs.py).
 """
 
@@ -86,7 +87,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--stop-after", type=int, default=0,
                    help="end the loop after this step (0: run all --steps); the LR schedule still spans --steps")
     p.add_argument("--save-at", type=int, default=0, help="torch.save model+optimizer after this step")
-    p.add_argument("--save-path", default="")
+    p.add_argument("--save-every", type=int, default=0, help="also torch.save after every this many steps")
+    p.add_argument("--save-path", default="", help="where --save-at/--save-every save; {rank} and {step} are filled in")
     p.add_argument("--log-every", type=int, default=0)
     p.add_argument("--timing-json", default="", help="append per-step wall time and checkpoint stall here (JSON lines)")
     p.add_argument("--ref-save", choices=["none", "torch", "dcp-thread", "dcp-process"], default="none",
@@ -147,8 +149,8 @@ def main() -> None:
         if args.log_every and done % args.log_every == 0 and rank == 0:
             print(f"step {done} loss {loss.item():.4f} {(time.perf_counter() - t0) / (done - start):.4f}s/step",
                   flush=True)
-        if args.save_at == done and args.save_path:
-            path = args.save_path.replace("{rank}", str(rank))
+        if args.save_path and (args.save_at == done or args.save_every and done % args.save_every == 0):
+            path = args.save_path.replace("{rank}", str(rank)).replace("{step}", str(done))
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
         if probe:
             probe.end_step(done)

@@ -7,10 +7,12 @@ N in an uninterrupted run; what ckptrun restores or resumes must equal it bit fo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -48,6 +51,38 @@ def run_cmd(argv: list[Any], cwd: Path, *, fault: str | None = None,
             timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
     return subprocess.run([str(a) for a in argv], cwd=cwd, env=clean_env(fault), capture_output=True, text=True,
                           timeout=timeout)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak", type=int, default=0, metavar="N",
+                     help="test_kill_loop: N whole-tree kills per strategy instead of 5 (long soak mode)")
+    parser.addoption("--kill-seed", type=int, default=None, metavar="S",
+                     help="test_kill_loop: seed of the random kill delays (default: a new one, printed on failure)")
+
+
+def spawn(cwd: Path, *args: Any, log: str = "ckptrun.log", fault: str | None = None) -> subprocess.Popen:
+    """`python -m ckptrun ARGS` in the background, in a session of its own so that the test can kill
+    its whole tree; stdout and stderr go to `cwd/log`."""
+    with open(cwd / log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "ckptrun", *map(str, args)], cwd=cwd, env=clean_env(fault),
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process under it at one moment, as a node failure does. The
+    launcher's process group is not the whole tree: torch elastic starts each worker in a session of
+    its own. The group is stopped first so that nothing in it starts another process meanwhile."""
+    try:
+        os.killpg(pid, signal.SIGSTOP)
+        tree = psutil.Process(pid).children(recursive=True)
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        return
+    for group in {pid, *(p.pid for p in tree)}:  # a worker leads its own group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
 
 
 def ckptrun(cwd: Path, *args: Any, fault: str | None = None) -> subprocess.CompletedProcess:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,24 +17,19 @@ from conftest import (
     TINY,
     assert_training_state,
     ckptrun,
-    clean_env,
     error_line,
+    kill_tree,
     load,
     ok,
     restore,
     run_events,
+    spawn,
 )
 
 from ckptrun.errors import AlreadyCommitted
 from ckptrun.recovery import plans, restorable
 from ckptrun.store import Store, full_name
 from ckptrun.strategies import REGISTRY
-
-
-def start(cwd: Path, *args, fault: str | None = None) -> subprocess.Popen:
-    """A ckptrun run in its own session (so a test can signal its whole process tree)."""
-    return subprocess.Popen([sys.executable, "-m", "ckptrun", *map(str, args)], cwd=cwd, env=clean_env(fault),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def wait_committed(ckpt: Path, at_least: int = 1, timeout: float = 120) -> None:
@@ -103,7 +96,7 @@ def test_a_deleted_directory_is_a_save_error_not_a_fresh_start(tmp_path):
 # ---- 2. one run owns a directory ---------------------------------------------------------
 def test_second_launcher_is_refused_and_the_first_is_unharmed(long_truth, tmp_path):
     ckpt = tmp_path / "ckpts"
-    first = start(tmp_path, "--no-dashboard", "--dir", ckpt, EXAMPLE, *LONG)
+    first = spawn(tmp_path, "--no-dashboard", "--dir", ckpt, EXAMPLE, *LONG)
     try:
         wait_committed(ckpt)
         t0 = time.monotonic()
@@ -114,8 +107,8 @@ def test_second_launcher_is_refused_and_the_first_is_unharmed(long_truth, tmp_pa
             ok(ckptrun(tmp_path, *cmd))
     finally:
         first.send_signal(signal.SIGTERM)
-        _, err = first.communicate(timeout=60)
-    assert first.returncode == 143, err
+        first.wait(timeout=60)
+    assert first.returncode == 143, (tmp_path / "ckptrun.log").read_text()
     ok(ckptrun(tmp_path, "verify", "--dir", ckpt))
     step = restorable(Store(ckpt))[-1]
     assert_training_state(restore(tmp_path, ckpt, step)[0], long_truth(step))
@@ -123,10 +116,10 @@ def test_second_launcher_is_refused_and_the_first_is_unharmed(long_truth, tmp_pa
 
 def test_a_dead_runs_lock_is_taken_over_and_said(tmp_path):
     ckpt = tmp_path / "ckpts"
-    dead = start(tmp_path, "--no-dashboard", "--dir", ckpt, EXAMPLE, *LONG)
+    dead = spawn(tmp_path, "--no-dashboard", "--dir", ckpt, EXAMPLE, *LONG)
     wait_committed(ckpt)
-    os.killpg(dead.pid, signal.SIGKILL)
-    dead.communicate(timeout=30)
+    kill_tree(dead.pid)
+    dead.wait(timeout=30)
     proc = ok(ckptrun(tmp_path, "--dir", ckpt, EXAMPLE, *TINY))
     assert f"took over {ckpt}/ckptrun.lock" in proc.stderr and f"pid {dead.pid}" in proc.stderr
     ok(ckptrun(tmp_path, "verify", "--dir", ckpt))
@@ -190,12 +183,13 @@ def test_lowdiff_resumes_at_a_full_checkpoint_with_a_fresh_engine(example_truth,
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_commits_the_last_finished_step_and_exits_in_time(sig, code, long_truth, tmp_path):
     ckpt = tmp_path / "ckpts"
-    run = start(tmp_path, "--no-dashboard", "--strategy", "checkfreq", "--every", "5", "--term-timeout", "20s",
+    run = spawn(tmp_path, "--no-dashboard", "--strategy", "checkfreq", "--every", "5", "--term-timeout", "20s",
                 "--dir", ckpt, EXAMPLE, *LONG)
     wait_committed(ckpt)  # a step is taken when it is due; the stop saves the last one whatever it is
     t0 = time.monotonic()
-    os.killpg(run.pid, sig)  # as a scheduler or a terminal does: the whole tree
-    _, err = run.communicate(timeout=60)
+    os.killpg(run.pid, sig)  # as a terminal's Ctrl-C does: the launcher's group (engines included)
+    run.wait(timeout=60)
+    err = (tmp_path / "ckptrun.log").read_text()
     assert time.monotonic() - t0 < 20
     assert run.returncode == code, err
     last = err.strip().splitlines()[-1]
@@ -212,10 +206,11 @@ def test_a_signal_commits_the_last_finished_step_and_exits_in_time(sig, code, lo
 
 def test_ddp_ranks_agree_on_the_step_they_stop_after(tmp_path):
     ckpt = tmp_path / "ckpts"
-    run = start(tmp_path, "--no-dashboard", "--nproc-per-node", "2", "--dir", ckpt, EXAMPLE, *LONG)
+    run = spawn(tmp_path, "--no-dashboard", "--nproc-per-node", "2", "--dir", ckpt, EXAMPLE, *LONG)
     wait_committed(ckpt, at_least=2)
     run.send_signal(signal.SIGTERM)  # the launcher alone: the agent forwards it to both workers
-    _, err = run.communicate(timeout=60)
+    run.wait(timeout=60)
+    err = (tmp_path / "ckptrun.log").read_text()
     assert run.returncode == 143, err
     ok(ckptrun(tmp_path, "verify", "--dir", ckpt))
     newest = Store(ckpt).manifests()[-1]

@@ -24,7 +24,8 @@ from ..dirlock import hold_for_engine
 from ..errors import AlreadyCommitted
 from ..faults import Fault
 from ..fsutil import FaultHook, _no_fault
-from ..staging import EngineSlot, shm_root
+from ..leftovers import exit_with_owner, remove_staging, staging_path
+from ..staging import EngineSlot
 from ..store import Store
 from .handlers import engine_handler
 
@@ -150,8 +151,7 @@ class Engine:
         """Add a generation of staging slots; the worker retires the old ones as they free up."""
         first = max(self.slots, default=-1) + 1
         for i in range(first, first + msg["nslots"]):
-            path = shm_root() / f"ckptrun-{self.tag}-{self.local_rank}-{i}"
-            self.slots[i] = EngineSlot(path, msg["nbytes"])
+            self.slots[i] = EngineSlot(staging_path(self.tag, self.local_rank, i), msg["nbytes"])
         self.reply(msg, slots=self._slot_list(range(first, first + msg["nslots"])))
 
     def op_retire(self, msg: dict) -> None:
@@ -378,15 +378,19 @@ class Engine:
 
 
 def main(address: str, authkey: bytes, local_rank: int, tag: str, metrics_dir: str | None,
-         engines_lock: str) -> None:
-    """Engine process entry point: serve one worker connection after another until shutdown.
+         engines_lock: str, owner_pid: int | None = None, pdeathsig: bool = False) -> None:
+    """Engine process entry point: serve one worker connection after another until shutdown, or
+    until the launcher `owner_pid` dies (then without its staging files).
 
     Signals meant for the training (Ctrl-C on the terminal's process group, a scheduler's
-    SIGTERM) are the launcher's to handle: it shuts the engines down after the workers have
-    handed over their last step, so the engine ignores them. It holds its share of the
-    directory lock for as long as it lives."""
+    SIGTERM to the whole job) are the launcher's to handle: it shuts the engines down after the
+    workers have handed over their last step, so the engine ignores them. It holds its share of
+    the directory lock for as long as it lives."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    if owner_pid is not None:
+        exit_with_owner(owner_pid, lambda: remove_staging(tag, local_rank), pdeathsig=pdeathsig,
+                        name=f"checkpoint engine of local rank {local_rank}")
     hold_for_engine(engines_lock)
     listener = Listener(address, family="AF_UNIX", authkey=authkey)
     engine = Engine(local_rank, tag, metrics_dir)
