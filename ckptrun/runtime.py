@@ -214,21 +214,57 @@ class Runtime:
     def primary(self) -> torch.optim.Optimizer | None:
         return self.optimizers[0] if self.optimizers else None
 
-    def pre_step_hook(self, optimizer, args, kwargs) -> None:
-        if optimizer is not self.primary or self.replaying:
-            return
+    def pre_step_hook(self, optimizer, args, kwargs) -> tuple[tuple, dict] | None:
+        """Before the primary optimizer's step. With `step(closure)` (Lightning, LBFGS), forward
+        and backward run inside the step: the gradients are final only once the closure has
+        returned, so the strategy's `before_step` runs there (the closure is wrapped)."""
+        if self.replaying:
+            return None
+        if optimizer is not self.primary:
+            if optimizer in self.optimizers:  # its update must not race a snapshot still being copied
+                self.wait_copies()
+            return None
         if self.cfg.max_steps and self.step >= self.cfg.max_steps:
             raise StopRun(self.step, "--max-steps")
         if self._stopping is not None:
             raise StopRun(self.step, *self._stopping)
         self.check_engine()
-        step = self.step + 1
+        # `args` is (optimizer, closure?) as `Optimizer.step` was called
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._gradients_final(self.step + 1)
+            return None
+        wrapped = self._wrap_closure(closure, self.step + 1)
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": wrapped}
+        return (args[0], wrapped, *args[2:]), kwargs
+
+    def _gradients_final(self, step: int) -> None:
+        """The gradients optimizer step `step` consumes are final: the strategy may take them."""
         self._timed(self.strategy.before_step, step)
         if self.fault and self.fault.target == "kill" and self.fault.phase == "compute" \
                 and self.fault.step == step:
             self.metrics.flush()
             faults.die()
         self._optim_t0 = time.perf_counter()
+
+    def _wrap_closure(self, closure, step: int):
+        calls = 0
+
+        def wrapped():
+            nonlocal calls
+            loss = closure()
+            calls += 1
+            if calls == 1:
+                self._gradients_final(step)
+            elif self.strategy.single_optimizer:
+                raise CkptrunError(
+                    f"--strategy {self.cfg.strategy} replays the gradient of each step, and this optimizer "
+                    f"evaluated its closure {calls} times in step {step} (LBFGS-style); use --strategy checkfreq "
+                    "or sync")
+            return loss
+
+        return wrapped
 
     def post_step_hook(self, optimizer, args, kwargs) -> None:
         if optimizer is not self.primary or self.replaying:
@@ -291,7 +327,25 @@ class Runtime:
 
     # ---- registration and restore ------------------------------------------------------
     def on_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        """A torch.optim.Optimizer (subclass) was constructed. A wrapper that delegates to one
+        already registered (accelerate's AcceleratedOptimizer, ZeRO-style wrappers: every
+        parameter it updates is already another optimizer's) is the same logical optimizer: its
+        steps run the inner one's, whose state is stored once."""
+        known = {id(p) for o in self.optimizers for p in replay.optimizer_params(o)}
+        params = replay.optimizer_params(opt)
+        if known and params and all(id(p) in known for p in params):
+            self.metrics.emit(type="optimizer_alias", cls=type(opt).__name__)
+            return
         idx = len(self.optimizers)
+        if idx > 0 and self.strategy.single_optimizer:
+            raise CkptrunError(
+                f"--strategy {self.cfg.strategy} replays one optimizer, and this script creates a second one "
+                f"({type(opt).__name__} after {type(self.primary).__name__}); use --strategy checkfreq or sync, "
+                "which checkpoint every optimizer")
+        if self.strategy.single_optimizer and isinstance(opt, torch.optim.LBFGS):
+            raise CkptrunError(
+                f"--strategy {self.cfg.strategy} replays gradients, and LBFGS re-evaluates its closure several "
+                "times per step (no one gradient to replay); use --strategy checkfreq or sync")
         self.optimizers.append(opt)
         if self.strategy.wants_grad_hooks:
             for group in opt.param_groups:
@@ -503,6 +557,13 @@ class Runtime:
             event = torch.cuda.Event()
             event.record(self._stream)
         return event
+
+    def wait_copies(self) -> None:
+        """Block until every background copy started so far is done (the copier is one FIFO
+        thread; on GPU, the side stream)."""
+        self._copier.submit(lambda: None).result()
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def wait_copy(self, snap: Snapshot) -> None:
         """Block until the slot holds `snap`'s post-step state (the next update may then run)."""

@@ -8,7 +8,8 @@ Trainer-side hook points (all optional):
 - `on_grad_ready(param)`: a parameter's gradient is final for this step (layer-wise capture);
   the runtime registers per-parameter hooks only for strategies with `wants_grad_hooks`.
 - `before_step(step)`: the optimizer is about to take step `step` (gradients are final, after
-  the script's clipping/unscaling/all-reduce). The blocking point for "the update must wait".
+  the script's clipping/unscaling/all-reduce; with `step(closure)`, after the closure's first
+  evaluation). The blocking point for "the update must wait".
 - `after_step(step)`: step `step` is complete (parameters and optimizer state are new).
 - `on_event(msg)`: an event pushed by this strategy's engine-side handler.
 - `finish()`: the script returned; hand over whatever is pending.
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
 class Strategy:
     name: ClassVar[str] = ""
     wants_grad_hooks: ClassVar[bool] = False
+    # Replays one optimizer's consumed gradients: refuses a second optimizer and multi-evaluation
+    # closures (LBFGS) at start instead of saving something it cannot restore.
+    single_optimizer: ClassVar[bool] = False
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt

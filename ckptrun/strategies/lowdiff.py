@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .. import discovery
-from ..errors import CkptrunError, UsageError
+from ..errors import UsageError
 from ..layout import TensorSpec, view
 from ..lowdiff_model import LowDiffCosts, optimal_fb_given, retune
 from ..replay import densify, optimizer_params
@@ -144,6 +144,7 @@ def _as_sparse(grad: torch.Tensor | None) -> Any:
 
 class LowDiff(Strategy):
     name = "lowdiff"
+    single_optimizer = True
 
     def __init__(self, rt) -> None:
         super().__init__(rt)
@@ -175,8 +176,6 @@ class LowDiff(Strategy):
 
     # ---- hooks -------------------------------------------------------------------------
     def on_ready(self, step: int) -> None:
-        if len(self.rt.optimizers) > 1:
-            raise CkptrunError("lowdiff replays one optimizer; this script created several")
         resume = self.rt.resume
         if self.compress and resume is not None:
             self._restore_residual(resume)
