@@ -13,7 +13,13 @@ __version__ = "0.1.0"
 
 
 def resume_step() -> int:
-    """Completed optimizer steps restored at start-up (also in $CKPTRUN_RESUME_STEP)."""
+    """Completed optimizer steps restored at start-up (also in $CKPTRUN_RESUME_STEP). Calling it
+    tells ckptrun that the script starts its loop there (see --on-restart)."""
+    from .runtime import current
+
+    rt = current()
+    if rt is not None:
+        rt.script_resumes = True
     return int(os.environ.get("CKPTRUN_RESUME_STEP", "0"))
 
 

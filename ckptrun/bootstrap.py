@@ -45,6 +45,8 @@ def _decide(rt: Runtime, store: Store) -> Plan | None:
         warnings.warn(f"ckptrun: moving {name} (not restorable) aside to {store.root}/damaged/", stacklevel=1)
         (store.root / "damaged").mkdir(exist_ok=True)
         os.replace(store.root / name, store.root / "damaged" / f"{name}-{int(time.time())}")
+    if rt.cfg.on_restart == "fresh" and rt.restart_count > 0:
+        return None  # the script starts from scratch; committed steps are kept (and not rewritten)
     return plan
 
 

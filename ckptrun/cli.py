@@ -72,6 +72,10 @@ def run(
     resume: Annotated[bool, typer.Option(help="Resume from the latest committed step in --dir.")] = True,
     on_save_error: Annotated[str, typer.Option(help="warn: report a failed save and train on; fail: stop.")]
     = "warn",
+    on_restart: Annotated[str, typer.Option(help="When a script that never calls ckptrun.resume_step() is "
+                                                 "resumed at a committed step: resume (keep the restored "
+                                                 "state, warn that its loop starts over), fresh (restarted "
+                                                 "workers start from scratch) or fail.")] = "resume",
     max_inflight: Annotated[int, typer.Option(help="Checkpoints in flight (staging slots) before the "
                                                    "trainer waits (back-pressure).")] = 2,
     writers: Annotated[int, typer.Option(help="Engine writer threads (checkpoints written at once).")] = 2,
@@ -118,7 +122,7 @@ def run(
     cfg = RunConfig(strategy=strategy, dir=dir, every=1 if every == "auto" else int(every), keep=keep,
                     resume=resume, on_save_error=on_save_error, max_inflight=max_inflight, writers=writers,
                     io_threads=io_threads, metrics_dir=metrics_dir, every_auto=every == "auto", mtbf=mtbf_s,
-                    max_steps=max_steps,
+                    max_steps=max_steps, on_restart=on_restart,
                     options={"full_every": full_every, "batch": batch, "compress": compress,
                              **({"mtbf": mtbf_s} if mtbf_s else {})})
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id,

@@ -124,6 +124,8 @@ def preflight(cfg: RunConfig, script: str, *, per_host_lock: bool = False) -> Di
         raise UsageError(f"--max-inflight must be at least 1 (got {cfg.max_inflight})")
     if cfg.on_save_error not in ("warn", "fail"):
         raise UsageError(f"--on-save-error must be warn or fail (got {cfg.on_save_error!r})")
+    if cfg.on_restart not in ("resume", "fresh", "fail"):
+        raise UsageError(f"--on-restart must be resume, fresh or fail (got {cfg.on_restart!r})")
     store = Store(cfg.dir)
     store.ensure_writable()
     lock = DirLock(store.root, lock_name(per_host_lock)).acquire()

@@ -149,6 +149,8 @@ class Runtime:
         self.stop_signal: int | None = None  # SIGTERM/SIGINT received: stop at the agreed step
         self._stop_at: int | None = None
         self._stopping: tuple[str, int | None] | None = None  # (why, signal): stop before the next step
+        self.script_resumes = False  # the script asked ckptrun.resume_step() (it starts its loop there)
+        self._restart_checked = False
         self.optimizer_info: dict[str, dict] = {}
         self.metrics = WorkerMetrics(cfg.metrics_dir, rank)
         self.fault = faults.from_env(rank, restart_count)
@@ -228,6 +230,8 @@ class Runtime:
             raise StopRun(self.step, "--max-steps")
         if self._stopping is not None:
             raise StopRun(self.step, *self._stopping)
+        if self.resume is not None and not self.script_resumes and not self._restart_checked:
+            self._restarted_from_the_top()
         self.check_engine()
         # `args` is (optimizer, closure?) as `Optimizer.step` was called
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
@@ -238,6 +242,22 @@ class Runtime:
         if "closure" in kwargs:
             return args, {**kwargs, "closure": wrapped}
         return (args[0], wrapped, *args[2:]), kwargs
+
+    def _restarted_from_the_top(self) -> None:
+        """The script resumed at a committed step never asked `ckptrun.resume_step()`: its loop
+        starts over on top of the restored state (more steps than an uninterrupted run;
+        schedulers run past their end). --on-restart says what to do (`fresh` acts earlier:
+        nothing is restored)."""
+        self._restart_checked = True
+        what = (f"the script does not call ckptrun.resume_step(), so its loop starts again from its first "
+                f"iteration on top of the restored step {self.resume.step}")
+        fix = ("make its loop start at ckptrun.resume_step(), or pass --on-restart fresh (restart from "
+               "scratch)")
+        if self.cfg.on_restart == "fail":
+            raise CkptrunError(f"{what} (--on-restart fail); {fix}", exit_code=2)
+        if self.rank == 0:
+            print(f"ckptrun: warning: {what}: it will take {self.resume.step} more optimizer steps than an "
+                  f"uninterrupted run; {fix}", file=sys.stderr, flush=True)
 
     def _gradients_final(self, step: int) -> None:
         """The gradients optimizer step `step` consumes are final: the strategy may take them."""

@@ -66,3 +66,27 @@ def test_optimizer_shapes_restore_exactly_or_are_refused(strategy, case, tmp_pat
     assert_training_state(load(tmp_path / "resumed.pt"), truth)
     assert_training_state(comparable(restore(tmp_path, tmp_path / "ckpts", STEPS)[0]), truth)
     assert "optimizer_1" not in restore(tmp_path, tmp_path / "ckpts", STEPS)[0]["extra"] or case == "two-optimizers"
+
+
+@pytest.mark.parametrize("policy", ["resume", "fresh", "fail"])
+def test_a_script_that_does_not_resume_itself_is_handled_by_policy(policy, tmp_path):
+    args = [SCRIPTS / "no_resume.py", "--steps", STEPS, "--save-at", STEPS, "--save-path"]
+    subprocess.run([sys.executable, *map(str, args), tmp_path / "truth.pt"], cwd=tmp_path, env=clean_env(None),
+                   check=True, timeout=TIMEOUT_S)
+    proc = ckptrun(tmp_path, "--on-restart", policy, "--dir", "ckpts", "--keep", "0", "--max-restarts", "1",
+                   *args, "final.pt", fault="kill:step=7")
+    warning = "does not call ckptrun.resume_step()"
+    newest = Store(tmp_path / "ckpts").manifests()[-1].step
+    if policy == "fail":
+        line = error_line(proc)
+        assert proc.returncode == 2 and warning in line and "--on-restart fresh" in line
+        assert newest == 6
+    elif policy == "fresh":  # from scratch: the uninterrupted run's result, committed steps kept
+        ok(proc)
+        assert warning not in proc.stderr
+        assert_training_state(load(tmp_path / "final.pt"), load(tmp_path / "truth.pt"))
+        assert newest == STEPS
+    else:  # resumed at 6, the loop runs all its iterations again: 6 extra steps, said once
+        ok(proc)
+        assert proc.stderr.count(warning) == 1 and "6 more optimizer steps" in proc.stderr
+        assert newest == STEPS + 6
