@@ -31,6 +31,7 @@ from .handlers import engine_handler
 
 COMMIT_TRIES = 6  # a commit that fails this often is abandoned (reported; the previous step stays)
 COMMIT_BACKOFF_S = 0.1  # first retry delay; doubles each time
+FAILED_KEPT = 1024  # failed records remembered (to abandon what depends on them)
 
 
 class EventLog:
@@ -234,7 +235,7 @@ class Engine:
             return 0
         except Exception as e:  # noqa: BLE001 - any failure is a save error: reported, never a hang
             with self._pending_lock:
-                self.failed[name] = f"rank {self.rank} failed to write it ({e})"
+                self._mark_failed(name, f"rank {self.rank} failed to write it ({e})")
             if self.rank == 0:  # the committer itself: the record goes now
                 self.store.abandon(name)
             else:
@@ -314,17 +315,23 @@ class Engine:
         bad = next((d for d in depends_on if d in self.failed), None)
         return f"it depends on {bad}, which was not saved" if bad else None
 
+    def _mark_failed(self, name: str, reason: str) -> None:
+        """Remember that `name` will never commit (its dependents are abandoned too); only the
+        newest FAILED_KEPT, since a dependent is always recent (bounded memory in a long run)."""
+        self.failed[name] = reason
+        while len(self.failed) > FAILED_KEPT:
+            del self.failed[next(iter(self.failed))]
+
     def _abandon(self, msg: dict, reason: str) -> None:
         name = msg["record"]
-        self.failed[name] = reason
+        self._mark_failed(name, reason)
         del self.pending[name]
         self._retries.pop(name, None)
         self.store.abandon(name)
         self.save_error(msg["step"], name, f"not committed: {reason}")
 
     def _retry_due(self, name: str) -> bool:
-        tries, when = self._retries.get(name, (0, 0.0))
-        return time.monotonic() >= when
+        return time.monotonic() >= self._retries.get(name, (0, 0.0))[1]
 
     def _commit_failed(self, msg: dict, err: OSError) -> None:
         name = msg["record"]
