@@ -23,6 +23,11 @@ err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)
 
 Dir = Annotated[Path, typer.Option("--dir", help="Checkpoint directory.")]
+OptimizerClass = Annotated[
+    list[str] | None,
+    typer.Option("--optimizer-class", help="Trust this optimizer class (pkg.module:Class; repeatable) for "
+                                            "replaying differential records; torch.optim's classes are always "
+                                            "allowed, a class named only in the checkpoint never is.")]
 
 
 def _duration(flag: str, text: str) -> float:
@@ -140,6 +145,7 @@ def restore(
     format: Annotated[str, typer.Option(help="torch (torch.load(weights_only=True)) or safetensors.")]
     = "torch",
     rank: Annotated[int, typer.Option(help="Whose state to export, for multi-rank checkpoints.")] = 0,
+    optimizer_class: OptimizerClass = None,
 ) -> None:
     """Rebuild the state of a committed step, bit-exact, as one file."""
     from .export import export
@@ -148,7 +154,7 @@ def restore(
         raise CkptrunError(f"--format must be torch or safetensors (got {format!r})", exit_code=2)
     if step != "latest" and not step.isdigit():
         raise CkptrunError(f"--step must be a step number or `latest` (got {step!r})", exit_code=2)
-    plan = export(dir, step, out_file, format, rank)
+    plan = export(dir, step, out_file, format, rank, optimizer_class)
     via = f" + {len(plan.diffs)} diff record(s) replayed" if plan.diffs else ""
     err.print(f"restored step {plan.step} (from {plan.base.name}{via}, rank {rank}) -> {out_file}")
 
@@ -174,13 +180,19 @@ def ls(dir: Dir = Path("ckpts"),
 
 
 @app.command()
-def verify(dir: Dir = Path("ckpts")) -> None:
-    """Re-check every checksum and dependency; exit 1 listing the bad objects."""
+def verify(dir: Dir = Path("ckpts"), optimizer_class: OptimizerClass = None) -> None:
+    """Re-check every field, checksum and dependency; exit 1 listing the bad objects. Exit 0 means
+    `restore` (with the same --optimizer-class) succeeds for every listed step."""
+    from .recovery import optimizer_classes, replay_problems
     from .store import Store
 
     store = Store.existing(dir)
+    classes = optimizer_classes(optimizer_class or [])
     ms = store.manifests(warn=False)
-    problems = [*store.unreadable().values()] + [p for m in ms for p in store.verify_record(m)]
+    bases = {m.depends_on[0] for m in ms if m.kind == "diff"}
+    problems = [*store.unreadable().values()]
+    for m in ms:
+        problems += store.verify_record(m) or (replay_problems(store, m, classes) if m.name in bases else [])
     problems += [f"{name}: incomplete (no manifest; torn or still being written)" for name in store.incomplete()]
     for p in problems:
         out.print(f"BAD {p}", soft_wrap=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CkptrunError
-from .recovery import Plan, find, load_state
+from .recovery import Plan, find, load_state, optimizer_classes
 from .store import Store
 from .tree import flatten
 
@@ -44,12 +44,16 @@ def as_torch_dict(state: dict, step: int) -> dict[str, Any]:
             "rng": _weights_only_safe(state["rng"]), "extra": extra}
 
 
-def export(directory: Path, step: int | str, out: Path, fmt: str, rank: int = 0) -> Plan:
+def export(directory: Path, step: int | str, out: Path, fmt: str, rank: int = 0,
+           trusted_optimizers: list[str] | None = None) -> Plan:
+    """Write one committed step of one rank to `out`; `trusted_optimizers` (pkg.mod:Class) may
+    be constructed for offline replay besides torch.optim's classes."""
     store = Store.existing(directory)
-    plan = find(store, step)
+    classes = optimizer_classes(trusted_optimizers or [])
+    plan = find(store, step, classes)
     if not 0 <= rank < plan.base.world_size:
         raise CkptrunError(f"--rank {rank}: step {plan.step} has ranks 0..{plan.base.world_size - 1}", exit_code=2)
-    full = as_torch_dict(load_state(store, plan, rank), plan.step)
+    full = as_torch_dict(load_state(store, plan, rank, classes), plan.step)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import importlib
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from queue import Queue
 
 from .discovery import orphans_key
-from .errors import CkptrunError, CorruptCheckpoint, StepNotAvailable
+from .errors import CkptrunError, CorruptCheckpoint, StepNotAvailable, UsageError
 from .store import Manifest, Store
 from .tree import unflatten
 
@@ -66,17 +66,71 @@ def restorable(store: Store) -> list[int]:
     return list(plans(store))
 
 
-def _problems(store: Store, plan: Plan) -> list[str]:
-    return [p for m in plan.records for p in store.verify_record(m)]
+def optimizer_classes(trusted: Iterable[str] = ()) -> dict[str, type]:
+    """The optimizer classes offline replay may construct, by the name a checkpoint gives them
+    (`module.qualname`): torch.optim's own, found by name in torch.optim, plus the classes the
+    user names on the command line (`pkg.mod:Class`, the user's explicit trust). A name taken
+    from a checkpoint is only ever looked up here, never imported."""
+    import torch
+
+    found = [getattr(torch.optim, n) for n in dir(torch.optim)]
+    table = {f"{c.__module__}.{c.__qualname__}": c for c in found
+             if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer}
+    for spec in trusted:
+        module, sep, qualname = spec.partition(":")
+        try:
+            if not (module and sep and qualname):
+                raise ValueError("give it as pkg.module:Class")
+            cls = importlib.import_module(module)
+            for part in qualname.split("."):
+                cls = getattr(cls, part)
+            if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+                raise ValueError("not a torch.optim.Optimizer subclass")
+        except (ImportError, AttributeError, ValueError) as e:
+            raise UsageError(f"--optimizer-class {spec}: {e}") from None
+        table[f"{cls.__module__}.{cls.__qualname__}"] = table[f"{module}.{qualname}"] = cls
+    return table
 
 
-def newest_good(store: Store, *, at_most: int | None = None, verify: bool = True) -> Plan | None:
-    """The newest restorable step (≤ `at_most`) whose records all pass their checks."""
+def replay_problems(store: Store, base: Manifest, classes: dict[str, type]) -> list[str]:
+    """What stops offline replay on top of `base`: an optimizer class that is not allowed."""
+    problems = []
+    for rank in range(base.world_size):
+        try:
+            _optimizer(store, base, rank, classes)
+        except CkptrunError as e:
+            problems.append(str(e))
+    return problems
+
+
+def _optimizer(store: Store, base: Manifest, rank: int, classes: dict[str, type]) -> tuple[type, dict]:
+    """(optimizer class, its info) that replay on top of `base` constructs; CorruptCheckpoint if none."""
+    info = store.read_index(base.name, rank, base)["meta"].get("optimizers", {}).get("optimizer")
+    if info is None:
+        raise CorruptCheckpoint(f"{base.name}: rank {rank} does not say which optimizer to replay with")
+    cls = classes.get(info["class"])
+    if cls is None:
+        raise CorruptCheckpoint(f"{base.name}: replay needs optimizer class {info['class']!r}, which is not a "
+                                "torch.optim class; if you trust it, pass --optimizer-class pkg.module:Class")
+    return cls, info
+
+
+def _problems(store: Store, plan: Plan, classes: dict[str, type] | None = None) -> list[str]:
+    problems = [p for m in plan.records for p in store.verify_record(m)]
+    if plan.diffs and classes is not None and not problems:
+        problems = replay_problems(store, plan.base, classes)
+    return problems
+
+
+def newest_good(store: Store, *, at_most: int | None = None, verify: bool = True,
+                classes: dict[str, type] | None = None) -> Plan | None:
+    """The newest restorable step (≤ `at_most`) whose records all pass their checks (with
+    `classes`: also those offline replay needs, see `optimizer_classes`)."""
     bad: set[str] = set()
     for step, plan in reversed(plans(store).items()):
         if at_most is not None and step > at_most or bad & {m.name for m in plan.records}:
             continue
-        problems = _problems(store, plan) if verify else []
+        problems = _problems(store, plan, classes) if verify else []
         if not problems:
             return plan
         bad |= {p.split(":", 1)[0] for p in problems}
@@ -85,19 +139,19 @@ def newest_good(store: Store, *, at_most: int | None = None, verify: bool = True
     return None
 
 
-def find(store: Store, step: int | str) -> Plan:
+def find(store: Store, step: int | str, classes: dict[str, type] | None = None) -> Plan:
     """The plan for `step` ("latest" falls back past damaged records)."""
     if step == "latest":
-        plan = newest_good(store)
+        plan = newest_good(store, classes=classes)
         if plan is None:
             raise StepNotAvailable(f"no restorable step in {store.root}" + _available(store))
         return plan
     plan = plans(store).get(int(step))
     if plan is None:
         raise StepNotAvailable(f"step {step} is not committed in {store.root}" + _available(store))
-    problems = _problems(store, plan)
+    problems = _problems(store, plan, classes)
     if problems:
-        good = newest_good(store, at_most=plan.step)
+        good = newest_good(store, at_most=plan.step, classes=classes)
         hint = f"; the newest good step before it is {good.step}" if good else "; no good step precedes it"
         raise CorruptCheckpoint(f"step {plan.step} cannot be restored ({problems[0]}){hint}")
     return plan
@@ -156,28 +210,29 @@ def finish_state(state: dict, last: dict) -> dict:
     return {**state, **{k: last[k] for k in ("rng", "schedulers", "scalers", "extra")}}
 
 
-def load_state(store: Store, plan: Plan, rank: int) -> dict:
-    """The full state of `rank` at `plan.step`, replaying diffs offline when needed."""
+def load_state(store: Store, plan: Plan, rank: int, classes: dict[str, type] | None = None) -> dict:
+    """The full state of `rank` at `plan.step`, replaying diffs offline when needed (with an
+    optimizer class from `classes`, torch.optim's by default)."""
     state = read_state(store, plan.base, rank)
     if not plan.diffs:
         return state
-    return _replay_offline(store, plan, rank, state)
+    try:
+        return _replay_offline(store, plan, rank, state, optimizer_classes() if classes is None else classes)
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        # The records pass their own checks but do not fit together (crafted or mixed runs).
+        raise CorruptCheckpoint(f"{plan.base.name}: replaying step {plan.step} failed: its records do not "
+                                f"fit together ({type(e).__name__}: {_one_line(e)})") from None
 
 
-def _replay_offline(store: Store, plan: Plan, rank: int, state: dict) -> dict:
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:200]
+
+
+def _replay_offline(store: Store, plan: Plan, rank: int, state: dict, classes: dict[str, type]) -> dict:
     """Rebuild the optimizer from the base's metadata and replay (no training script needed)."""
     from .replay import replay
 
-    index = store.read_index(plan.base.name, rank)
-    info = index["meta"].get("optimizers", {}).get("optimizer")
-    if info is None:
-        raise CkptrunError(f"{plan.base.name} does not say which optimizer to replay with")
-    module, _, qualname = info["class"].rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), qualname)
-    except (ImportError, AttributeError):
-        raise CkptrunError(f"replaying step {plan.step} needs the optimizer class {info['class']}; "
-                           "install the package that defines it") from None
+    cls, info = _optimizer(store, plan.base, rank, classes)
     orphans = state.get("extra", {}).get(orphans_key("optimizer"), {})
     params = [state["models"][a[0][0]][a[0][1]] if a else orphans[str(i)] for i, a in enumerate(info["params"])]
     saved = state["optimizers"]["optimizer"]
