@@ -183,22 +183,17 @@ def ls(dir: Dir = Path("ckpts"),
 def verify(dir: Dir = Path("ckpts"), optimizer_class: OptimizerClass = None) -> None:
     """Re-check every field, checksum and dependency; exit 1 listing the bad objects. Exit 0 means
     `restore` (with the same --optimizer-class) succeeds for every listed step."""
-    from .recovery import optimizer_classes, replay_problems
+    from .recovery import optimizer_classes, verify_problems
     from .store import Store
 
     store = Store.existing(dir)
-    classes = optimizer_classes(optimizer_class or [])
-    ms = store.manifests(warn=False)
-    bases = {m.depends_on[0] for m in ms if m.kind == "diff"}
-    problems = [*store.unreadable().values()]
-    for m in ms:
-        problems += store.verify_record(m) or (replay_problems(store, m, classes) if m.name in bases else [])
-    problems += [f"{name}: incomplete (no manifest; torn or still being written)" for name in store.incomplete()]
+    problems = verify_problems(store, optimizer_classes(optimizer_class or []))
+    n = len(store.manifests(warn=False))
     for p in problems:
         out.print(f"BAD {p}", soft_wrap=True)
     if problems:
         raise typer.Exit(1)
-    out.print(f"ok: {len(ms)} committed record(s) verified in {dir}")
+    out.print(f"ok: {n} committed record(s) verified in {dir}")
 
 
 @app.command()

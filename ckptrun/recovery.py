@@ -115,11 +115,24 @@ def _optimizer(store: Store, base: Manifest, rank: int, classes: dict[str, type]
     return cls, info
 
 
-def _problems(store: Store, plan: Plan, classes: dict[str, type] | None = None) -> list[str]:
-    problems = [p for m in plan.records for p in store.verify_record(m)]
-    if plan.diffs and classes is not None and not problems:
-        problems = replay_problems(store, plan.base, classes)
-    return problems
+def verify_problems(store: Store, classes: dict[str, type]) -> list[str]:
+    """Everything `ckptrun verify` reports: unreadable manifests, every committed record's own
+    problems, what stops replay on a base that diff records depend on, torn records. None means
+    that every restorable step restores (with the same trusted optimizer `classes`)."""
+    ms = store.manifests(warn=False)
+    bases = {m.depends_on[0] for m in ms if m.kind == "diff"}
+    problems = [*store.unreadable().values()]
+    for m in ms:
+        problems += store.verify_record(m) or (replay_problems(store, m, classes) if m.name in bases else [])
+    return problems + [f"{name}: incomplete (no manifest; torn or still being written)" for name in store.incomplete()]
+
+
+def _problems(store: Store, plan: Plan, classes: dict[str, type] | None = None) -> tuple[list[str], list[str]]:
+    """(what is wrong with the plan's records themselves, what stops replaying them offline)."""
+    own = [p for m in plan.records for p in store.verify_record(m)]
+    if plan.diffs and classes is not None and not own:
+        return own, replay_problems(store, plan.base, classes)
+    return own, []
 
 
 def newest_good(store: Store, *, at_most: int | None = None, verify: bool = True,
@@ -130,10 +143,11 @@ def newest_good(store: Store, *, at_most: int | None = None, verify: bool = True
     for step, plan in reversed(plans(store).items()):
         if at_most is not None and step > at_most or bad & {m.name for m in plan.records}:
             continue
-        problems = _problems(store, plan, classes) if verify else []
+        own, replay = _problems(store, plan, classes) if verify else ([], [])
+        problems = own + replay
         if not problems:
             return plan
-        bad |= {p.split(":", 1)[0] for p in problems}
+        bad |= {p.split(":", 1)[0] for p in own}  # a base that cannot be replayed on may restore alone
         warnings.warn(f"ckptrun: step {step} is damaged ({problems[0]}); falling back to an older step",
                       stacklevel=2)
     return None
@@ -149,7 +163,7 @@ def find(store: Store, step: int | str, classes: dict[str, type] | None = None) 
     plan = plans(store).get(int(step))
     if plan is None:
         raise StepNotAvailable(f"step {step} is not committed in {store.root}" + _available(store))
-    problems = _problems(store, plan, classes)
+    problems = sum(_problems(store, plan, classes), [])
     if problems:
         good = newest_good(store, at_most=plan.step, classes=classes)
         hint = f"; the newest good step before it is {good.step}" if good else "; no good step precedes it"
@@ -159,9 +173,12 @@ def find(store: Store, step: int | str, classes: dict[str, type] | None = None) 
 
 def _available(store: Store) -> str:
     steps = restorable(store)
+    unreadable = list(store.unreadable().values())
+    skipped = f"; skipped {unreadable[0]}" + (f" and {len(unreadable) - 1} more" if len(unreadable) > 1 else "") \
+        if unreadable else ""
     if not steps:
-        return "; it holds no committed steps"
-    return f"; available steps: {_ranges(steps)}"
+        return "; it holds no committed steps" + skipped
+    return f"; available steps: {_ranges(steps)}" + skipped
 
 
 def _ranges(steps: list[int]) -> str:
