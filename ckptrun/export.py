@@ -33,6 +33,19 @@ def _weights_only_safe(obj: Any) -> Any:
     return obj
 
 
+def _unshared(tensors: dict) -> dict:
+    """Contiguous tensors, each with its own storage: safetensors refuses shared ones, and
+    replay gives tied parameters (one tensor under two names) a single tensor."""
+    seen: set[int] = set()
+    out = {}
+    for key, t in tensors.items():
+        t = t.contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        out[key] = t.clone() if ptr in seen and t.numel() else t
+        seen.add(ptr)
+    return out
+
+
 def as_torch_dict(state: dict, step: int) -> dict[str, Any]:
     models, optimizers = dict(state["models"]), dict(state["optimizers"])
     extra = dict(state.get("extra", {}))
@@ -41,7 +54,7 @@ def as_torch_dict(state: dict, step: int) -> dict[str, Any]:
     scalers = state.get("scalers", [])
     return {"step": step, "model": models.get("model", {}), "optimizer": optimizers.get("optimizer", {}),
             "schedulers": state.get("schedulers", []), "scaler": scalers[0] if scalers else None,
-            "rng": _weights_only_safe(state["rng"]), "extra": extra}
+            "rng": _weights_only_safe(state.get("rng", {})), "extra": extra}
 
 
 def export(directory: Path, step: int | str, out: Path, fmt: str, rank: int = 0,
@@ -65,7 +78,7 @@ def export(directory: Path, step: int | str, out: Path, fmt: str, rank: int = 0,
             from safetensors.torch import save_file
 
             skeleton, tensors = flatten(full)
-            save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp),
+            save_file(_unshared(tensors), str(tmp),
                       metadata={"ckptrun.skeleton": json.dumps(skeleton), "ckptrun.step": str(plan.step)})
         os.replace(tmp, out)
     finally:

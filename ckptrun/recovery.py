@@ -14,11 +14,15 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from queue import Queue
+from typing import Any
+
+from pydantic import ValidationError
 
 from .discovery import orphans_key
-from .errors import CkptrunError, CorruptCheckpoint, StepNotAvailable, UsageError
+from .errors import CorruptCheckpoint, StepNotAvailable, UsageError
+from .schema import DiffStep, SavedOptimizer, StateSkeleton, problem
 from .store import Manifest, Store
-from .tree import unflatten
+from .tree import TENSOR, unflatten
 
 
 @dataclass
@@ -92,17 +96,6 @@ def optimizer_classes(trusted: Iterable[str] = ()) -> dict[str, type]:
     return table
 
 
-def replay_problems(store: Store, base: Manifest, classes: dict[str, type]) -> list[str]:
-    """What stops offline replay on top of `base`: an optimizer class that is not allowed."""
-    problems = []
-    for rank in range(base.world_size):
-        try:
-            _optimizer(store, base, rank, classes)
-        except CkptrunError as e:
-            problems.append(str(e))
-    return problems
-
-
 def _optimizer(store: Store, base: Manifest, rank: int, classes: dict[str, type]) -> tuple[type, dict]:
     """(optimizer class, its info) that replay on top of `base` constructs; CorruptCheckpoint if none."""
     info = store.read_index(base.name, rank, base)["meta"].get("optimizers", {}).get("optimizer")
@@ -115,24 +108,99 @@ def _optimizer(store: Store, base: Manifest, rank: int, classes: dict[str, type]
     return cls, info
 
 
+def _shape(model: type, skeleton: Any, where: str) -> Any:
+    try:
+        return model.model_validate(skeleton)
+    except ValidationError as e:
+        raise CorruptCheckpoint(f"{where}: {problem(e)}") from None
+
+
+def _param_shapes(store: Store, base: Manifest, rank: int, classes: dict[str, type]) -> list[list[int]]:
+    """The shape of each parameter replay on `base` rebuilds; CorruptCheckpoint where the base's
+    optimizer class is not allowed or its parameters, state and groups do not resolve."""
+    _, info = _optimizer(store, base, rank, classes)
+    index = store.read_index(base.name, rank, base)
+    where = f"{base.name}: rank {rank}"
+    state = _shape(StateSkeleton, index["skeleton"], where)
+    orphans = state.extra.get(orphans_key("optimizer"), {})
+    shapes = []
+    for i, aliases in enumerate(info["params"]):
+        refs = [state.models.get(model, {}).get(key) for model, key in aliases] if aliases else \
+            [orphans.get(str(i)) if isinstance(orphans, dict) else None]
+        found = [index["tensors"][ref[TENSOR]]["shape"] if isinstance(ref, dict) and TENSOR in ref else None
+                 for ref in refs]
+        if None in found or any(shape != found[0] for shape in found):
+            raise CorruptCheckpoint(f"{where}: optimizer parameter {i} is not a tensor of the saved state")
+        shapes.append(found[0])
+    saved = _shape(SavedOptimizer, state.optimizers.get("optimizer"), f"{where} optimizer")
+    if any(not 0 <= j < len(shapes) for g in saved.param_groups for j in g.params):
+        raise CorruptCheckpoint(f"{where}: an optimizer group names a parameter it does not have")
+    return shapes
+
+
+def _diff_fits(store: Store, diff: Manifest, rank: int, classes: dict[str, type]) -> None:
+    """CorruptCheckpoint unless every step of `diff` replays on its base: one gradient of the
+    parameter's shape (or none, or a sparse pair) per parameter, hyper-parameters per group, and
+    post-step state for optimizers and models the base has."""
+    base = store.manifest(diff.depends_on[0])
+    shapes = _param_shapes(store, base, rank, classes)
+    base_state = store.read_index(base.name, rank, base)["skeleton"]
+    groups = len(base_state["optimizers"]["optimizer"]["param_groups"])
+    index = store.read_index(diff.name, rank, diff)
+    for s, skeleton in index["skeleton"]["steps"].items():
+        where = f"{diff.name}: rank {rank} step {s}"
+        step = _shape(DiffStep, skeleton, where)
+        if len(step.grads) != len(shapes) or len(step.groups) != groups:
+            raise CorruptCheckpoint(f"{where}: {len(step.grads)} gradients in {len(step.groups)} groups, its base "
+                                    f"{base.name} has {len(shapes)} parameters in {groups}")
+        if not set(step.param_groups) <= set(base_state["optimizers"]) or not set(step.buffers) <= set(
+                base_state["models"]):
+            raise CorruptCheckpoint(f"{where}: names an optimizer or model that {base.name} does not have")
+        for i, grad in enumerate(step.grads):
+            dense = grad.get(TENSOR) if isinstance(grad, dict) else None
+            sparse = isinstance(grad, dict) and set(grad) == {"idx", "val"}
+            if grad is not None and not sparse and (dense is None or index["tensors"][dense]["shape"] != shapes[i]):
+                raise CorruptCheckpoint(f"{where}: gradient {i} does not fit parameter {i} {shapes[i]}")
+
+
+def fit_problems(store: Store, m: Manifest, classes: dict[str, type], *, replay: bool) -> list[str]:
+    """What stops restore from assembling a state out of committed record `m`, beyond `m`'s own
+    checks (Store.verify_record): a full record's skeleton must be a state, and with `replay`
+    (a base that diff records depend on) its optimizer must be rebuildable; a diff record's
+    steps must replay on its base."""
+    try:
+        for rank in range(m.world_size):
+            if m.kind == "diff":
+                _diff_fits(store, m, rank, classes)
+            elif replay:
+                _param_shapes(store, m, rank, classes)
+            else:
+                _shape(StateSkeleton, store.read_index(m.name, rank, m)["skeleton"], f"{m.name}: rank {rank}")
+    except CorruptCheckpoint as e:
+        return [str(e)]
+    return []
+
+
 def verify_problems(store: Store, classes: dict[str, type]) -> list[str]:
     """Everything `ckptrun verify` reports: unreadable manifests, every committed record's own
-    problems, what stops replay on a base that diff records depend on, torn records. None means
+    problems and what stops restore from using it (`fit_problems`), torn records. None means
     that every restorable step restores (with the same trusted optimizer `classes`)."""
     ms = store.manifests(warn=False)
     bases = {m.depends_on[0] for m in ms if m.kind == "diff"}
     problems = [*store.unreadable().values()]
     for m in ms:
-        problems += store.verify_record(m) or (replay_problems(store, m, classes) if m.name in bases else [])
+        problems += store.verify_record(m) or fit_problems(store, m, classes, replay=m.name in bases)
     return problems + [f"{name}: incomplete (no manifest; torn or still being written)" for name in store.incomplete()]
 
 
 def _problems(store: Store, plan: Plan, classes: dict[str, type] | None = None) -> tuple[list[str], list[str]]:
-    """(what is wrong with the plan's records themselves, what stops replaying them offline)."""
+    """(what is wrong with the plan's records themselves, what stops restoring the plan offline
+    with `classes`: replay on the base, or the base's state alone)."""
     own = [p for m in plan.records for p in store.verify_record(m)]
-    if plan.diffs and classes is not None and not own:
-        return own, replay_problems(store, plan.base, classes)
-    return own, []
+    if classes is None or own:
+        return own, []
+    fit = [p for m in plan.records for p in fit_problems(store, m, classes, replay=bool(plan.diffs))]
+    return own, fit
 
 
 def newest_good(store: Store, *, at_most: int | None = None, verify: bool = True,
@@ -147,7 +215,8 @@ def newest_good(store: Store, *, at_most: int | None = None, verify: bool = True
         problems = own + replay
         if not problems:
             return plan
-        bad |= {p.split(":", 1)[0] for p in own}  # a base that cannot be replayed on may restore alone
+        # A base that cannot be replayed on may still restore alone.
+        bad |= {p.split(":", 1)[0] for p in own} | ({p.split(":", 1)[0] for p in replay} - {plan.base.name})
         warnings.warn(f"ckptrun: step {step} is damaged ({problems[0]}); falling back to an older step",
                       stacklevel=2)
     return None

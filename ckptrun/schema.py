@@ -197,6 +197,44 @@ class RankIndex(BaseModel):
         return self
 
 
+class _State(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StateSkeleton(_State):
+    """The skeleton of a full record, as restore assembles a state from it (recovery, export)."""
+
+    models: dict[str, dict[str, Any]]
+    optimizers: dict[str, dict[str, Any]]
+    schedulers: list[Any] = []
+    scalers: list[Any] = []
+    extra: dict[str, Any] = {}
+
+
+class ParamGroup(_State):
+    params: list[Annotated[int, Field(ge=0)]]
+
+
+class SavedOptimizer(_State):
+    """An optimizer's state_dict in a skeleton: what replay loads into the rebuilt optimizer."""
+
+    state: Any
+    param_groups: list[ParamGroup]
+
+
+class DiffStep(_State):
+    """One recorded step of a diff record: what replay applies and what finishes the state."""
+
+    grads: list[Any]
+    groups: list[dict[str, Any]]
+    param_groups: dict[str, list[dict[str, Any]]]
+    buffers: dict[str, dict[str, Any]]
+    rng: Any
+    schedulers: list[Any]
+    scalers: list[Any]
+    extra: dict[str, Any]
+
+
 def problem(e: ValidationError) -> str:
     """One line naming the first failing field(s), without echoing the input."""
     parts = []

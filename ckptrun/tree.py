@@ -116,6 +116,7 @@ def check_skeleton(skeleton: Any, dtypes: dict[str, str]) -> None:
     (key -> dtype name): known, well-formed tags only, every tensor it names present, every dtype
     tag a known dtype, bounded nesting. Iterative, so no input can exhaust the stack."""
     stack: list[tuple[Any, int, bool]] = [(skeleton, 0, False)]  # (node, depth, used as a dict key)
+    seen: set[str] = set()  # `flatten` gives every place its own key: a shared one is crafted
     while stack:
         node, depth, as_key = stack.pop()
         if depth > MAX_DEPTH:
@@ -135,6 +136,10 @@ def check_skeleton(skeleton: Any, dtypes: dict[str, str]) -> None:
             if len(node) != 1 or tag not in TAGS:
                 raise ValueError(f"unknown tag {tag!r}" if tag not in TAGS else f"tag {tag} with other keys")
             stack.extend(_tagged(tag, node[tag], depth, as_key, dtypes))
+            if tag in (TENSOR, NDARRAY):
+                if node[tag] in seen:
+                    raise ValueError(f"refers to tensor {node[tag]!r} twice")
+                seen.add(node[tag])
         elif node is not None and not isinstance(node, (bool, int, float, str)):
             raise ValueError(f"a {type(node).__name__} is not JSON")
 

@@ -252,18 +252,42 @@ def test_crafted_record_is_reported_skipped_and_contained(case, outcomes, pylib)
     assert not (pylib / "IMPORTED").exists(), "a module named in a checkpoint was imported"
 
 
-def test_verify_ok_means_every_step_restores(lowdiff_dir, tmp_path):
-    """The rule behind `verify`: no crafted case passes it and then fails to restore."""
+def edit_step(step: str, edit: Callable[[dict], None]) -> Callable[[Path, Path], None]:
+    """Edit one recorded step of the diff record DIFF."""
+    return edit_index(DIFF, lambda index: edit(index["skeleton"]["steps"][step]))
+
+
+# Records that pass their own checks but do not fit together, and harmless edits.
+NEAR_MISSES = [
+    Case("harmless-committed-at", edit_manifest(DIFF, committed_at=1.0)),
+    Case("one-gradient-fewer", edit_step("7", lambda s: s["grads"].pop())),
+    Case("one-group-more", edit_step("7", lambda s: s["groups"].append(dict(s["groups"][0])))),
+    Case("gradient-shape-transposed", edit_index(DIFF, first_tensor(shape=[32, 256]))),
+    Case("finishes-an-unknown-optimizer", edit_step("8", lambda s: s["param_groups"].update(other=[]))),
+    Case("parameter-alias-missing", edit_index(BASE, set_path(("meta", "optimizers", "optimizer", "params", 1),
+                                                              [["model", "nope"]])), record=BASE),
+    Case("state-without-models", edit_index(BASE, lambda index: index["skeleton"].pop("models")), record=BASE),
+    Case("tensor-named-twice", edit_index(BASE, set_path(("skeleton", "models", "model", "pos.weight"),
+                                                         {"__tensor__": "models/model/tok.weight"})), record=BASE),
+]
+
+
+@pytest.mark.parametrize("case", CASES + NEAR_MISSES, ids=[c.id for c in CASES + NEAR_MISSES])
+def test_verify_ok_means_every_step_restores(case, lowdiff_dir, tmp_path):
+    """The rule behind `verify`: no case passes it and then fails to restore (in either format)."""
     from ckptrun.export import export
 
-    for case in CASES:
-        root = tmp_path / case.id
-        prepare(lowdiff_dir, root, case)
-        store = Store(root / "ckpts")
-        if verify_problems(store, optimizer_classes()):
-            continue
+    prepare(lowdiff_dir, tmp_path, case)
+    store = Store(tmp_path / "ckpts")
+    problems = verify_problems(store, optimizer_classes())
+    if case.id.startswith("harmless"):
+        assert problems == []
+    else:
+        assert any(case.record in p for p in problems), problems
+    if not problems:
         for step in restorable(store):
-            export(store.root, step, root / "out.pt", "torch")
+            for fmt in ("torch", "safetensors"):
+                export(store.root, step, tmp_path / "out", fmt)
 
 
 def test_run_never_touches_a_directory_a_manifest_names(lowdiff_dir, tmp_path):
