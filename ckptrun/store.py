@@ -54,11 +54,36 @@ def _why(e: OSError) -> str:
     return _WHY.get(e.errno, f"cannot be opened ({e.strerror})")
 
 
+def _open_regular(path: str | os.PathLike, what: str, dir_fd: int | None = None) -> int:
+    """A read-only descriptor of a regular file, or CorruptCheckpoint naming `what`: a symbolic
+    link is not followed, and a FIFO or device is never waited on (opened non-blocking, then
+    rejected by fstat)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        raise CorruptCheckpoint(f"{what} {_why(e)}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpoint(f"{what} is not a regular file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _read_small(fd: int, what: str) -> bytes:
+    """All of a metadata file (manifest, index, marker); one over MAX_METADATA_BYTES is not read."""
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size > MAX_METADATA_BYTES:
+            raise CorruptCheckpoint(f"{what} is {size} bytes (more than {MAX_METADATA_BYTES})")
+        return f.read(size)
+
+
 class Store:
     """One run's checkpoint directory."""
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
+        self._ranks_ok: set[tuple[str, int]] = set()  # committed records whose rank files match world_size
 
     @classmethod
     def existing(cls, root: str | os.PathLike) -> Store:
@@ -84,7 +109,12 @@ class Store:
                 "pass --dir with a writable path",
                 exit_code=2,
             ) from None
-        fmt = json.loads((self.root / MARKER).read_text()).get("format")
+        try:
+            body = json.loads(_read_small(_open_regular(self.root / MARKER, MARKER), MARKER))
+        except (CorruptCheckpoint, ValueError, RecursionError) as e:
+            raise CkptrunError(f"{self.root} is not a ckptrun checkpoint directory ({MARKER}: "
+                               f"{e if isinstance(e, CorruptCheckpoint) else 'not JSON'})", exit_code=2) from None
+        fmt = body.get("format") if isinstance(body, dict) else None
         if fmt != FORMAT:
             raise CkptrunError(f"{self.root} holds checkpoint format {fmt}, this ckptrun reads {FORMAT}")
 
@@ -154,8 +184,7 @@ class Store:
     # ---- reading: the directory is untrusted input (DESIGN invariant 7) -------------------
     def _open(self, name: str, file: str, what: str) -> int:
         """A read-only descriptor of `file` in record `name`, or CorruptCheckpoint: the record must
-        be a real directory (a symbolic link is not followed), the file a regular one (not a link,
-        and a FIFO or device is never waited on)."""
+        be a real directory (a symbolic link is not followed), the file a regular one."""
         if not is_record_name(name):
             raise CorruptCheckpoint(f"{name!r} is not a record name")
         try:
@@ -163,25 +192,12 @@ class Store:
         except OSError as e:
             raise CorruptCheckpoint(f"{name}: record directory {_why(e)}") from None
         try:
-            fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
-        except OSError as e:
-            raise CorruptCheckpoint(f"{name}: {what} {_why(e)}") from None
+            return _open_regular(file, f"{name}: {what}", dfd)
         finally:
             os.close(dfd)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise CorruptCheckpoint(f"{name}: {what} is not a regular file")
-        os.set_blocking(fd, True)
-        return fd
 
     def _read_metadata(self, name: str, file: str, what: str) -> bytes:
-        """A manifest or index file, whole; one larger than MAX_METADATA_BYTES is not read."""
-        fd = self._open(name, file, what)
-        with os.fdopen(fd, "rb") as f:
-            size = os.fstat(fd).st_size
-            if size > MAX_METADATA_BYTES:
-                raise CorruptCheckpoint(f"{name}: {what} is {size} bytes (more than {MAX_METADATA_BYTES})")
-            return f.read(size)
+        return _read_small(self._open(name, file, what), f"{name}: {what}")
 
     def manifest(self, name: str) -> Manifest:
         try:
@@ -254,10 +270,13 @@ class Store:
         return body
 
     def _check_ranks(self, m: Manifest) -> None:
+        if (m.name, m.world_size) in self._ranks_ok:
+            return
         present = self.ranks_present(m.name)
         if present != list(range(m.world_size)):
             raise CorruptCheckpoint(f"{m.name}: world_size {m.world_size}, but it holds "
                                     f"{len(present)} rank index file(s)")
+        self._ranks_ok.add((m.name, m.world_size))
 
     def open_rank(self, m: Manifest, rank: int) -> tuple[dict, int]:
         """(index, open data file) of one rank of committed record `m` after every check that does

@@ -338,3 +338,11 @@ def test_verify_streams_data_in_bounded_memory(tmp_path):
     small = _verify_peak_rss_mib(tmp_path, tmp_path / "small")
     large = _verify_peak_rss_mib(tmp_path, tmp_path / "large")
     assert large - small < 32, f"verify of a 256 MiB record peaked {large - small:.0f} MiB above a 1 MiB one"
+
+
+def test_run_refuses_a_format_marker_that_is_not_a_file(tmp_path):
+    """The directory's format marker is read like any record file: a FIFO is never waited on."""
+    (tmp_path / "ckpts").mkdir()
+    os.mkfifo(tmp_path / "ckpts" / "ckptrun.json")
+    line = error_line(ckptrun(tmp_path, "--dir", "ckpts", "--no-dashboard", EXAMPLE, *TINY))
+    assert "ckptrun.json is not a regular file" in line, line
