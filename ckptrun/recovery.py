@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from .discovery import orphans_key
 from .errors import CorruptCheckpoint, StepNotAvailable, UsageError
-from .schema import DiffStep, SavedOptimizer, StateSkeleton, problem
+from .schema import DiffStep, SavedOptimizer, StateSkeleton, problem, short
 from .store import Manifest, Store
 from .tree import TENSOR, unflatten
 
@@ -103,7 +103,7 @@ def _optimizer(store: Store, base: Manifest, rank: int, classes: dict[str, type]
         raise CorruptCheckpoint(f"{base.name}: rank {rank} does not say which optimizer to replay with")
     cls = classes.get(info["class"])
     if cls is None:
-        raise CorruptCheckpoint(f"{base.name}: replay needs optimizer class {info['class']!r}, which is not a "
+        raise CorruptCheckpoint(f"{base.name}: replay needs optimizer class {short(info['class'])}, which is not a "
                                 "torch.optim class; if you trust it, pass --optimizer-class pkg.module:Class")
     return cls, info
 

@@ -120,7 +120,7 @@ class Manifest:
             if not base.startswith("step-") or record_step(base) >= self.first_step:
                 raise ValueError("a diff record must depend first on an earlier full record")
         if self.name != expect:
-            raise ValueError(f"name {self.name!r} does not match kind {self.kind} and step {self.step}")
+            raise ValueError(f"name {short(self.name)} does not match kind {self.kind} and step {self.step}")
         if any(record_step(d) >= self.first_step for d in self.depends_on):
             raise ValueError("depends on a record that is not older than it")
         if set(self.index_checksums) != {str(r) for r in range(self.world_size)}:
@@ -143,7 +143,7 @@ class TensorEntry(BaseModel):
         from .layout import _DTYPES  # torch: only once an index is read, not for `ls`
 
         if self.dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}")
+            raise ValueError(f"unknown dtype {short(self.dtype)}")
         itemsize = _DTYPES[self.dtype].itemsize
         if math.prod(self.shape) * itemsize != self.nbytes:
             raise ValueError(f"shape {self.shape} of {self.dtype} is not {self.nbytes} bytes")
@@ -186,11 +186,12 @@ class RankIndex(BaseModel):
         from .layout import ALIGN
 
         if self.data != rank_files(self.rank)[0]:
-            raise ValueError(f"data file {self.data!r} is not {rank_files(self.rank)[0]}")
+            raise ValueError(f"data file {short(self.data)} is not {rank_files(self.rank)[0]}")
         end = 0
         for key, t in self.tensors.items():
             if t.offset + t.nbytes > self.data_nbytes:
-                raise ValueError(f"tensor {key!r} ({t.offset}+{t.nbytes}) lies beyond data_nbytes {self.data_nbytes}")
+                raise ValueError(f"tensor {short(key)} ({t.offset}+{t.nbytes}) lies beyond data_nbytes "
+                                 f"{self.data_nbytes}")
             end = max(end, t.offset + t.nbytes)
         if self.data_nbytes > -(-end // ALIGN) * ALIGN:
             raise ValueError(f"data_nbytes {self.data_nbytes} exceeds the extent of its tensors ({end})")
@@ -235,10 +236,16 @@ class DiffStep(_State):
     extra: dict[str, Any]
 
 
+def short(value: Any, limit: int = 80) -> str:
+    """repr(value) cut to `limit` characters: checkpoint strings in messages stay one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def problem(e: ValidationError) -> str:
     """One line naming the first failing field(s), without echoing the input."""
     parts = []
     for err in e.errors()[:2]:
-        loc = ".".join(str(p) if str(p).isprintable() else repr(p) for p in err["loc"])
+        loc = ".".join(str(p) if str(p).isprintable() and len(str(p)) <= 80 else short(str(p)) for p in err["loc"])
         parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
     return "; ".join(parts).replace("Value error, ", "")

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .layout import _DTYPES, dtype_from_name
+from .schema import short
 
 TENSOR = "__tensor__"
 TUPLE = "__tuple__"
@@ -134,11 +135,11 @@ def check_skeleton(skeleton: Any, dtypes: dict[str, str]) -> None:
                 continue
             tag = tags[0]
             if len(node) != 1 or tag not in TAGS:
-                raise ValueError(f"unknown tag {tag!r}" if tag not in TAGS else f"tag {tag} with other keys")
+                raise ValueError(f"unknown tag {short(tag)}" if tag not in TAGS else f"tag {tag} with other keys")
             stack.extend(_tagged(tag, node[tag], depth, as_key, dtypes))
             if tag in (TENSOR, NDARRAY):
                 if node[tag] in seen:
-                    raise ValueError(f"refers to tensor {node[tag]!r} twice")
+                    raise ValueError(f"refers to tensor {short(node[tag])} twice")
                 seen.add(node[tag])
         elif node is not None and not isinstance(node, (bool, int, float, str)):
             raise ValueError(f"a {type(node).__name__} is not JSON")
@@ -150,17 +151,17 @@ def _tagged(tag: str, value: Any, depth: int, as_key: bool, dtypes: dict[str, st
         if as_key:
             raise ValueError("a tensor used as a dict key")
         if not isinstance(value, str) or value not in dtypes:
-            raise ValueError(f"refers to tensor {value!r}, which the index does not hold")
+            raise ValueError(f"refers to tensor {short(value)}, which the index does not hold")
         if tag == NDARRAY and dtypes[value] in _NOT_NUMPY:
-            raise ValueError(f"numpy array {value!r} of dtype {dtypes[value]}")
+            raise ValueError(f"numpy array {short(value)} of dtype {dtypes[value]}")
         return []
     if tag == FLOAT:
         if value not in ("nan", "inf", "-inf"):
-            raise ValueError(f"{FLOAT} {value!r} is not nan or an infinity")
+            raise ValueError(f"{FLOAT} {short(value)} is not nan or an infinity")
         return []
     if tag == DTYPE:
         if not isinstance(value, str) or value not in _DTYPES:
-            raise ValueError(f"unknown dtype {value!r}")
+            raise ValueError(f"unknown dtype {short(value)}")
         return []
     if not isinstance(value, list):
         raise ValueError(f"{tag} is not a list")
