@@ -9,6 +9,7 @@ record is skipped with a warning and the newest good step before it is used.
 from __future__ import annotations
 
 import importlib
+import math
 import threading
 import warnings
 from collections.abc import Iterable, Iterator
@@ -96,9 +97,10 @@ def optimizer_classes(trusted: Iterable[str] = ()) -> dict[str, type]:
     return table
 
 
-def _optimizer(store: Store, base: Manifest, rank: int, classes: dict[str, type]) -> tuple[type, dict]:
-    """(optimizer class, its info) that replay on top of `base` constructs; CorruptCheckpoint if none."""
-    info = store.read_index(base.name, rank, base)["meta"].get("optimizers", {}).get("optimizer")
+def _optimizer(index: dict, base: Manifest, rank: int, classes: dict[str, type]) -> tuple[type, dict]:
+    """(optimizer class, its info) that replay on top of `base` (rank `rank`'s `index`)
+    constructs; CorruptCheckpoint if the index names none or one that is not allowed."""
+    info = index["meta"].get("optimizers", {}).get("optimizer")
     if info is None:
         raise CorruptCheckpoint(f"{base.name}: rank {rank} does not say which optimizer to replay with")
     cls = classes.get(info["class"])
@@ -115,11 +117,12 @@ def _shape(model: type, skeleton: Any, where: str) -> Any:
         raise CorruptCheckpoint(f"{where}: {problem(e)}") from None
 
 
-def _param_shapes(store: Store, base: Manifest, rank: int, classes: dict[str, type]) -> list[list[int]]:
-    """The shape of each parameter replay on `base` rebuilds; CorruptCheckpoint where the base's
-    optimizer class is not allowed or its parameters, state and groups do not resolve."""
-    _, info = _optimizer(store, base, rank, classes)
+def _param_shapes(store: Store, base: Manifest, rank: int, classes: dict[str, type]) -> tuple[list, dict]:
+    """(the shape of each parameter replay on `base` rebuilds, the base's skeleton);
+    CorruptCheckpoint where the base's optimizer class is not allowed or its parameters, state
+    and groups do not resolve."""
     index = store.read_index(base.name, rank, base)
+    _, info = _optimizer(index, base, rank, classes)
     where = f"{base.name}: rank {rank}"
     state = _shape(StateSkeleton, index["skeleton"], where)
     orphans = state.extra.get(orphans_key("optimizer"), {})
@@ -135,7 +138,7 @@ def _param_shapes(store: Store, base: Manifest, rank: int, classes: dict[str, ty
     saved = _shape(SavedOptimizer, state.optimizers.get("optimizer"), f"{where} optimizer")
     if any(not 0 <= j < len(shapes) for g in saved.param_groups for j in g.params):
         raise CorruptCheckpoint(f"{where}: an optimizer group names a parameter it does not have")
-    return shapes
+    return shapes, index["skeleton"]
 
 
 def _diff_fits(store: Store, diff: Manifest, rank: int, classes: dict[str, type]) -> None:
@@ -143,8 +146,7 @@ def _diff_fits(store: Store, diff: Manifest, rank: int, classes: dict[str, type]
     parameter's shape (or none, or a sparse pair) per parameter, hyper-parameters per group, and
     post-step state for optimizers and models the base has."""
     base = store.manifest(diff.depends_on[0])
-    shapes = _param_shapes(store, base, rank, classes)
-    base_state = store.read_index(base.name, rank, base)["skeleton"]
+    shapes, base_state = _param_shapes(store, base, rank, classes)
     groups = len(base_state["optimizers"]["optimizer"]["param_groups"])
     index = store.read_index(diff.name, rank, diff)
     for s, skeleton in index["skeleton"]["steps"].items():
@@ -157,10 +159,21 @@ def _diff_fits(store: Store, diff: Manifest, rank: int, classes: dict[str, type]
                 base_state["models"]):
             raise CorruptCheckpoint(f"{where}: names an optimizer or model that {base.name} does not have")
         for i, grad in enumerate(step.grads):
-            dense = grad.get(TENSOR) if isinstance(grad, dict) else None
-            sparse = isinstance(grad, dict) and set(grad) == {"idx", "val"}
-            if grad is not None and not sparse and (dense is None or index["tensors"][dense]["shape"] != shapes[i]):
+            if grad is not None and not _grad_fits(grad, shapes[i], index["tensors"]):
                 raise CorruptCheckpoint(f"{where}: gradient {i} does not fit parameter {i} {shapes[i]}")
+
+
+def _grad_fits(grad: Any, shape: list[int], tensors: dict[str, dict]) -> bool:
+    """A recorded gradient (replay.decode_grad): a tensor of the parameter's shape, or a sparse
+    {"idx", "val"} pair of tensors with as many indices as values."""
+    def spec(ref: Any) -> dict | None:
+        return tensors[ref[TENSOR]] if isinstance(ref, dict) and TENSOR in ref else None
+
+    if isinstance(grad, dict) and set(grad) == {"idx", "val"}:
+        idx, val = spec(grad["idx"]), spec(grad["val"])
+        return idx is not None and val is not None and math.prod(idx["shape"]) == math.prod(val["shape"])
+    dense = spec(grad)
+    return dense is not None and dense["shape"] == shape
 
 
 def fit_problems(store: Store, m: Manifest, classes: dict[str, type], *, replay: bool) -> list[str]:
@@ -304,7 +317,7 @@ def load_state(store: Store, plan: Plan, rank: int, classes: dict[str, type] | N
         return state
     try:
         return _replay_offline(store, plan, rank, state, optimizer_classes() if classes is None else classes)
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
         # The records pass their own checks but do not fit together (crafted or mixed runs).
         raise CorruptCheckpoint(f"{plan.base.name}: replaying step {plan.step} failed: its records do not "
                                 f"fit together ({type(e).__name__}: {_one_line(e)})") from None
@@ -318,7 +331,7 @@ def _replay_offline(store: Store, plan: Plan, rank: int, state: dict, classes: d
     """Rebuild the optimizer from the base's metadata and replay (no training script needed)."""
     from .replay import replay
 
-    cls, info = _optimizer(store, plan.base, rank, classes)
+    cls, info = _optimizer(store.read_index(plan.base.name, rank, plan.base), plan.base, rank, classes)
     orphans = state.get("extra", {}).get(orphans_key("optimizer"), {})
     params = [state["models"][a[0][0]][a[0][1]] if a else orphans[str(i)] for i, a in enumerate(info["params"])]
     saved = state["optimizers"]["optimizer"]

@@ -263,6 +263,8 @@ NEAR_MISSES = [
     Case("one-gradient-fewer", edit_step("7", lambda s: s["grads"].pop())),
     Case("one-group-more", edit_step("7", lambda s: s["groups"].append(dict(s["groups"][0])))),
     Case("gradient-shape-transposed", edit_index(DIFF, first_tensor(shape=[32, 256]))),
+    Case("sparse-gradient-without-tensors", edit_step("7", lambda s: s["grads"].__setitem__(2, {"idx": None,
+                                                                                              "val": None}))),
     Case("finishes-an-unknown-optimizer", edit_step("8", lambda s: s["param_groups"].update(other=[]))),
     Case("parameter-alias-missing", edit_index(BASE, set_path(("meta", "optimizers", "optimizer", "params", 1),
                                                               [["model", "nope"]])), record=BASE),
@@ -346,3 +348,37 @@ def test_run_refuses_a_format_marker_that_is_not_a_file(tmp_path):
     os.mkfifo(tmp_path / "ckpts" / "ckptrun.json")
     line = error_line(ckptrun(tmp_path, "--dir", "ckpts", "--no-dashboard", EXAMPLE, *TINY))
     assert "ckptrun.json is not a regular file" in line, line
+
+
+TRUSTED_SCRIPT = """
+import torch
+import ckptrun
+from myopt import MyOpt
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+opt = MyOpt(model.parameters(), lr=0.1)
+for step in range(ckptrun.resume_step(), 5):
+    opt.zero_grad()
+    model(torch.randn(8, 4, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+    opt.step()
+"""
+
+
+def test_optimizer_class_named_on_the_command_line_is_trusted(tmp_path):
+    """Replay with a class that is not torch.optim's needs the user's word (--optimizer-class),
+    and the checkpoint's name of it is matched against that, never imported by itself."""
+    (tmp_path / "myopt.py").write_text("import torch\n\nclass MyOpt(torch.optim.SGD):\n    pass\n")
+    (tmp_path / "train.py").write_text(TRUSTED_SCRIPT)
+    ok(ckptrun(tmp_path, "--strategy", "lowdiff", "--full-every", "3", "--batch", "2", "--keep", "0", "--dir", "ckpts",
+               "--no-dashboard", "train.py"))
+    verify = ckptrun(tmp_path, "verify", "--dir", "ckpts")
+    assert verify.returncode == 1 and "'myopt.MyOpt'" in verify.stdout, verify.stdout
+    line = error_line(ckptrun(tmp_path, "restore", "--dir", "ckpts", "--step", "2", "--out", "x.pt"))
+    assert "--optimizer-class" in line and "myopt.MyOpt" in line, line
+    ok(ckptrun(tmp_path, "verify", "--dir", "ckpts", "--optimizer-class", "myopt:MyOpt"))
+    proc = ok(ckptrun(tmp_path, "restore", "--dir", "ckpts", "--step", "2", "--out", "x.pt",
+                      "--optimizer-class", "myopt:MyOpt"))
+    assert "restored step 2 (from step-00000000 + 1 diff record(s) replayed" in proc.stderr, proc.stderr
+    line = error_line(ckptrun(tmp_path, "restore", "--dir", "ckpts", "--optimizer-class", "os:path"))
+    assert "--optimizer-class os:path" in line, line
