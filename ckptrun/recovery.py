@@ -97,14 +97,15 @@ def optimizer_classes(trusted: Iterable[str] = ()) -> dict[str, type]:
     return table
 
 
-def _optimizer(index: dict, base: Manifest, rank: int, classes: dict[str, type]) -> tuple[type, dict]:
+def _optimizer(index: dict, base: Manifest, rank: int, classes: dict[str, type] | None) -> tuple[type, dict]:
     """(optimizer class, its info) that replay on top of `base` (rank `rank`'s `index`)
-    constructs; CorruptCheckpoint if the index names none or one that is not allowed."""
+    constructs; CorruptCheckpoint if the index names none, or one not in `classes` (None: the
+    live optimizer of a resumed run replays, whatever the index names)."""
     info = index["meta"].get("optimizers", {}).get("optimizer")
     if info is None:
         raise CorruptCheckpoint(f"{base.name}: rank {rank} does not say which optimizer to replay with")
-    cls = classes.get(info["class"])
-    if cls is None:
+    cls = None if classes is None else classes.get(info["class"])
+    if cls is None and classes is not None:
         raise CorruptCheckpoint(f"{base.name}: replay needs optimizer class {short(info['class'])}, which is not a "
                                 "torch.optim class; if you trust it, pass --optimizer-class pkg.module:Class")
     return cls, info
@@ -117,7 +118,7 @@ def _shape(model: type, skeleton: Any, where: str) -> Any:
         raise CorruptCheckpoint(f"{where}: {problem(e)}") from None
 
 
-def _param_shapes(store: Store, base: Manifest, rank: int, classes: dict[str, type]) -> tuple[list, dict]:
+def _param_shapes(store: Store, base: Manifest, rank: int, classes: dict[str, type] | None) -> tuple[list, dict]:
     """(the shape of each parameter replay on `base` rebuilds, the base's skeleton);
     CorruptCheckpoint where the base's optimizer class is not allowed or its parameters, state
     and groups do not resolve."""
@@ -141,7 +142,7 @@ def _param_shapes(store: Store, base: Manifest, rank: int, classes: dict[str, ty
     return shapes, index["skeleton"]
 
 
-def _diff_fits(store: Store, diff: Manifest, rank: int, classes: dict[str, type]) -> None:
+def _diff_fits(store: Store, diff: Manifest, rank: int, classes: dict[str, type] | None) -> None:
     """CorruptCheckpoint unless every step of `diff` replays on its base: one gradient of the
     parameter's shape (or none, or a sparse pair) per parameter, hyper-parameters per group, and
     post-step state for optimizers and models the base has."""
@@ -176,11 +177,11 @@ def _grad_fits(grad: Any, shape: list[int], tensors: dict[str, dict]) -> bool:
     return dense is not None and dense["shape"] == shape
 
 
-def fit_problems(store: Store, m: Manifest, classes: dict[str, type], *, replay: bool) -> list[str]:
+def fit_problems(store: Store, m: Manifest, classes: dict[str, type] | None, *, replay: bool) -> list[str]:
     """What stops restore from assembling a state out of committed record `m`, beyond `m`'s own
     checks (Store.verify_record): a full record's skeleton must be a state, and with `replay`
-    (a base that diff records depend on) its optimizer must be rebuildable; a diff record's
-    steps must replay on its base."""
+    (a base that diff records depend on) its optimizer must be rebuildable from `classes` (None:
+    by a resumed run's own optimizer); a diff record's steps must replay on its base."""
     try:
         for rank in range(m.world_size):
             if m.kind == "diff":
@@ -194,23 +195,25 @@ def fit_problems(store: Store, m: Manifest, classes: dict[str, type], *, replay:
     return []
 
 
-def verify_problems(store: Store, classes: dict[str, type]) -> list[str]:
+def verify_problems(store: Store, classes: dict[str, type], *, torn: bool = True) -> list[str]:
     """Everything `ckptrun verify` reports: unreadable manifests, every committed record's own
-    problems and what stops restore from using it (`fit_problems`), torn records. None means
-    that every restorable step restores (with the same trusted optimizer `classes`)."""
+    problems and what stops restore from using it (`fit_problems`), and with `torn` records
+    without a manifest. None means that every restorable step restores (with the same trusted
+    optimizer `classes`)."""
     ms = store.manifests(warn=False)
     bases = {m.depends_on[0] for m in ms if m.kind == "diff"}
     problems = [*store.unreadable().values()]
     for m in ms:
         problems += store.verify_record(m) or fit_problems(store, m, classes, replay=m.name in bases)
-    return problems + [f"{name}: incomplete (no manifest; torn or still being written)" for name in store.incomplete()]
+    incomplete = store.incomplete() if torn else []
+    return problems + [f"{name}: incomplete (no manifest; torn or still being written)" for name in incomplete]
 
 
 def _problems(store: Store, plan: Plan, classes: dict[str, type] | None = None) -> tuple[list[str], list[str]]:
-    """(what is wrong with the plan's records themselves, what stops restoring the plan offline
-    with `classes`: replay on the base, or the base's state alone)."""
+    """(what is wrong with the plan's records themselves, what stops assembling the state:
+    replay on the base with `classes` (see `fit_problems`), or the base's state alone)."""
     own = [p for m in plan.records for p in store.verify_record(m)]
-    if classes is None or own:
+    if own:
         return own, []
     fit = [p for m in plan.records for p in fit_problems(store, m, classes, replay=bool(plan.diffs))]
     return own, fit
@@ -218,8 +221,9 @@ def _problems(store: Store, plan: Plan, classes: dict[str, type] | None = None) 
 
 def newest_good(store: Store, *, at_most: int | None = None, verify: bool = True,
                 classes: dict[str, type] | None = None) -> Plan | None:
-    """The newest restorable step (≤ `at_most`) whose records all pass their checks (with
-    `classes`: also those offline replay needs, see `optimizer_classes`)."""
+    """The newest restorable step (≤ `at_most`) whose records all pass their checks and fit
+    together; offline replay (restore) passes the optimizer `classes` it may construct, a
+    resumed run (None) replays with its own optimizer."""
     bad: set[str] = set()
     for step, plan in reversed(plans(store).items()):
         if at_most is not None and step > at_most or bad & {m.name for m in plan.records}:

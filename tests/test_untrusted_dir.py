@@ -31,12 +31,16 @@ BASE, DIFF = full_name(5), diff_name(6, 8)
 GiB = 1 << 30
 
 
+def tiny(steps: int) -> list[str]:
+    """conftest's TINY example arguments with another number of steps."""
+    return [*TINY[: TINY.index("--steps")], "--steps", str(steps), "--threads", "1"]
+
+
 # ---- the checkpoint and ways to damage it -------------------------------------------------
 @pytest.fixture(scope="module")
 def lowdiff_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cwd = tmp_path_factory.mktemp("untrusted-run")
-    tiny = [*TINY[: TINY.index("--steps")], "--steps", str(STEPS), "--threads", "1"]
-    ok(ckptrun(cwd, *LOWDIFF, "--dir", "ckpts", "--no-dashboard", EXAMPLE, *tiny))
+    ok(ckptrun(cwd, *LOWDIFF, "--dir", "ckpts", "--no-dashboard", EXAMPLE, *tiny(STEPS)))
     assert restorable(Store(cwd / "ckpts")) == list(range(STEPS + 1))
     return cwd / "ckpts"
 
@@ -298,8 +302,7 @@ def test_run_never_touches_a_directory_a_manifest_names(lowdiff_dir, tmp_path):
     case = Case("old-manifest-names-victim", edit_manifest(full_name(0), name="../victim"), record=full_name(0))
     ckpt = prepare(lowdiff_dir, tmp_path, case)
     before = outside(tmp_path)
-    proc = ckptrun(tmp_path, *LOWDIFF[:-2], "--keep", "1", "--dir", ckpt, "--no-dashboard", EXAMPLE,
-                   *TINY[: TINY.index("--steps")], "--steps", "12", "--threads", "1")
+    proc = ckptrun(tmp_path, *LOWDIFF[:-2], "--keep", "1", "--dir", ckpt, "--no-dashboard", EXAMPLE, *tiny(12))
     ok(proc)  # resumed from step 8 (step 5 + diff 6-8); the crafted record was moved aside
     assert "moving step-00000000 (not restorable) aside" in proc.stderr
     assert outside(tmp_path) == before
