@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .layout import _DTYPES, dtype_from_name
-from .schema import short
+from .schema import MAX_SKELETON_DEPTH, short
 
 TENSOR = "__tensor__"
 TUPLE = "__tuple__"
@@ -23,7 +23,6 @@ NDARRAY = "__ndarray__"
 FLOAT = "__float__"
 DTYPE = "__dtype__"
 TAGS = (TENSOR, NDARRAY, FLOAT, TUPLE, ITEMS, DTYPE)
-MAX_DEPTH = 64
 _NOT_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # no numpy dtype: never an __ndarray__
 
 
@@ -120,8 +119,8 @@ def check_skeleton(skeleton: Any, dtypes: dict[str, str]) -> None:
     seen: set[str] = set()  # `flatten` gives every place its own key: a shared one is crafted
     while stack:
         node, depth, as_key = stack.pop()
-        if depth > MAX_DEPTH:
-            raise ValueError(f"nested more than {MAX_DEPTH} levels deep")
+        if depth > MAX_SKELETON_DEPTH:
+            raise ValueError(f"nested more than {MAX_SKELETON_DEPTH} levels deep")
         if isinstance(node, list):
             if as_key:
                 raise ValueError("a list used as a dict key")

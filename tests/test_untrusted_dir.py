@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -385,3 +386,44 @@ def test_optimizer_class_named_on_the_command_line_is_trusted(tmp_path):
     assert "restored step 2 (from step-00000000 + 1 diff record(s) replayed" in proc.stderr, proc.stderr
     line = error_line(ckptrun(tmp_path, "restore", "--dir", "ckpts", "--optimizer-class", "os:path"))
     assert "--optimizer-class os:path" in line, line
+
+
+def test_check_skeleton_accepts_what_flatten_writes():
+    import numpy as np
+    import torch
+
+    from ckptrun.tree import check_skeleton, flatten
+
+    state = {"w": torch.ones(2, dtype=torch.bfloat16), "a": np.arange(3), "t": (1, float("nan"), "x"),
+             "k": {0: [torch.zeros(1)], (1, 2): None, "__dunder": 1.5}, "d": torch.float8_e4m3fn}
+    skeleton, tensors = flatten(state)
+    check_skeleton(skeleton, {k: str(t.dtype).removeprefix("torch.") for k, t in tensors.items()})
+
+
+def _nested(depth: int) -> dict:
+    node: dict = {}
+    for _ in range(depth):
+        node = {"a": node}
+    return node
+
+
+@pytest.mark.parametrize("skeleton, problem", [
+    ({"__items__": [[[1], 2]]}, "a list used as a dict key"),
+    ({"__items__": [[{"__tensor__": "k"}, 2]]}, "a tensor used as a dict key"),
+    ({"__items__": [1]}, "not [key, value] pairs"),
+    ({"__float__": "1e5"}, "not nan or an infinity"),
+    ({"__dtype__": "load"}, "unknown dtype 'load'"),
+    ({"__dtype__": "os"}, "unknown dtype 'os'"),
+    ({"__x__": 1}, "unknown tag '__x__'"),
+    ({"__tensor__": "k", "b": 1}, "with other keys"),
+    ({"__tensor__": "nope"}, "which the index does not hold"),
+    ([{"__tensor__": "k"}, {"__tensor__": "k"}], "twice"),
+    ({"__ndarray__": "b"}, "numpy array 'b' of dtype bfloat16"),
+    ({"__tuple__": {"a": 1}}, "is not a list"),
+    (_nested(100), "levels deep"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_check_skeleton_rejects_what_unflatten_cannot_rebuild(skeleton, problem):
+    from ckptrun.tree import check_skeleton
+
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        check_skeleton(skeleton, {"k": "float32", "b": "bfloat16"})
