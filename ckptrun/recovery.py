@@ -206,7 +206,8 @@ def verify_problems(store: Store, classes: dict[str, type], *, torn: bool = True
     for m in ms:
         problems += store.verify_record(m) or fit_problems(store, m, classes, replay=m.name in bases)
     incomplete = store.incomplete() if torn else []
-    return problems + [f"{name}: incomplete (no manifest; torn or still being written)" for name in incomplete]
+    problems += [f"{name}: incomplete (no manifest; torn or still being written)" for name in incomplete]
+    return list(dict.fromkeys(problems))  # a base's problem is found again through each diff on it
 
 
 def _problems(store: Store, plan: Plan, classes: dict[str, type] | None = None) -> tuple[list[str], list[str]]:
