@@ -23,6 +23,11 @@ err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)
 
 Dir = Annotated[Path, typer.Option("--dir", help="Checkpoint directory.")]
+OptimizerClass = Annotated[
+    list[str] | None,
+    typer.Option("--optimizer-class", help="Trust this optimizer class (pkg.module:Class; repeatable) for "
+                                            "replaying differential records; torch.optim's classes are always "
+                                            "allowed, a class named only in the checkpoint never is.")]
 
 
 def _duration(flag: str, text: str) -> float:
@@ -149,6 +154,7 @@ def restore(
     format: Annotated[str, typer.Option(help="torch (torch.load(weights_only=True)) or safetensors.")]
     = "torch",
     rank: Annotated[int, typer.Option(help="Whose state to export, for multi-rank checkpoints.")] = 0,
+    optimizer_class: OptimizerClass = None,
 ) -> None:
     """Rebuild the state of a committed step, bit-exact, as one file."""
     from .export import export
@@ -157,7 +163,7 @@ def restore(
         raise CkptrunError(f"--format must be torch or safetensors (got {format!r})", exit_code=2)
     if step != "latest" and not step.isdigit():
         raise CkptrunError(f"--step must be a step number or `latest` (got {step!r})", exit_code=2)
-    plan = export(dir, step, out_file, format, rank)
+    plan = export(dir, step, out_file, format, rank, optimizer_class)
     via = f" + {len(plan.diffs)} diff record(s) replayed" if plan.diffs else ""
     err.print(f"restored step {plan.step} (from {plan.base.name}{via}, rank {rank}) -> {out_file}")
 
@@ -183,29 +189,30 @@ def ls(dir: Dir = Path("ckpts"),
 
 
 @app.command()
-def verify(dir: Dir = Path("ckpts")) -> None:
-    """Re-check every checksum and dependency of the committed records; exit 1 listing the bad
-    ones. A record directory without a manifest is not committed (a crash leaves one torn, the next
+def verify(dir: Dir = Path("ckpts"), optimizer_class: OptimizerClass = None) -> None:
+    """Re-check every field, checksum and dependency of the committed records; exit 1 listing the
+    bad ones. Exit 0 means `restore` (with the same --optimizer-class) succeeds for every listed
+    step. A record directory without a manifest is not committed (a crash leaves one torn, the next
     run removes it): it is noted, and does not fail the check."""
     from .dirlock import live_holder
+    from .recovery import optimizer_classes, verify_problems
     from .store import Store
 
     store = Store.existing(dir)
-    ms = store.manifests(warn=False)
-    names = {m.name for m in ms}
-    # A record that retention removed while it was being checked (a run is writing) is no problem.
-    problems = [*store.unreadable().values()] + [p for m in ms for p in store.verify_record(m, names)
-                                                 if store.is_committed(m.name)]
     running = live_holder(store.root)
     if running:
         out.print(f"note: a run is writing to {dir} ({running})", soft_wrap=True)
+    # A record that retention removed while it was being checked (a run is writing) is no problem.
+    problems = [p for p in verify_problems(store, optimizer_classes(optimizer_class or []), torn=False)
+                if store.is_committed(p.split(":", 1)[0])]
+    n = len(store.manifests(warn=False))
     for p in problems:
         out.print(f"BAD {p}", soft_wrap=True)
     for name in store.incomplete():
         out.print(f"note: {name}: incomplete (no manifest; torn or still being written), not committed", soft_wrap=True)
     if problems:
         raise typer.Exit(1)
-    out.print(f"ok: {len(ms)} committed record(s) verified in {dir}")
+    out.print(f"ok: {n} committed record(s) verified in {dir}")
 
 
 @app.command()

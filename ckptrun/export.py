@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CkptrunError
-from .recovery import Plan, find, load_state
+from .recovery import Plan, find, load_state, optimizer_classes
 from .store import Store
 from .tree import flatten
 
@@ -33,6 +33,19 @@ def _weights_only_safe(obj: Any) -> Any:
     return obj
 
 
+def _unshared(tensors: dict) -> dict:
+    """Contiguous tensors, each with its own storage: safetensors refuses shared ones, and
+    replay gives tied parameters (one tensor under two names) a single tensor."""
+    seen: set[int] = set()
+    out = {}
+    for key, t in tensors.items():
+        t = t.contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        out[key] = t.clone() if ptr in seen and t.numel() else t
+        seen.add(ptr)
+    return out
+
+
 def as_torch_dict(state: dict, step: int) -> dict[str, Any]:
     models, optimizers = dict(state["models"]), dict(state["optimizers"])
     extra = dict(state.get("extra", {}))
@@ -41,15 +54,19 @@ def as_torch_dict(state: dict, step: int) -> dict[str, Any]:
     scalers = state.get("scalers", [])
     return {"step": step, "model": models.get("model", {}), "optimizer": optimizers.get("optimizer", {}),
             "schedulers": state.get("schedulers", []), "scaler": scalers[0] if scalers else None,
-            "rng": _weights_only_safe(state["rng"]), "extra": extra}
+            "rng": _weights_only_safe(state.get("rng", {})), "extra": extra}
 
 
-def export(directory: Path, step: int | str, out: Path, fmt: str, rank: int = 0) -> Plan:
+def export(directory: Path, step: int | str, out: Path, fmt: str, rank: int = 0,
+           trusted_optimizers: list[str] | None = None) -> Plan:
+    """Write one committed step of one rank to `out`; `trusted_optimizers` (pkg.mod:Class) may
+    be constructed for offline replay besides torch.optim's classes."""
     store = Store.existing(directory)
-    plan = find(store, step)
+    classes = optimizer_classes(trusted_optimizers or [])
+    plan = find(store, step, classes)
     if not 0 <= rank < plan.base.world_size:
         raise CkptrunError(f"--rank {rank}: step {plan.step} has ranks 0..{plan.base.world_size - 1}", exit_code=2)
-    full = as_torch_dict(load_state(store, plan, rank), plan.step)
+    full = as_torch_dict(load_state(store, plan, rank, classes), plan.step)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
@@ -61,7 +78,7 @@ def export(directory: Path, step: int | str, out: Path, fmt: str, rank: int = 0)
             from safetensors.torch import save_file
 
             skeleton, tensors = flatten(full)
-            save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp),
+            save_file(_unshared(tensors), str(tmp),
                       metadata={"ckptrun.skeleton": json.dumps(skeleton), "ckptrun.step": str(plan.step)})
         os.replace(tmp, out)
     finally:

@@ -13,11 +13,17 @@ from typing import Any
 
 import torch
 
+from .layout import _DTYPES, dtype_from_name
+from .schema import MAX_SKELETON_DEPTH, short
+
 TENSOR = "__tensor__"
 TUPLE = "__tuple__"
 ITEMS = "__items__"
 NDARRAY = "__ndarray__"
 FLOAT = "__float__"
+DTYPE = "__dtype__"
+TAGS = (TENSOR, NDARRAY, FLOAT, TUPLE, ITEMS, DTYPE)
+_NOT_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # no numpy dtype: never an __ndarray__
 
 
 def flatten(obj: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
@@ -63,7 +69,7 @@ def _flatten(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
             return {k: _flatten(v, sub(k), tensors) for k, v in obj.items()}
         return {ITEMS: [[_flatten(k, path, {}), _flatten(v, sub(k), tensors)] for k, v in obj.items()]}
     if isinstance(obj, torch.dtype):
-        return {"__dtype__": str(obj).removeprefix("torch.")}
+        return {DTYPE: str(obj).removeprefix("torch.")}
     raise TypeError(
         f"cannot checkpoint a {type(obj).__name__} at {path!r}: state must be tensors, numbers, "
         "strings, lists, tuples and dicts (give the object a state_dict() returning those)"
@@ -86,8 +92,8 @@ def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
         return tuple(unflatten(v, tensors) for v in skeleton[TUPLE])
     if ITEMS in skeleton:
         return {unflatten(k, tensors): unflatten(v, tensors) for k, v in skeleton[ITEMS]}
-    if "__dtype__" in skeleton:
-        return getattr(torch, skeleton["__dtype__"])
+    if DTYPE in skeleton:
+        return dtype_from_name(skeleton[DTYPE])  # the known dtypes only, never getattr(torch, ...)
     return {k: unflatten(v, tensors) for k, v in skeleton.items()}
 
 
@@ -103,3 +109,65 @@ def tensor_keys(skeleton: Any) -> Iterator[str]:
                 return
         for v in skeleton.values():
             yield from tensor_keys(v)
+
+
+def check_skeleton(skeleton: Any, dtypes: dict[str, str]) -> None:
+    """Raise ValueError unless `unflatten(skeleton, tensors)` succeeds for tensors of `dtypes`
+    (key -> dtype name): known, well-formed tags only, every tensor it names present, every dtype
+    tag a known dtype, bounded nesting. Iterative, so no input can exhaust the stack."""
+    stack: list[tuple[Any, int, bool]] = [(skeleton, 0, False)]  # (node, depth, used as a dict key)
+    seen: set[str] = set()  # `flatten` gives every place its own key: a shared one is crafted
+    while stack:
+        node, depth, as_key = stack.pop()
+        if depth > MAX_SKELETON_DEPTH:
+            raise ValueError(f"nested more than {MAX_SKELETON_DEPTH} levels deep")
+        if isinstance(node, list):
+            if as_key:
+                raise ValueError("a list used as a dict key")
+            stack.extend((v, depth + 1, False) for v in node)
+        elif isinstance(node, dict):
+            tags = [k for k in node if k.startswith("__")]
+            if not tags:
+                if as_key:
+                    raise ValueError("a dict used as a dict key")
+                stack.extend((v, depth + 1, False) for v in node.values())
+                continue
+            tag = tags[0]
+            if len(node) != 1 or tag not in TAGS:
+                raise ValueError(f"unknown tag {short(tag)}" if tag not in TAGS else f"tag {tag} with other keys")
+            stack.extend(_tagged(tag, node[tag], depth, as_key, dtypes))
+            if tag in (TENSOR, NDARRAY):
+                if node[tag] in seen:
+                    raise ValueError(f"refers to tensor {short(node[tag])} twice")
+                seen.add(node[tag])
+        elif node is not None and not isinstance(node, (bool, int, float, str)):
+            raise ValueError(f"a {type(node).__name__} is not JSON")
+
+
+def _tagged(tag: str, value: Any, depth: int, as_key: bool, dtypes: dict[str, str]) -> list[tuple[Any, int, bool]]:
+    """Check one tagged node; return its children to check."""
+    if tag in (TENSOR, NDARRAY):
+        if as_key:
+            raise ValueError("a tensor used as a dict key")
+        if not isinstance(value, str) or value not in dtypes:
+            raise ValueError(f"refers to tensor {short(value)}, which the index does not hold")
+        if tag == NDARRAY and dtypes[value] in _NOT_NUMPY:
+            raise ValueError(f"numpy array {short(value)} of dtype {dtypes[value]}")
+        return []
+    if tag == FLOAT:
+        if value not in ("nan", "inf", "-inf"):
+            raise ValueError(f"{FLOAT} {short(value)} is not nan or an infinity")
+        return []
+    if tag == DTYPE:
+        if not isinstance(value, str) or value not in _DTYPES:
+            raise ValueError(f"unknown dtype {short(value)}")
+        return []
+    if not isinstance(value, list):
+        raise ValueError(f"{tag} is not a list")
+    if tag == TUPLE:
+        return [(v, depth + 1, as_key) for v in value]
+    if as_key:
+        raise ValueError("a dict used as a dict key")
+    if not all(isinstance(kv, list) and len(kv) == 2 for kv in value):
+        raise ValueError(f"{ITEMS} entries are not [key, value] pairs")
+    return [(x, depth + 1, i == 0) for kv in value for i, x in enumerate(kv)]

@@ -287,7 +287,7 @@ class Engine:
                                               first_step=msg.get("first_step", msg["step"]),
                                               world_size=self.world_size, depends_on=msg.get("depends_on"),
                                               meta=msg["meta"], fault=self._fault_hook(msg["step"]))
-                except OSError as e:
+                except (OSError, ValueError) as e:  # ValueError: the schema rejects what a writer sent
                     self._commit_failed(msg, e)
                     continue
                 if m is None:
@@ -333,7 +333,7 @@ class Engine:
     def _retry_due(self, name: str) -> bool:
         return time.monotonic() >= self._retries.get(name, (0, 0.0))[1]
 
-    def _commit_failed(self, msg: dict, err: OSError) -> None:
+    def _commit_failed(self, msg: dict, err: Exception) -> None:
         name = msg["record"]
         tries = self._retries.get(name, (0, 0.0))[0] + 1
         self.log.emit(type="commit_retry", rank=self.rank, step=msg["step"], record=name, tries=tries,

@@ -31,6 +31,7 @@ from ..layout import TensorSpec, view
 from ..lowdiff_model import LowDiffCosts, optimal_fb_given, retune
 from ..replay import densify, optimizer_params
 from ..runtime import Snapshot
+from ..schema import MAX_DIFF_SPAN
 from ..store import full_name
 from ..tree import unflatten
 from .base import Strategy
@@ -155,6 +156,8 @@ class LowDiff(Strategy):
         self.batch = DEFAULT_B if self.auto_b else int(opts["batch"])
         if self.full_every < 1 or self.batch < 1:
             raise UsageError("--full-every and --batch must be at least 1 (or auto)")
+        if self.batch > MAX_DIFF_SPAN:  # a reader refuses longer diff records (schema)
+            raise UsageError(f"--batch must be at most {MAX_DIFF_SPAN}")
         self.mtbf = float(opts.get("mtbf", 3600.0))
         self.compress = TopK.parse(opts["compress"]) if opts.get("compress") else None
         self.base: str | None = None
@@ -328,7 +331,7 @@ class LowDiff(Strategy):
 
     def _set(self, f: int, b: int, reason: str) -> None:
         self.full_every = f if self.auto_f else self.full_every
-        self.batch = b if self.auto_b else self.batch
+        self.batch = min(b, MAX_DIFF_SPAN) if self.auto_b else self.batch
         print(f"ckptrun: {reason}", file=sys.stderr, flush=True)
         self.rt.metrics.emit(type="interval", strategy=self.name, full_every=self.full_every, batch=self.batch,
                              reason=reason)
