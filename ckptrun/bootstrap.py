@@ -14,7 +14,7 @@ import time
 import warnings
 from pathlib import Path
 
-from .config import RESUME_ENV, RunConfig
+from .config import RESUME_ENV, RunConfig, is_torchrun_var
 from .engine.client import EngineLost
 from .errors import CheckpointMismatch, CkptrunError
 from .jobstore import job_store
@@ -27,6 +27,15 @@ def _rank_env() -> tuple[int, int, int, int]:
     env = os.environ
     return (int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1)),
             int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
+
+
+def _hide_torchrun_env(launcher_env: dict[str, str]) -> None:
+    """--no-dist-env: leave the script torchrun's variables as the launcher had them (usually none),
+    as under plain `python SCRIPT`. Everything ckptrun needs of them is read by now; the job store
+    (MASTER_ADDR/PORT) serves only multi-rank runs, which --no-dist-env refuses."""
+    for name in [n for n in os.environ if is_torchrun_var(n)]:
+        del os.environ[name]
+    os.environ.update(launcher_env)
 
 
 def _decide(rt: Runtime, store: Store) -> Plan | None:
@@ -124,6 +133,8 @@ def main() -> None:
             signal.signal(sig, _on_signal(rt))
     except CkptrunError as e:
         _fail(cfg, rank, e)
+    if not cfg.dist_env:
+        _hide_torchrun_env(cfg.launcher_env)
     sys.argv = [script, *args]
     stop: StopRun | None = None
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Client
 from pathlib import Path
 
-from .config import ENV, RunConfig
+from .config import ENV, RunConfig, is_torchrun_var
 from .dirlock import DirLock, lock_name
 from .errors import CkptrunError, UsageError
 from .leftovers import new_tag, remove_staging, run_name, sweep_stale
@@ -146,11 +146,21 @@ def run(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str]
     the whole run (engines included).
 
     `dashboard`: a live panel on a terminal, a log line every few seconds otherwise."""
+    if not cfg.dist_env:
+        _one_process(opts)
     lock = preflight(cfg, script, per_host_lock=opts.nnodes != "1")
     try:
         return _launch(cfg, opts, script, script_args, str(lock.engines_path), dashboard, metrics_file)
     finally:
         lock.release()
+
+
+def _one_process(opts: LaunchOptions) -> None:
+    """--no-dist-env hides from the script what several processes would need to find each other."""
+    for flag, value in (("--nproc-per-node", opts.nproc_per_node), ("--nnodes", opts.nnodes)):
+        if any(n.strip() != "1" for n in value.split(":")):
+            raise UsageError(f"--no-dist-env runs one process on one node; drop {flag} {value}, or drop "
+                             "--no-dist-env to give the script torchrun's environment")
 
 
 def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str], engines_lock: str,
@@ -177,6 +187,8 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
     cfg.dir = str(Path(cfg.dir).resolve())
     cfg.engine_dir, cfg.authkey = engine_dir, os.urandom(16).hex()
     cfg.metrics_dir = cfg.metrics_dir or os.path.join(engine_dir, "metrics")
+    if not cfg.dist_env:  # before torchrun adds its own to this process's environment
+        cfg.launcher_env = {k: v for k, v in os.environ.items() if is_torchrun_var(k)}
     os.environ[ENV] = cfg.to_env()
     console = Console()
     live = dashboard and console.is_terminal
