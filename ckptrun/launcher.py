@@ -234,9 +234,13 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
 def _failure(e: Exception, engine_dir: str, opts: LaunchOptions) -> CkptrunError:
     """The one line (and exit code) for a run whose workers failed for good: the script's own
     exit code when it chose to exit, the crash otherwise."""
-    errors = sorted(Path(engine_dir).glob("error-*.txt"))
-    if errors:
-        code, message = errors[0].read_text().split("\n", 1)
+    errors = {int(p.stem.removeprefix("error-")): p.read_text().split("\n", 1)
+              for p in Path(engine_dir).glob("error-*.txt")}
+    if errors:  # the lowest rank's is the run's; the workers print none, so other ranks' are said here
+        code, message = errors[min(errors)]
+        for rank, (_, other) in sorted(errors.items()):
+            if other.strip() != message.strip():
+                print(f"ckptrun: rank {rank}: {other.strip()}", file=sys.stderr, flush=True)
         return CkptrunError(message.strip(), exit_code=int(code))
     first = next(iter(e.failures.values()))
     code = first.exitcode if first.exitcode > 0 else 128 - first.exitcode  # killed by a signal: 128+N

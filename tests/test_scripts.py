@@ -20,6 +20,7 @@ from conftest import (
     run_events,
 )
 
+from ckptrun.patches import BACKWARDS_WITHOUT_OPTIMIZER
 from ckptrun.store import Store
 
 
@@ -47,10 +48,19 @@ def test_script_resumes_exactly_after_a_kill(script, strategy, fault, tmp_path):
     assert_training_state(load(managed / "resumed.pt"), load(plain / "truth.pt"))
 
 
-def test_script_without_optimizer_fails_clearly(tmp_path):
-    proc = ckptrun(tmp_path, "--dir", "ckpts", SCRIPTS / "no_optimizer.py")
+@pytest.mark.parametrize("iterations, ran, when", [
+    (100000, BACKWARDS_WITHOUT_OPTIMIZER, f"ran {BACKWARDS_WITHOUT_OPTIMIZER} backward passes without"),
+    (3, 3, "never created"),
+])
+def test_script_without_optimizer_fails_clearly_once(iterations, ran, when, tmp_path):
+    """Stopped within its first steps of a long loop (at exit if it ends before), and told once:
+    by the launcher, not the worker too."""
+    proc = ckptrun(tmp_path, "--dir", "ckpts", SCRIPTS / "no_optimizer.py", "--iterations", iterations)
     line = error_line(proc)
-    assert "never created a torch.optim optimizer" in line
+    assert proc.returncode == 1 and when in line and "torch.optim optimizer" in line, line
+    assert proc.stderr.count("torch.optim optimizer") == 1, proc.stderr
+    iterations_run = [line for line in proc.stdout.splitlines() if line.startswith("iteration ")]
+    assert iterations_run == [f"iteration {i}" for i in range(ran)], proc.stdout[-500:]
     store = Store(tmp_path / "ckpts")
     assert store.manifests() == [] and store.incomplete() == []
 
