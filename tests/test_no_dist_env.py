@@ -5,23 +5,18 @@ restores bit-exact, and resumes exactly after a kill; without the flag it asks f
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from conftest import (
     SCRIPTS,
     STEPS,
-    TIMEOUT_S,
     assert_training_state,
     ckptrun,
-    clean_env,
     error_line,
     load,
-    ok,
     restore,
-    run_events,
+    resumed_beside_plain,
 )
 
 SCRIPT = SCRIPTS / "nanogpt_style.py"
@@ -34,18 +29,8 @@ def _own_env(path) -> dict[str, str]:
 
 def test_nanogpt_style_script_runs_resumes_and_restores_exactly(tmp_path):
     args = ["--steps", STEPS, "--save-at", STEPS, "--env-out", "env.json", "--save-path"]
-    plain, managed = tmp_path / "plain", tmp_path / "ckptrun"
-    plain.mkdir()
-    managed.mkdir()
-    # The uninterrupted plain-python run goes alongside the ckptrun run (2 cores).
-    truth_run = subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args), "truth.pt"], cwd=plain,
-                                 env=clean_env(None), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    proc = ckptrun(managed, "--no-dist-env", "--dir", "ckpts", "--keep", "0", "--max-restarts", "1",
-                   "--metrics-dir", "metrics", SCRIPT, *args, "resumed.pt", fault="kill:step=7")
-    _, truth_err = truth_run.communicate(timeout=TIMEOUT_S)
-    assert truth_run.returncode == 0, truth_err
-    ok(proc)
-    assert [e["restart_count"] for e in run_events(managed / "metrics")] == [0, 1], "the fault did not fire"
+    plain, managed = resumed_beside_plain(tmp_path, SCRIPT, args, ["--no-dist-env", "--dir", "ckpts", "--keep", "0"],
+                                          "kill:step=7")
     assert _own_env(managed / "env.json") == _own_env(plain / "env.json")
     truth = load(plain / "truth.pt")
     assert_training_state(load(managed / "resumed.pt"), truth)

@@ -17,7 +17,7 @@ from conftest import (
     error_line,
     load,
     ok,
-    run_events,
+    resumed_beside_plain,
 )
 
 from ckptrun.patches import BACKWARDS_WITHOUT_OPTIMIZER
@@ -33,18 +33,8 @@ from ckptrun.store import Store
 ])
 def test_script_resumes_exactly_after_a_kill(script, strategy, fault, tmp_path):
     args = ["--steps", STEPS, "--save-at", STEPS, "--save-path"]
-    plain, managed = tmp_path / "plain", tmp_path / "ckptrun"
-    plain.mkdir()
-    managed.mkdir()
-    # The uninterrupted plain-python run goes alongside the ckptrun run (2 cores).
-    truth_run = subprocess.Popen([sys.executable, str(SCRIPTS / script), *map(str, args), "truth.pt"], cwd=plain,
-                                 env=clean_env(None), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    proc = ckptrun(managed, "--strategy", strategy, "--dir", "ckpts", "--max-restarts", "1",
-                   "--metrics-dir", "metrics", SCRIPTS / script, *args, "resumed.pt", fault=fault)
-    _, truth_err = truth_run.communicate(timeout=TIMEOUT_S)
-    assert truth_run.returncode == 0, truth_err
-    ok(proc)
-    assert [e["restart_count"] for e in run_events(managed / "metrics")] == [0, 1], "the fault did not fire"
+    plain, managed = resumed_beside_plain(tmp_path, SCRIPTS / script, args, ["--strategy", strategy, "--dir", "ckpts"],
+                                          fault)
     assert_training_state(load(managed / "resumed.pt"), load(plain / "truth.pt"))
 
 
