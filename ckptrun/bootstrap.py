@@ -14,19 +14,29 @@ import time
 import warnings
 from pathlib import Path
 
-from .config import RESUME_ENV, RunConfig
+from .config import RESUME_ENV, RunConfig, is_torchrun_var
 from .engine.client import EngineLost
-from .errors import CheckpointMismatch, CkptrunError
+from .errors import AbortRun, CheckpointMismatch, CkptrunError
 from .jobstore import job_store
 from .recovery import Plan, diff_states, newest_good, plans, read_state
 from .runtime import ResumeState, Runtime, StopRun, install
 from .store import Store
 
 
-def _rank_env() -> tuple[int, int, int, int]:
+def _rank_env() -> tuple[int, int, int, int, int]:
+    """(rank, local rank, world size, restart count, max restarts), from torchrun's environment."""
     env = os.environ
     return (int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1)),
-            int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
+            int(env.get("TORCHELASTIC_RESTART_COUNT", 0)), int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)))
+
+
+def _hide_torchrun_env(launcher_env: dict[str, str]) -> None:
+    """--no-dist-env: leave the script torchrun's variables as the launcher had them (usually none),
+    as under plain `python SCRIPT`. Everything ckptrun needs of them is read by now; the job store
+    (MASTER_ADDR/PORT) serves only multi-rank runs, which --no-dist-env refuses."""
+    for name in [n for n in os.environ if is_torchrun_var(n)]:
+        del os.environ[name]
+    os.environ.update(launcher_env)
 
 
 def _decide(rt: Runtime, store: Store) -> Plan | None:
@@ -73,14 +83,18 @@ def _leave_error(cfg: RunConfig | None, rank: int, code: int, message: str) -> N
         _error_file(cfg, rank).write_text(f"{code}\n{message}\n")
 
 
-def _fail(cfg: RunConfig | None, rank: int, err: CkptrunError) -> None:
+def _fail(cfg: RunConfig | None, rank: int, err: CkptrunError, restarts: bool) -> None:
     """Exit the worker. A lost engine is transient (the elastic agent restarts the worker and
-    the launcher the engine); anything else is the user's to fix and is reported by the launcher."""
+    the launcher the engine); anything else is the user's to fix and is reported by the launcher,
+    once, when the last attempt fails: an attempt that `restarts` says it here."""
     if isinstance(err, EngineLost):
         print(f"ckptrun: rank {rank}: {err}; exiting so the worker restarts", file=sys.stderr, flush=True)
         sys.exit(1)
-    print(f"ckptrun: error: {err}", file=sys.stderr, flush=True)
     _leave_error(cfg, rank, err.exit_code, str(err))
+    if restarts:
+        print(f"ckptrun: rank {rank}: {err}; restarting (--max-restarts)", file=sys.stderr, flush=True)
+    elif not (cfg and cfg.engine_dir):  # no launcher to report it
+        print(f"ckptrun: error: {err}", file=sys.stderr, flush=True)
     sys.exit(err.exit_code)
 
 
@@ -99,7 +113,8 @@ def _on_signal(rt: Runtime):
 def main() -> None:
     script, *args = sys.argv[1:]
     cfg = RunConfig.from_env()
-    rank, local_rank, world_size, restart_count = _rank_env()
+    rank, local_rank, world_size, restart_count, max_restarts = _rank_env()
+    restarts = restart_count < max_restarts
     t_start = time.time()
     if cfg.engine_dir:
         _error_file(cfg, rank).unlink(missing_ok=True)  # an earlier attempt's: this one decides
@@ -125,7 +140,9 @@ def main() -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _on_signal(rt))
     except CkptrunError as e:
-        _fail(cfg, rank, e)
+        _fail(cfg, rank, e, restarts)
+    if not cfg.dist_env:
+        _hide_torchrun_env(cfg.launcher_env)
     sys.argv = [script, *args]
     stop: StopRun | None = None
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
@@ -142,12 +159,14 @@ def main() -> None:
                 rt.finish()
             _leave_error(cfg, rank, code, f"the training script exited with code {code} (rank {rank})")
             raise
+    except AbortRun as e:
+        _fail(cfg, rank, e.error, restarts)
     except CkptrunError as e:
-        _fail(cfg, rank, e)
+        _fail(cfg, rank, e, restarts)
     try:
         rt.finish()
     except CkptrunError as e:
-        _fail(cfg, rank, e)
+        _fail(cfg, rank, e, restarts)
     if stop is not None and stop.signum is not None:
         sys.exit(128 + stop.signum)
 

@@ -111,6 +111,11 @@ def run(
     max_restarts: Annotated[int, typer.Option(help="Restarts of failed workers before giving up.")] = 0,
     standalone: Annotated[bool, typer.Option(help="Single-node rendezvous on a free port (torchrun).")]
     = False,
+    dist_env: Annotated[bool, typer.Option(help="Give the script torchrun's environment (RANK, WORLD_SIZE, "
+                                                "MASTER_ADDR, ...). --no-dist-env: one process that sees "
+                                                "none of it, as under plain `python SCRIPT` (for scripts "
+                                                "that turn distributed, e.g. ask for NCCL, when RANK is set); "
+                                                "restarts and checkpoints are unchanged.")] = True,
     term_timeout: Annotated[str, typer.Option(help="Grace period on SIGTERM/SIGINT: the workers hand over "
                                                    "their newest finished step, the engines commit it, and "
                                                    "ckptrun exits (143/130) within this time, e.g. 30s, 2m.")]
@@ -127,7 +132,7 @@ def run(
     cfg = RunConfig(strategy=strategy, dir=dir, every=1 if every == "auto" else int(every), keep=keep,
                     resume=resume, on_save_error=on_save_error, max_inflight=max_inflight, writers=writers,
                     io_threads=io_threads, metrics_dir=metrics_dir, every_auto=every == "auto", mtbf=mtbf_s,
-                    max_steps=max_steps, on_restart=on_restart,
+                    max_steps=max_steps, on_restart=on_restart, dist_env=dist_env,
                     options={"full_every": full_every, "batch": batch, "compress": compress,
                              **({"mtbf": mtbf_s} if mtbf_s else {})})
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id,

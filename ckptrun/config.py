@@ -8,6 +8,17 @@ from dataclasses import asdict, dataclass, field
 
 ENV = "CKPTRUN_CONFIG"
 RESUME_ENV = "CKPTRUN_RESUME_STEP"
+# What torch elastic sets for a worker (torch 2.13: local_elastic_agent's _start_workers and
+# _set_local_rank_env, the error file of multiprocessing.api, the signal list of launcher.api),
+# besides every TORCHELASTIC_* name. OMP_NUM_THREADS and CUDA_VISIBLE_DEVICES are set from the
+# launcher's own (or to 1 with several processes, or per rank in virtual-local-rank mode).
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+
+
+def is_torchrun_var(name: str) -> bool:
+    return name in TORCHRUN_ENV or name.startswith("TORCHELASTIC_")
 
 
 @dataclass
@@ -30,6 +41,8 @@ class RunConfig:
     max_steps: int = 0  # --max-steps: stop the script cleanly after this many optimizer steps; 0: no limit
     on_restart: str = "resume"  # --on-restart: resume | fresh | fail, for scripts that do not resume themselves
     options: dict = field(default_factory=dict)  # strategy-specific settings
+    dist_env: bool = True  # --no-dist-env: the script sees none of torchrun's variables (one process)
+    launcher_env: dict = field(default_factory=dict)  # --no-dist-env: those variables as the launcher had them
 
     def engine_address(self, local_rank: int) -> str:
         return os.path.join(self.engine_dir, f"engine-{local_rank}.sock")

@@ -38,3 +38,18 @@ class CheckpointMismatch(CkptrunError):
 
 class AlreadyCommitted(CkptrunError):
     """A write aimed at a record that is already committed; nothing was touched."""
+
+
+class AbortRun(BaseException):
+    """Carries a CkptrunError raised inside the script (from a hook) out to the bootstrap, past the
+    script's own `except Exception` handlers."""
+
+    def __init__(self, error: CkptrunError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def no_optimizer(what: str) -> CkptrunError:
+    """The script trains (or ran) without a torch.optim optimizer: `what` says how it was noticed."""
+    return CkptrunError(f"{what}; ckptrun captures state at optimizer steps, so run it with plain python, "
+                        "or create the optimizer with torch.optim")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Client
 from pathlib import Path
 
-from .config import ENV, RunConfig
+from .config import ENV, RunConfig, is_torchrun_var
 from .dirlock import DirLock, lock_name
 from .errors import CkptrunError, UsageError
 from .leftovers import new_tag, remove_staging, run_name, sweep_stale
@@ -148,11 +148,21 @@ def run(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str]
     the whole run (engines included).
 
     `dashboard`: a live panel on a terminal, a log line every few seconds otherwise."""
+    if not cfg.dist_env:
+        _one_process(opts)
     lock = preflight(cfg, script, per_host_lock=opts.nnodes != "1")
     try:
         return _launch(cfg, opts, script, script_args, str(lock.engines_path), dashboard, metrics_file)
     finally:
         lock.release()
+
+
+def _one_process(opts: LaunchOptions) -> None:
+    """--no-dist-env hides from the script what several processes would need to find each other."""
+    for flag, value in (("--nproc-per-node", opts.nproc_per_node), ("--nnodes", opts.nnodes)):
+        if any(n.strip() != "1" for n in value.split(":")):
+            raise UsageError(f"--no-dist-env runs one process on one node; drop {flag} {value}, or drop "
+                             "--no-dist-env to give the script torchrun's environment")
 
 
 def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str], engines_lock: str,
@@ -179,6 +189,8 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
     cfg.dir = str(Path(cfg.dir).resolve())
     cfg.engine_dir, cfg.authkey = engine_dir, os.urandom(16).hex()
     cfg.metrics_dir = cfg.metrics_dir or os.path.join(engine_dir, "metrics")
+    if not cfg.dist_env:  # before torchrun adds its own to this process's environment
+        cfg.launcher_env = {k: v for k, v in os.environ.items() if is_torchrun_var(k)}
     os.environ[ENV] = cfg.to_env()
     console = Console()
     live = dashboard and console.is_terminal
@@ -224,9 +236,13 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
 def _failure(e: Exception, engine_dir: str, opts: LaunchOptions) -> CkptrunError:
     """The one line (and exit code) for a run whose workers failed for good: the script's own
     exit code when it chose to exit, the crash otherwise."""
-    errors = sorted(Path(engine_dir).glob("error-*.txt"))
-    if errors:
-        code, message = errors[0].read_text().split("\n", 1)
+    errors = {int(p.stem.removeprefix("error-")): p.read_text().split("\n", 1)
+              for p in Path(engine_dir).glob("error-*.txt")}
+    if errors:  # the lowest rank's is the run's; the workers print none, so other ranks' are said here
+        code, message = errors[min(errors)]
+        for rank, (_, other) in sorted(errors.items()):
+            if other.strip() != message.strip():
+                print(f"ckptrun: rank {rank}: {other.strip()}", file=sys.stderr, flush=True)
         return CkptrunError(message.strip(), exit_code=int(code))
     first = next(iter(e.failures.values()))
     code = first.exitcode if first.exitcode > 0 else 128 - first.exitcode  # killed by a signal: 128+N

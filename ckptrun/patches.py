@@ -4,7 +4,8 @@ Constructors of optimizers, LR schedulers and GradScalers are wrapped so that th
 learns of each object the moment it exists, and restores its checkpointed state right then
 ("restored when constructed"). The wrapper fires once, after the most-derived __init__ returns.
 In multi-rank runs the `env://` rendezvous is wrapped so that each restart attempt's process
-group uses its own keys in torchrun's job-wide store.
+group uses its own keys in torchrun's job-wide store. `torch.autograd.backward` is wrapped until
+an optimizer exists, to stop a script that trains without one within its first steps.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 _MARK = "_ckptrun_wrapped"
+BACKWARDS_WITHOUT_OPTIMIZER = 10  # a few, for scripts that run a backward pass or two before making it
 
 
 def _subclasses(cls: type) -> list[type]:
@@ -78,10 +80,35 @@ def _isolate_attempt(restart_count: int) -> None:
     rdzv._rendezvous_handlers["env"] = handler
 
 
+def _watch_backward(rt: Any) -> None:
+    """Count backward passes (`Tensor.backward` calls `torch.autograd.backward`) while no optimizer
+    is registered; stop the script at the next one after BACKWARDS_WITHOUT_OPTIMIZER of them. The
+    wrapper takes itself out at the first backward pass after an optimizer exists."""
+    from .errors import AbortRun, no_optimizer
+
+    orig = torch.autograd.backward
+    seen = 0
+
+    @functools.wraps(orig)
+    def backward(*args: Any, **kwargs: Any):
+        nonlocal seen
+        if rt.optimizers:
+            if torch.autograd.backward is backward:
+                torch.autograd.backward = orig
+        elif seen >= BACKWARDS_WITHOUT_OPTIMIZER:
+            raise AbortRun(no_optimizer(f"the script ran {seen} backward passes without creating a "
+                                        "torch.optim optimizer"))
+        seen += 1
+        return orig(*args, **kwargs)
+
+    torch.autograd.backward = backward
+
+
 def install(rt: Any) -> None:
     if rt.world_size > 1 and torch.distributed.is_available():
         _isolate_attempt(rt.restart_count)
     _patch_family(torch.optim.Optimizer, rt.on_optimizer)
+    _watch_backward(rt)
     _patch_family(torch.optim.lr_scheduler.LRScheduler, rt.on_scheduler)
     if not issubclass(torch.optim.lr_scheduler.ReduceLROnPlateau, torch.optim.lr_scheduler.LRScheduler):
         _patch_family(torch.optim.lr_scheduler.ReduceLROnPlateau, rt.on_scheduler)

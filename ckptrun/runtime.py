@@ -24,7 +24,7 @@ import torch
 from . import autotune, discovery, faults, replay
 from .config import RunConfig
 from .engine.client import EngineClient, EngineLost
-from .errors import CheckpointMismatch, CkptrunError
+from .errors import CheckpointMismatch, CkptrunError, no_optimizer
 from .layout import ALIGN, Layout, align, view
 from .metrics import WorkerMetrics
 from .recovery import finish_state
@@ -636,9 +636,7 @@ class Runtime:
 
     def finish(self) -> None:
         if not self.optimizers:
-            raise CkptrunError(
-                "the script never created a torch.optim optimizer; ckptrun captures state at "
-                "optimizer steps, so run it with plain python, or create the optimizer with torch.optim")
+            raise no_optimizer("the script never created a torch.optim optimizer")
         self.strategy.finish()
         self.drain()
         self.metrics.close()

@@ -109,6 +109,25 @@ def error_line(proc: subprocess.CompletedProcess) -> str:
     return lines[-1]
 
 
+def resumed_beside_plain(tmp_path: Path, script: Path, args: list[Any], flags: list[Any],
+                         fault: str) -> tuple[Path, Path]:
+    """`script ARGS truth.pt` with plain python in tmp_path/plain, alongside (2 cores) `ckptrun FLAGS
+    script ARGS resumed.pt` in tmp_path/ckptrun, killed by `fault` and restarted once; checks that
+    both succeeded and the fault fired. Returns the two folders."""
+    plain, managed = tmp_path / "plain", tmp_path / "ckptrun"
+    plain.mkdir()
+    managed.mkdir()
+    truth_run = subprocess.Popen([sys.executable, str(script), *map(str, args), "truth.pt"], cwd=plain,
+                                 env=clean_env(None), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = ckptrun(managed, *flags, "--max-restarts", "1", "--metrics-dir", "metrics", script, *args, "resumed.pt",
+                   fault=fault)
+    _, truth_err = truth_run.communicate(timeout=TIMEOUT_S)
+    assert truth_run.returncode == 0, truth_err
+    ok(proc)
+    assert [e["restart_count"] for e in run_events(managed / "metrics")] == [0, 1], "the fault did not fire"
+    return plain, managed
+
+
 def load(path: Path) -> dict:
     return torch.load(path, weights_only=True)
 

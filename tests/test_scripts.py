@@ -17,9 +17,10 @@ from conftest import (
     error_line,
     load,
     ok,
-    run_events,
+    resumed_beside_plain,
 )
 
+from ckptrun.patches import BACKWARDS_WITHOUT_OPTIMIZER
 from ckptrun.store import Store
 
 
@@ -32,25 +33,24 @@ from ckptrun.store import Store
 ])
 def test_script_resumes_exactly_after_a_kill(script, strategy, fault, tmp_path):
     args = ["--steps", STEPS, "--save-at", STEPS, "--save-path"]
-    plain, managed = tmp_path / "plain", tmp_path / "ckptrun"
-    plain.mkdir()
-    managed.mkdir()
-    # The uninterrupted plain-python run goes alongside the ckptrun run (2 cores).
-    truth_run = subprocess.Popen([sys.executable, str(SCRIPTS / script), *map(str, args), "truth.pt"], cwd=plain,
-                                 env=clean_env(None), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    proc = ckptrun(managed, "--strategy", strategy, "--dir", "ckpts", "--max-restarts", "1",
-                   "--metrics-dir", "metrics", SCRIPTS / script, *args, "resumed.pt", fault=fault)
-    _, truth_err = truth_run.communicate(timeout=TIMEOUT_S)
-    assert truth_run.returncode == 0, truth_err
-    ok(proc)
-    assert [e["restart_count"] for e in run_events(managed / "metrics")] == [0, 1], "the fault did not fire"
+    plain, managed = resumed_beside_plain(tmp_path, SCRIPTS / script, args, ["--strategy", strategy, "--dir", "ckpts"],
+                                          fault)
     assert_training_state(load(managed / "resumed.pt"), load(plain / "truth.pt"))
 
 
-def test_script_without_optimizer_fails_clearly(tmp_path):
-    proc = ckptrun(tmp_path, "--dir", "ckpts", SCRIPTS / "no_optimizer.py")
+@pytest.mark.parametrize("iterations, ran, when", [
+    (100000, BACKWARDS_WITHOUT_OPTIMIZER, f"ran {BACKWARDS_WITHOUT_OPTIMIZER} backward passes without"),
+    (3, 3, "never created"),
+])
+def test_script_without_optimizer_fails_clearly_once(iterations, ran, when, tmp_path):
+    """Stopped within its first steps of a long loop (at exit if it ends before), and told once:
+    by the launcher, not the worker too."""
+    proc = ckptrun(tmp_path, "--dir", "ckpts", SCRIPTS / "no_optimizer.py", "--iterations", iterations)
     line = error_line(proc)
-    assert "never created a torch.optim optimizer" in line
+    assert proc.returncode == 1 and when in line and "torch.optim optimizer" in line, line
+    assert proc.stderr.count("torch.optim optimizer") == 1, proc.stderr
+    iterations_run = [line for line in proc.stdout.splitlines() if line.startswith("iteration ")]
+    assert iterations_run == [f"iteration {i}" for i in range(ran)], proc.stdout[-500:]
     store = Store(tmp_path / "ckpts")
     assert store.manifests() == [] and store.incomplete() == []
 
