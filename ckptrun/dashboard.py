@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from rich import box
@@ -316,6 +316,9 @@ class Dashboard:
     one plain log line every ``log_interval`` seconds plus restarts and save errors as they
     happen; ``None`` picks by ``console.is_terminal``. Errors inside the dashboard are reported
     once on the console and never propagate.
+
+    ``top`` gives lines to show at the top of the live panel at each refresh (the workers' open
+    lines, e.g. a progress bar: :meth:`~ckptrun.worker_logs.WorkerLogTailer.open_lines`).
     """
 
     def __init__(
@@ -329,6 +332,7 @@ class Dashboard:
         log_interval: float = 5.0,
         host_interval: float = 1.0,
         sampler: HostSampler | None = None,
+        top: Callable[[], Sequence[RenderableType]] | None = None,
     ) -> None:
         self.console = console or Console()
         self.live = self.console.is_terminal if live is None else bool(live)
@@ -344,6 +348,7 @@ class Dashboard:
         self._log_interval = log_interval
         self._host_interval = host_interval
         self._sampler = sampler
+        self._top = top
         self._host: HostSample | None = None
         self._next_host = 0.0
         self._next_log = 0.0
@@ -366,7 +371,7 @@ class Dashboard:
 
             def start_live() -> None:
                 self._live = Live(
-                    render(self.state, None),
+                    self._view(),
                     console=self.console,
                     auto_refresh=False,
                     refresh_per_second=MAX_REFRESH_PER_S,
@@ -434,7 +439,7 @@ class Dashboard:
         if self.live:
             if self._live is not None:
                 self._sample_host()
-                self._live.update(render(self.state, self._host), refresh=True)
+                self._live.update(self._view(), refresh=True)
             return
         for event in events:
             line = event_log_line(event)
@@ -454,6 +459,11 @@ class Dashboard:
         if self._sampler is None:
             self._sampler = HostSampler()
         self._host = self._sampler.sample(self.state.pids())
+
+    def _view(self) -> RenderableType:
+        panel = render(self.state, self._host)
+        top = self._top() if self._top is not None else ()
+        return Group(*top, panel) if top else panel
 
     def _print_line(self, line: str) -> None:
         self.console.print(line, markup=False, highlight=False, emoji=False, soft_wrap=True)
