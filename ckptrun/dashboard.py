@@ -22,6 +22,7 @@ from rich.text import Text
 
 from ckptrun.hostmetrics import NA, HostSample, HostSampler
 from ckptrun.metrics_feed import MetricsFileWriter, MetricsState, MetricsTailer, RunSummary, Series
+from ckptrun.worker_logs import at_line_start
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 _CAUSE_LABELS = {"snapshot": "snapshot", "backpressure": "backpressure", "sync_write": "sync write"}
@@ -318,7 +319,9 @@ class Dashboard:
     once on the console and never propagate.
 
     ``top`` gives lines to show at the top of the live panel at each refresh (the workers' open
-    lines, e.g. a progress bar: :meth:`~ckptrun.worker_logs.WorkerLogTailer.open_lines`).
+    lines, e.g. a progress bar: :meth:`~ckptrun.worker_logs.WorkerLogTailer.open_lines`). Off a
+    terminal, the workers share the console's output; each line of ours starts on a new line
+    unless the output is known to be at a line start (:func:`~ckptrun.worker_logs.at_line_start`).
     """
 
     def __init__(
@@ -402,6 +405,7 @@ class Dashboard:
         if self._live is not None:
             self._guard(self._live.stop)
             self._live = None
+        self._guard(self._fresh_line)
         self._guard(lambda: self.console.print(render_summary(self.state.summary())))
         if self._writer is not None:
             self._guard(self._writer.close)
@@ -465,7 +469,15 @@ class Dashboard:
         top = self._top() if self._top is not None else ()
         return Group(*top, panel) if top else panel
 
+    def _fresh_line(self) -> None:
+        """Off a terminal a worker may have left its line open (a progress bar without its newline):
+        end it first, unless the output is known to be at a line start (a regular file ending in a
+        newline). A pipe or a terminal cannot be read back, so a line of ours may follow an empty one."""
+        if not self.live and not at_line_start(self.console.file):
+            self.console.line()
+
     def _print_line(self, line: str) -> None:
+        self._fresh_line()
         self.console.print(line, markup=False, highlight=False, emoji=False, soft_wrap=True)
 
     def _guard(self, fn: Any) -> None:

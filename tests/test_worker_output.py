@@ -1,5 +1,5 @@
 """Worker output: whole lines in write order above the live panel, carriage-return redraws shown
-as one line."""
+as one line, and ckptrun's own lines on lines of their own when workers share its output."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ import termios
 import time
 from pathlib import Path
 
-from conftest import REPO, SCRIPTS, clean_env, kill_tree
+from conftest import REPO, SCRIPTS, ckptrun, clean_env, kill_tree, ok
 from rich.console import Console
 from rich.text import Text
 
 from ckptrun.dashboard import Dashboard
-from ckptrun.worker_logs import MERGE_ENV, WorkerLogTailer, last_state
+from ckptrun.worker_logs import MERGE_ENV, WorkerLogTailer, at_line_start, last_state
 
 
 def _console() -> tuple[Console, io.StringIO]:
@@ -127,6 +127,50 @@ def test_live_panel_shows_open_lines_on_top(tmp_path: Path) -> None:
     dash.stop()
     out = buf.getvalue()
     assert out.index("[rank 0]  42%|####") < out.index("waiting for workers")
+
+
+def test_at_line_start(tmp_path: Path) -> None:
+    path = tmp_path / "log"
+    with open(path, "w") as f:  # write-only, as `> log` opens it
+        assert at_line_start(f)  # empty
+        f.write("progress 50%")
+        f.flush()
+        assert not at_line_start(f)
+        f.write("\n")
+        f.flush()
+        assert at_line_start(f)
+    r, w = os.pipe()
+    with os.fdopen(r) as rf, os.fdopen(w, "w") as wf:
+        assert not at_line_start(wf) and not at_line_start(rf)  # a pipe cannot be read back: not known
+    assert not at_line_start(io.StringIO())
+
+
+def test_piped_log_lines_start_on_a_fresh_line(tmp_path: Path) -> None:
+    """Off a terminal, a worker's open progress bar (same file, its own descriptor) is ended before
+    ckptrun's line; a line that is already ended gets no empty line after it."""
+    path = tmp_path / "out.log"
+    with open(path, "a") as f, open(path, "a") as worker:  # `>> out.log`
+        dash = Dashboard(tmp_path, live=False, console=Console(file=f, width=200), poll_interval=0.01)
+        worker.write("\r 50%|#####")
+        worker.flush()
+        dash._print_line("[ckptrun] one")
+        worker.write("epoch done\n")
+        worker.flush()
+        dash._print_line("[ckptrun] two")
+    assert path.read_bytes().decode() == "\r 50%|#####\n[ckptrun] one\nepoch done\n[ckptrun] two\n"
+    console, buf = _console()  # cannot be read back: always a new line first
+    dash = Dashboard(tmp_path, live=False, console=console)
+    dash._print_line("[ckptrun] three")
+    assert buf.getvalue() == "\n[ckptrun] three\n"
+
+
+def test_piped_run_keeps_ckptrun_lines_at_column_0(tmp_path: Path) -> None:
+    """Off a terminal, with a worker's bar on ckptrun's own stdout, left open when the script ends."""
+    proc = ok(ckptrun(tmp_path, "--dir", "ck", SCRIPTS / "progress_bar.py", "--bar-to", "stdout"))
+    lines = proc.stdout.replace("\r", "\n").split("\n")  # (text mode has made each \r a \n already)
+    assert not [ln for ln in lines if "[ckptrun]" in ln and not ln.startswith("[ckptrun]")], proc.stdout
+    assert [ln for ln in lines if ln.startswith("[ckptrun] step 12 |")], proc.stdout
+    assert "100%|##########| 6/6\nepoch 0 done\n" in proc.stdout
 
 
 def _screen(data: str) -> list[str]:
