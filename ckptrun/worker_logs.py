@@ -69,7 +69,10 @@ def at_line_start(file: IO[str] | Any) -> bool:
         # Reopened for reading (stdout is often opened write-only); Linux only, elsewhere: no.
         with open(f"/proc/self/fd/{fd}", "rb") as f:
             size = f.seek(0, os.SEEK_END)
-            return size == 0 or (f.seek(size - 1), f.read(1))[1] == b"\n"
+            if size == 0:
+                return True
+            f.seek(size - 1)
+            return f.read(1) == b"\n"
     except (OSError, ValueError, AttributeError):
         return False
 
