@@ -21,6 +21,7 @@ from .jobstore import job_store
 from .recovery import Plan, diff_states, newest_good, plans, read_state
 from .runtime import ResumeState, Runtime, StopRun, install
 from .store import Store
+from .worker_logs import merge_stderr
 
 
 def _rank_env() -> tuple[int, int, int, int, int]:
@@ -111,6 +112,7 @@ def _on_signal(rt: Runtime):
 
 
 def main() -> None:
+    merge_stderr()  # live dashboard: one file per rank keeps stdout and stderr in order
     script, *args = sys.argv[1:]
     cfg = RunConfig.from_env()
     rank, local_rank, world_size, restart_count, max_restarts = _rank_env()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from rich import box
@@ -22,6 +22,7 @@ from rich.text import Text
 
 from ckptrun.hostmetrics import NA, HostSample, HostSampler
 from ckptrun.metrics_feed import MetricsFileWriter, MetricsState, MetricsTailer, RunSummary, Series
+from ckptrun.worker_logs import at_line_start
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 _CAUSE_LABELS = {"snapshot": "snapshot", "backpressure": "backpressure", "sync_write": "sync write"}
@@ -316,6 +317,11 @@ class Dashboard:
     one plain log line every ``log_interval`` seconds plus restarts and save errors as they
     happen; ``None`` picks by ``console.is_terminal``. Errors inside the dashboard are reported
     once on the console and never propagate.
+
+    ``top`` gives lines to show at the top of the live panel at each refresh (the workers' open
+    lines, e.g. a progress bar: :meth:`~ckptrun.worker_logs.WorkerLogTailer.open_lines`). Off a
+    terminal, the workers share the console's output; each line of ours starts on a new line
+    unless the output is known to be at a line start (:func:`~ckptrun.worker_logs.at_line_start`).
     """
 
     def __init__(
@@ -329,6 +335,7 @@ class Dashboard:
         log_interval: float = 5.0,
         host_interval: float = 1.0,
         sampler: HostSampler | None = None,
+        top: Callable[[], Sequence[RenderableType]] | None = None,
     ) -> None:
         self.console = console or Console()
         self.live = self.console.is_terminal if live is None else bool(live)
@@ -344,6 +351,7 @@ class Dashboard:
         self._log_interval = log_interval
         self._host_interval = host_interval
         self._sampler = sampler
+        self._top = top
         self._host: HostSample | None = None
         self._next_host = 0.0
         self._next_log = 0.0
@@ -366,7 +374,7 @@ class Dashboard:
 
             def start_live() -> None:
                 self._live = Live(
-                    render(self.state, None),
+                    self._view(),
                     console=self.console,
                     auto_refresh=False,
                     refresh_per_second=MAX_REFRESH_PER_S,
@@ -397,6 +405,7 @@ class Dashboard:
         if self._live is not None:
             self._guard(self._live.stop)
             self._live = None
+        self._guard(self._fresh_line)
         self._guard(lambda: self.console.print(render_summary(self.state.summary())))
         if self._writer is not None:
             self._guard(self._writer.close)
@@ -434,7 +443,7 @@ class Dashboard:
         if self.live:
             if self._live is not None:
                 self._sample_host()
-                self._live.update(render(self.state, self._host), refresh=True)
+                self._live.update(self._view(), refresh=True)
             return
         for event in events:
             line = event_log_line(event)
@@ -455,7 +464,20 @@ class Dashboard:
             self._sampler = HostSampler()
         self._host = self._sampler.sample(self.state.pids())
 
+    def _view(self) -> RenderableType:
+        panel = render(self.state, self._host)
+        top = self._top() if self._top is not None else ()
+        return Group(*top, panel) if top else panel
+
+    def _fresh_line(self) -> None:
+        """Off a terminal a worker may have left its line open (a progress bar without its newline):
+        end it first, unless the output is known to be at a line start (a regular file ending in a
+        newline). A pipe or a terminal cannot be read back, so a line of ours may follow an empty one."""
+        if not self.live and not at_line_start(self.console.file):
+            self.console.line()
+
     def _print_line(self, line: str) -> None:
+        self._fresh_line()
         self.console.print(line, markup=False, highlight=False, emoji=False, soft_wrap=True)
 
     def _guard(self, fn: Any) -> None:

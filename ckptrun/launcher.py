@@ -174,7 +174,7 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
 
     from .dashboard import Dashboard
     from .hostmetrics import HostSampler
-    from .worker_logs import WorkerLogTailer
+    from .worker_logs import WorkerLogTailer, torchrun_args
 
     # The agent's own warnings on a signal ("Received 15 death signal", "Sending process ... closing
     # signal") restate what ckptrun reports in one line.
@@ -200,11 +200,11 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
     argv = [*opts.torchrun_argv(), "--shutdown-timeout", str(worker_grace)]
     logs = None
     if live:  # workers write to files that are echoed above the panel
-        argv += ["--redirects", "3", "--log-dir", os.path.join(engine_dir, "logs")]
+        argv += torchrun_args(os.path.join(engine_dir, "logs"))
         logs = WorkerLogTailer(os.path.join(engine_dir, "logs"), console)
         logs.start()
-    dash = Dashboard(cfg.metrics_dir, metrics_file, live=live, console=console,
-                     sampler=HostSampler()) if dashboard or metrics_file else None
+    dash = Dashboard(cfg.metrics_dir, metrics_file, live=live, console=console, sampler=HostSampler(),
+                     top=logs.open_lines if logs else None) if dashboard or metrics_file else None
     if dash is not None:
         dash.start()
     engines = EngineSupervisor(cfg, nlocal, tag, engines_lock)
