@@ -161,6 +161,8 @@ class Runtime:
         self.durable: dict[int, threading.Event] = {}
         self.save_errors: list[str] = []
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="ckptrun-snapshot")
+        self._last_copy: Future | None = None  # the newest background copy (wait_copies)
+        self._last_event: Any = None  # its CUDA counterpart
         self._volatile: set[int] = set()
         self._sizes: dict[str, int] = {}  # bytes the last submitted snapshot of each kind took
         self._cuda = torch.cuda.is_available()
@@ -530,9 +532,9 @@ class Runtime:
         later = {k: t for k, t in tensors.items() if k not in now}
         if later:
             if any(t.is_cuda for t in later.values()):
-                snap.event = self._copy_cuda_async(buf, layout, later)
+                snap.event = self._last_event = self._copy_cuda_async(buf, layout, later)
             else:
-                snap.copy = self._copier.submit(self._copy, buf, layout, later)
+                snap.copy = self._last_copy = self._copier.submit(self._copy, buf, layout, later)
         snap.skeleton.update(skeleton)
         snap.layout = snap.layout + layout
         snap.nbytes = snap.layout.nbytes
@@ -579,11 +581,12 @@ class Runtime:
         return event
 
     def wait_copies(self) -> None:
-        """Block until every background copy started so far is done (the copier is one FIFO
-        thread; on GPU, the side stream)."""
-        self._copier.submit(lambda: None).result()
-        if self._stream is not None:
-            self._stream.synchronize()
+        """Block until every background copy started so far is done: the newest one is the last
+        to finish (one FIFO copier thread; on GPU, one side stream)."""
+        if self._last_copy is not None:
+            self._last_copy.result()
+        if self._last_event is not None:
+            self._last_event.synchronize()
 
     def wait_copy(self, snap: Snapshot) -> None:
         """Block until the slot holds `snap`'s post-step state (the next update may then run)."""
