@@ -46,8 +46,7 @@ def _decide(rt: Runtime, store: Store) -> Plan | None:
     if not rt.cfg.resume and rt.restart_count == 0:
         return None
     plan = newest_good(store)
-    for name in store.incomplete():
-        store.remove(name)
+    store.sweep_incomplete()  # every engine has flushed: no record is on its way
     newest = plan.step if plan else -1
     # A re-run writes these steps again (a corrupt manifest would block their commit); keep the
     # bad copies for inspection.

@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
@@ -62,12 +63,19 @@ def live_holder(root: Path) -> str | None:
     for path in root.glob(f"{LOCK}*"):
         if path.name.endswith(".engines"):
             continue
-        try:
-            info = json.loads(path.read_bytes()[:4096] or b"{}")
-        except (OSError, ValueError):
+        try:  # the directory is untrusted: a FIFO or a link named like the lock is not read
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        except OSError:
             continue
-        if isinstance(info, dict) and info and (info.get("host") != socket.gethostname()
-                                                or psutil.pid_exists(int(info.get("pid", 0)))):
+        try:
+            info = _read_info(fd) if stat.S_ISREG(os.fstat(fd).st_mode) else {}
+        finally:
+            os.close(fd)
+        try:
+            alive = info.get("host") != socket.gethostname() or psutil.pid_exists(int(info.get("pid", 0)))
+        except (TypeError, ValueError):
+            continue
+        if info and alive:
             return _describe(info)
     return None
 
