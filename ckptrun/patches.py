@@ -6,6 +6,7 @@ learns of each object the moment it exists, and restores its checkpointed state 
 In multi-rank runs the `env://` rendezvous is wrapped so that each restart attempt's process
 group uses its own keys in torchrun's job-wide store. `torch.autograd.backward` is wrapped until
 an optimizer exists, to stop a script that trains without one within its first steps.
+Framework integrations (ckptrun/integrations/) hook in when the script imports the framework.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from . import integrations
 
 _MARK = "_ckptrun_wrapped"
 BACKWARDS_WITHOUT_OPTIMIZER = 10  # a few, for scripts that run a backward pass or two before making it
@@ -114,3 +117,4 @@ def install(rt: Any) -> None:
         _patch_family(torch.optim.lr_scheduler.ReduceLROnPlateau, rt.on_scheduler)
     _patch_family(torch.amp.GradScaler, rt.on_scaler)
     _patch_family(torch.nn.parallel.DistributedDataParallel, rt.strategy.on_ddp)
+    integrations.install(rt)
