@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 def resume_step() -> int:
     """Completed optimizer steps restored at start-up (also in $CKPTRUN_RESUME_STEP). Calling it
     tells ckptrun that the script starts its loop there (see --on-restart)."""
-    from .runtime import current
+    from .worker.runtime import current
 
     rt = current()
     if rt is not None:
@@ -26,7 +26,7 @@ def resume_step() -> int:
 def track(**objects: Any) -> None:
     """Checkpoint these objects too (anything with state_dict/load_state_dict, or a
     torch.Generator); on resume they are restored immediately. A no-op outside ckptrun."""
-    from .runtime import current
+    from .worker.runtime import current
 
     rt = current()
     if rt is not None:
@@ -36,6 +36,6 @@ def track(**objects: Any) -> None:
 
 def is_active() -> bool:
     """True inside a worker started by the ckptrun launcher."""
-    from .runtime import current
+    from .worker.runtime import current
 
     return current() is not None

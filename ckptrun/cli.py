@@ -31,7 +31,7 @@ OptimizerClass = Annotated[
 
 
 def _duration(flag: str, text: str) -> float:
-    from .durations import parse_duration
+    from .tuning.durations import parse_duration
 
     try:
         return parse_duration(text)
@@ -43,7 +43,7 @@ def _recipe_defaults(ctx: typer.Context, path: str) -> str:
     """--recipe (processed first): its values become the run command's defaults, so explicit
     flags override them and click converts and checks them like the flags themselves."""
     if path:
-        from .recipes import load_recipe
+        from .tuning.recipes import load_recipe
 
         ctx.default_map = load_recipe(path, {p.name for p in ctx.command.params} - _NOT_IN_RECIPES)
     return path
@@ -123,8 +123,8 @@ def run(
 ) -> None:
     """Run SCRIPT under ckptrun: hooks installed, state checkpointed, failures restarted."""
     from .config import RunConfig
-    from .launcher import LaunchOptions
-    from .launcher import run as launch
+    from .launcher.run import LaunchOptions
+    from .launcher.run import run as launch
 
     if every != "auto" and not every.lstrip("-").isdigit():
         raise UsageError(f"--every must be a number of steps or auto (got {every!r})")
@@ -162,7 +162,7 @@ def restore(
     optimizer_class: OptimizerClass = None,
 ) -> None:
     """Rebuild the state of a committed step, bit-exact, as one file."""
-    from .export import export
+    from .restore.export import export
 
     if format not in ("torch", "safetensors"):
         raise CkptrunError(f"--format must be torch or safetensors (got {format!r})", exit_code=2)
@@ -177,7 +177,7 @@ def restore(
 def ls(dir: Dir = Path("ckpts"),
        as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
     """List committed steps."""
-    from .store import Store
+    from .storage.store import Store
 
     store = Store.existing(dir)
     rows = [{"step": m.step, "kind": m.kind, "record": m.name, "bytes": m.bytes, "ranks": m.world_size,
@@ -199,9 +199,9 @@ def verify(dir: Dir = Path("ckpts"), optimizer_class: OptimizerClass = None) -> 
     bad ones. Exit 0 means `restore` (with the same --optimizer-class) succeeds for every listed
     step. A record directory without a manifest is not committed (a crash leaves one torn, the next
     run removes it): it is noted, and does not fail the check."""
-    from .dirlock import live_holder
-    from .recovery import optimizer_classes, verify_problems
-    from .store import Store
+    from .restore.recovery import optimizer_classes, verify_problems
+    from .storage.dirlock import live_holder
+    from .storage.store import Store
 
     store = Store.existing(dir)
     running = live_holder(store.root)
@@ -272,12 +272,12 @@ def tune(
                                                                    "prediction to this JSON file.")] = None,
 ) -> None:
     """Profile SCRIPT briefly under each strategy; print the optimal settings and a recommendation."""
-    from .autotune import DEFAULT_MTBF_S
-    from .durations import mtbf_from_failure_log
-    from .tune import choose_strategies
-    from .tune import tune as run_tune
-    from .tune.plan import parse_percent
-    from .tune.report import print_report, to_json, write_recipe
+    from .tuning.durations import mtbf_from_failure_log
+    from .tuning.plan import parse_percent
+    from .tuning.report import print_report, to_json, write_recipe
+    from .tuning.tune import choose_strategies
+    from .tuning.tune import tune as run_tune
+    from .worker.autotune import DEFAULT_MTBF_S
 
     if mtbf and failure_log:
         raise UsageError("give either --mtbf or --failure-log, not both")

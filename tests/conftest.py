@@ -24,9 +24,9 @@ import psutil
 import pytest
 import torch
 
-from ckptrun.layout import Layout, TensorSpec, view
-from ckptrun.store import MANIFEST, Store, full_name, rank_files
-from ckptrun.tree import flatten, unflatten
+from ckptrun.storage.layout import Layout, TensorSpec, view
+from ckptrun.storage.store import MANIFEST, Store, full_name, rank_files
+from ckptrun.storage.tree import flatten, unflatten
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_gpt.py"

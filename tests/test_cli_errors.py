@@ -7,8 +7,8 @@ from pathlib import Path
 
 from conftest import EXAMPLE, TINY, ckptrun, error_line, ok
 
-from ckptrun.dirlock import LOCK
-from ckptrun.store import Store
+from ckptrun.storage.dirlock import LOCK
+from ckptrun.storage.store import Store
 from ckptrun.strategies import names
 
 

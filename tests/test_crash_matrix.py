@@ -25,8 +25,8 @@ from conftest import (
     tear,
 )
 
-from ckptrun.recovery import load_state, newest_good
-from ckptrun.store import Store
+from ckptrun.restore.recovery import load_state, newest_good
+from ckptrun.storage.store import Store
 
 K = 7  # the step every fault hits
 

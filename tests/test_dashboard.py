@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from ckptrun.dashboard import Dashboard, log_line, render, render_summary, sparkline
-from ckptrun.hostmetrics import HostSampler
-from ckptrun.metrics_feed import MetricsFileWriter, MetricsState, MetricsTailer, percentile
+from ckptrun.launcher.console.dashboard import Dashboard, log_line, render, render_summary, sparkline
+from ckptrun.launcher.console.hostmetrics import HostSampler
+from ckptrun.launcher.console.metrics_feed import MetricsFileWriter, MetricsState, MetricsTailer, percentile
 
 T0 = 1_700_000_000.0
 

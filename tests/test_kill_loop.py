@@ -20,9 +20,9 @@ import pytest
 from conftest import EXAMPLE, TINY, assert_training_state, kill_tree, load, python, spawn
 
 from ckptrun.cli import main as cli
-from ckptrun.export import export
-from ckptrun.leftovers import owned
-from ckptrun.store import Store
+from ckptrun.restore.export import export
+from ckptrun.storage.leftovers import owned
+from ckptrun.storage.store import Store
 from ckptrun.strategies import REGISTRY
 
 STEPS = 200

@@ -17,9 +17,9 @@ import psutil
 import pytest
 from conftest import EXAMPLE, TINY, ckptrun, kill_tree, ok, spawn
 
-from ckptrun.leftovers import Owner, new_tag, owned, run_name, staging_path, sweep_stale
-from ckptrun.staging import shm_root
-from ckptrun.store import Store
+from ckptrun.ipc.staging import shm_root
+from ckptrun.storage.leftovers import Owner, new_tag, owned, run_name, staging_path, sweep_stale
+from ckptrun.storage.store import Store
 
 LONG = [*TINY, "--steps", "2000"]  # runs far longer than any test waits for it
 

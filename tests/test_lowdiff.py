@@ -35,10 +35,10 @@ from conftest import (
 )
 
 from ckptrun.config import RESUME_ENV
-from ckptrun.export import export
-from ckptrun.lowdiff_model import LowDiffCosts, optimal_fb
-from ckptrun.store import Store, diff_name, full_name, rank_files
-from ckptrun.strategies.lowdiff import RETUNE_EVERY, LowDiff
+from ckptrun.restore.export import export
+from ckptrun.storage.store import Store, diff_name, full_name, rank_files
+from ckptrun.strategies.lowdiff.model import LowDiffCosts, optimal_fb
+from ckptrun.strategies.lowdiff.trainer import RETUNE_EVERY, LowDiff
 
 SCRIPT = Path(__file__).resolve().parent / "scripts_lowdiff" / "sgd_steplr.py"
 STEPS = 14

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLE, TINY, ckptrun, ok
 
-from ckptrun.metrics_feed import STALL_CAUSES, MetricsState
-from ckptrun.recovery import restorable
-from ckptrun.store import Store
+from ckptrun.launcher.console.metrics_feed import STALL_CAUSES, MetricsState
+from ckptrun.restore.recovery import restorable
+from ckptrun.storage.store import Store
 
 STEP_FIELDS = {"t", "rank", "step", "step_s", "stall_s", "bytes", "inflight", "last_snapshot_step",
                "last_durable_step"}

@@ -23,7 +23,7 @@ from conftest import (
     run_events,
 )
 
-from ckptrun.store import Store
+from ckptrun.storage.store import Store
 from ckptrun.strategies import REGISTRY
 
 CASES = {  # id -> (script, script args, what a single-optimizer (replaying) strategy says)

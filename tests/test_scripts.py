@@ -20,8 +20,8 @@ from conftest import (
     resumed_beside_plain,
 )
 
-from ckptrun.patches import BACKWARDS_WITHOUT_OPTIMIZER
-from ckptrun.store import Store
+from ckptrun.storage.store import Store
+from ckptrun.worker.patches import BACKWARDS_WITHOUT_OPTIMIZER
 
 
 @pytest.mark.parametrize("script, strategy, fault", [

@@ -14,9 +14,9 @@ import torch
 from conftest import SCRIPTS, assert_same, ckptrun, pack, run_cmd
 
 from ckptrun.errors import CorruptCheckpoint
-from ckptrun.recovery import newest_good
-from ckptrun.store import MANIFEST, Store, full_name, rank_files
-from ckptrun.tree import unflatten
+from ckptrun.restore.recovery import newest_good
+from ckptrun.storage.store import MANIFEST, Store, full_name, rank_files
+from ckptrun.storage.tree import unflatten
 
 FAULT_POINTS = [f"{file}:{point}" for file in ("data", "index", "manifest")
                 for point in ("open", "written", "synced", "renamed", "dir-synced")]

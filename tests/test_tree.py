@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import assert_same, pack, unpack
 
-from ckptrun import discovery
-from ckptrun.tree import flatten, tensor_keys, unflatten
+from ckptrun.storage.tree import flatten, tensor_keys, unflatten
+from ckptrun.worker import discovery
 
 
 def roundtrip(obj):

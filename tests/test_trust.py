@@ -27,8 +27,8 @@ from conftest import (
 )
 
 from ckptrun.errors import AlreadyCommitted
-from ckptrun.recovery import plans, restorable
-from ckptrun.store import Store, full_name
+from ckptrun.restore.recovery import plans, restorable
+from ckptrun.storage.store import Store, full_name
 from ckptrun.strategies import REGISTRY
 
 

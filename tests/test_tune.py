@@ -12,11 +12,12 @@ import pytest
 import yaml
 from conftest import EXAMPLE, REPO, TINY, assert_training_state, ckptrun, error_line, ok, restore
 
-from ckptrun import cli, launcher
-from ckptrun.autotune import FIRST_EVAL, Decision, IntervalPolicy
-from ckptrun.intervals import daly_interval, young_interval
-from ckptrun.store import Store
+from ckptrun import cli
+from ckptrun.launcher import run as launcher
+from ckptrun.storage.store import Store
 from ckptrun.strategies import REGISTRY
+from ckptrun.tuning.intervals import daly_interval, young_interval
+from ckptrun.worker.autotune import FIRST_EVAL, Decision, IntervalPolicy
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 SMALL = ["--layers", "1", "--d-model", "32", "--threads", "1"]

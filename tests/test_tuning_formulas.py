@@ -9,16 +9,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from ckptrun import gockpt_model, pccheck_model
-from ckptrun.durations import format_duration, mtbf_from_failure_log, parse_duration
-from ckptrun.intervals import (
-    checkfreq_min_interval_steps,
-    daly_interval,
-    expected_lost_work_s,
-    expected_waste,
-    young_interval,
-)
-from ckptrun.lowdiff_model import (
+from ckptrun.strategies.gockpt import model as gockpt_model
+from ckptrun.strategies.lowdiff.model import (
     LowDiffCosts,
     continuous_optimum,
     numeric_optimal_fb,
@@ -27,6 +19,15 @@ from ckptrun.lowdiff_model import (
     retune,
     waste_fraction,
     wasted_time,
+)
+from ckptrun.strategies.pccheck import model as pccheck_model
+from ckptrun.tuning.durations import format_duration, mtbf_from_failure_log, parse_duration
+from ckptrun.tuning.intervals import (
+    checkfreq_min_interval_steps,
+    daly_interval,
+    expected_lost_work_s,
+    expected_waste,
+    young_interval,
 )
 
 GB = 1e9
@@ -463,7 +464,7 @@ def test_failure_log_mixed_timezones(tmp_path):
 @pytest.mark.parametrize("fixed", [{"f": 5}, {"f": 400}, {"b": 1}, {"b": 6}])
 def test_optimum_with_one_value_fixed_matches_grid(fixed):
     """When the user fixes F or B, only the other is optimised, and it equals the grid argmin of eq. (8)."""
-    from ckptrun.lowdiff_model import optimal_fb_given, waste_fraction
+    from ckptrun.strategies.lowdiff.model import optimal_fb_given, waste_fraction
 
     costs = LowDiffCosts(step_time=0.1, full_ckpt_bytes=100e6, diff_bytes=20e6, write_bandwidth=1e7,
                          full_load_time=10.0, diff_replay_time=0.01, mtbf=1800.0)

@@ -23,8 +23,8 @@ import pytest
 import xxhash
 from conftest import EXAMPLE, SCRIPTS, TINY, ckptrun, clean_env, copy_dir, error_line, ok
 
-from ckptrun.recovery import optimizer_classes, restorable, verify_problems
-from ckptrun.store import MANIFEST, Store, checksum, diff_name, full_name, rank_files
+from ckptrun.restore.recovery import optimizer_classes, restorable, verify_problems
+from ckptrun.storage.store import MANIFEST, Store, checksum, diff_name, full_name, rank_files
 
 LOWDIFF = ["--strategy", "lowdiff", "--full-every", "5", "--batch", "3", "--keep", "0"]
 STEPS = 8
@@ -282,7 +282,7 @@ NEAR_MISSES = [
 @pytest.mark.parametrize("case", CASES + NEAR_MISSES, ids=[c.id for c in CASES + NEAR_MISSES])
 def test_verify_ok_means_every_step_restores(case, lowdiff_dir, tmp_path):
     """The rule behind `verify`: no case passes it and then fails to restore (in either format)."""
-    from ckptrun.export import export
+    from ckptrun.restore.export import export
 
     prepare(lowdiff_dir, tmp_path, case)
     store = Store(tmp_path / "ckpts")
@@ -392,7 +392,7 @@ def test_check_skeleton_accepts_what_flatten_writes():
     import numpy as np
     import torch
 
-    from ckptrun.tree import check_skeleton, flatten
+    from ckptrun.storage.tree import check_skeleton, flatten
 
     state = {"w": torch.ones(2, dtype=torch.bfloat16), "a": np.arange(3), "t": (1, float("nan"), "x"),
              "k": {0: [torch.zeros(1)], (1, 2): None, "__dunder": 1.5}, "d": torch.float8_e4m3fn}
@@ -423,7 +423,7 @@ def _nested(depth: int) -> dict:
     (_nested(100), "levels deep"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_check_skeleton_rejects_what_unflatten_cannot_rebuild(skeleton, problem):
-    from ckptrun.tree import check_skeleton
+    from ckptrun.storage.tree import check_skeleton
 
     with pytest.raises(ValueError, match=re.escape(problem)):
         check_skeleton(skeleton, {"k": "float32", "b": "bfloat16"})

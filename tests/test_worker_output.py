@@ -20,8 +20,9 @@ from conftest import REPO, SCRIPTS, ckptrun, clean_env, kill_tree, ok
 from rich.console import Console
 from rich.text import Text
 
-from ckptrun.dashboard import Dashboard
-from ckptrun.worker_logs import MERGE_ENV, WorkerLogTailer, at_line_start, last_state
+from ckptrun.ipc.stdio import MERGE_ENV
+from ckptrun.launcher.console.dashboard import Dashboard
+from ckptrun.launcher.console.worker_logs import WorkerLogTailer, at_line_start, last_state
 
 
 def _console() -> tuple[Console, io.StringIO]:
@@ -104,7 +105,7 @@ def test_tailer_ranks_restarts_and_stop(tmp_path: Path) -> None:
 
 def test_worker_merges_stderr_into_stdout_file_in_write_order(tmp_path: Path) -> None:
     """What torchrun's --redirects does (two files), then the worker's merge: one file, in order."""
-    code = ("from ckptrun.worker_logs import merge_stderr; merge_stderr()\n"
+    code = ("from ckptrun.ipc.stdio import merge_stderr; merge_stderr()\n"
             "import os, sys\n"
             "for i in range(3):\n"
             "    print(f'out {i}', end='')\n"

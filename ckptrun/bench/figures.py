@@ -15,7 +15,7 @@ from statistics import fmean
 from typing import Any
 
 from ..errors import CkptrunError
-from ..metrics_feed import MetricsTailer
+from ..launcher.console.metrics_feed import MetricsTailer
 
 # Per-run figures, in report order (the summary's `median_step_s` is the median of `step_s`).
 FIGURES = ("step_s", "stall_ms_per_step", "bytes_per_step", "write_MBps", "peak_rss_MB", "committed",

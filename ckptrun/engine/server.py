@@ -20,13 +20,13 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
 
-from ..dirlock import hold_for_engine
 from ..errors import AlreadyCommitted
 from ..faults import Fault
-from ..fsutil import FaultHook, _no_fault
-from ..leftovers import exit_with_owner, remove_staging, staging_path
-from ..staging import EngineSlot
-from ..store import Store
+from ..ipc.staging import EngineSlot
+from ..storage.dirlock import hold_for_engine
+from ..storage.fsutil import FaultHook, _no_fault
+from ..storage.leftovers import exit_with_owner, remove_staging, staging_path
+from ..storage.store import Store
 from .handlers import engine_handler
 
 COMMIT_TRIES = 6  # a commit that fails this often is abandoned (reported; the previous step stays)

@@ -25,9 +25,9 @@ REGISTRY: dict[str, Entry] = {
                   "blocking write on the training path (the torch.save baseline)"),
     "checkfreq": Entry("ckptrun.strategies.checkfreq:CheckFreq",
                        "snapshot to host overlapped with the next forward/backward; persist in the engine"),
-    "lowdiff": Entry("ckptrun.strategies.lowdiff:LowDiff",
+    "lowdiff": Entry("ckptrun.strategies.lowdiff.trainer:LowDiff",
                      "every step's gradient as a batched differential checkpoint; full every F; exact replay",
-                     engine_handler="ckptrun.strategies.lowdiff_engine:LowDiffHandler"),
+                     engine_handler="ckptrun.strategies.lowdiff.engine:LowDiffHandler"),
 }
 
 

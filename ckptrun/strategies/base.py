@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from ..runtime import Runtime, Snapshot
+    from ..worker.runtime import Runtime, Snapshot
 
 
 class Strategy:

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from ckptrun.store import Store, full_name
+from ckptrun.storage.store import Store, full_name
 
 
 def main() -> None:

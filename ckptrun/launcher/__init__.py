@@ -1,0 +1,1 @@
+"""LAUNCHER PROCESS: `ckptrun run` — the elastic agent, engine supervision, the console."""

@@ -1,0 +1,1 @@
+"""Rebuilding a step from a directory: recovery plans, exact replay of differential records, export."""

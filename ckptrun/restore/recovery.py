@@ -1,0 +1,355 @@
+"""Which committed step to restore, and the state of one rank at that step.
+
+A step is restorable from a full checkpoint alone, or from a full checkpoint (the base) plus
+the committed differential records that follow it without a gap (LowDiff's chain), at per-step
+granularity. Restore never trusts a record blindly: every checksum is re-checked, a damaged
+record is skipped with a warning and the newest good step before it is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import threading
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from queue import Queue
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..errors import CorruptCheckpoint, StepNotAvailable, UsageError
+from ..storage.schema import DiffStep, SavedOptimizer, StateSkeleton, problem, short
+from ..storage.store import Manifest, Store
+from ..storage.tree import TENSOR, orphans_key, unflatten
+
+
+@dataclass
+class Plan:
+    """Restore `step`: load `base`, then replay the steps of `diffs` up to `step`."""
+
+    step: int
+    base: Manifest
+    diffs: list[Manifest] = field(default_factory=list)
+
+    @property
+    def records(self) -> list[Manifest]:
+        return [self.base, *self.diffs]
+
+
+def chains(store: Store) -> list[tuple[Manifest, list[Manifest]]]:
+    """Each full checkpoint with the gap-free run of diff records based on it."""
+    ms = store.manifests()
+    out = []
+    for base in (m for m in ms if m.kind == "full"):
+        run, nxt = [], base.step + 1
+        for d in sorted((m for m in ms if m.kind == "diff" and m.depends_on[:1] == [base.name]),
+                        key=lambda m: m.first_step):
+            if d.first_step != nxt:
+                break
+            run.append(d)
+            nxt = d.step + 1
+        out.append((base, run))
+    return out
+
+
+def plans(store: Store) -> dict[int, Plan]:
+    """Every restorable step and its cheapest plan (the nearest base wins)."""
+    out: dict[int, Plan] = {}
+    for base, run in chains(store):
+        out[base.step] = Plan(base.step, base)
+        for i, d in enumerate(run):
+            for s in range(d.first_step, d.step + 1):
+                if s not in out or out[s].base.step < base.step:
+                    out[s] = Plan(s, base, run[: i + 1])
+    return dict(sorted(out.items()))
+
+
+def restorable(store: Store) -> list[int]:
+    return list(plans(store))
+
+
+def optimizer_classes(trusted: Iterable[str] = ()) -> dict[str, type]:
+    """The optimizer classes offline replay may construct, by the name a checkpoint gives them
+    (`module.qualname`): torch.optim's own, found by name in torch.optim, plus the classes the
+    user names on the command line (`pkg.mod:Class`, the user's explicit trust). A name taken
+    from a checkpoint is only ever looked up here, never imported."""
+    import torch
+
+    found = [getattr(torch.optim, n) for n in dir(torch.optim)]
+    table = {f"{c.__module__}.{c.__qualname__}": c for c in found
+             if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer}
+    for spec in trusted:
+        module, sep, qualname = spec.partition(":")
+        try:
+            if not (module and sep and qualname):
+                raise ValueError("give it as pkg.module:Class")
+            cls = importlib.import_module(module)
+            for part in qualname.split("."):
+                cls = getattr(cls, part)
+            if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+                raise ValueError("not a torch.optim.Optimizer subclass")
+        except (ImportError, AttributeError, ValueError) as e:
+            raise UsageError(f"--optimizer-class {spec}: {e}") from None
+        table[f"{cls.__module__}.{cls.__qualname__}"] = table[f"{module}.{qualname}"] = cls
+    return table
+
+
+def _optimizer(index: dict, base: Manifest, rank: int, classes: dict[str, type] | None) -> tuple[type, dict]:
+    """(optimizer class, its info) that replay on top of `base` (rank `rank`'s `index`)
+    constructs; CorruptCheckpoint if the index names none, or one not in `classes` (None: the
+    live optimizer of a resumed run replays, whatever the index names)."""
+    info = index["meta"].get("optimizers", {}).get("optimizer")
+    if info is None:
+        raise CorruptCheckpoint(f"{base.name}: rank {rank} does not say which optimizer to replay with")
+    cls = None if classes is None else classes.get(info["class"])
+    if cls is None and classes is not None:
+        raise CorruptCheckpoint(f"{base.name}: replay needs optimizer class {short(info['class'])}, which is not a "
+                                "torch.optim class; if you trust it, pass --optimizer-class pkg.module:Class")
+    return cls, info
+
+
+def _shape(model: type, skeleton: Any, where: str) -> Any:
+    try:
+        return model.model_validate(skeleton)
+    except ValidationError as e:
+        raise CorruptCheckpoint(f"{where}: {problem(e)}") from None
+
+
+def _param_shapes(store: Store, base: Manifest, rank: int, classes: dict[str, type] | None) -> tuple[list, dict]:
+    """(the shape of each parameter replay on `base` rebuilds, the base's skeleton);
+    CorruptCheckpoint where the base's optimizer class is not allowed or its parameters, state
+    and groups do not resolve."""
+    index = store.read_index(base.name, rank, base)
+    _, info = _optimizer(index, base, rank, classes)
+    where = f"{base.name}: rank {rank}"
+    state = _shape(StateSkeleton, index["skeleton"], where)
+    orphans = state.extra.get(orphans_key("optimizer"), {})
+    shapes = []
+    for i, aliases in enumerate(info["params"]):
+        refs = [state.models.get(model, {}).get(key) for model, key in aliases] if aliases else \
+            [orphans.get(str(i)) if isinstance(orphans, dict) else None]
+        found = [index["tensors"][ref[TENSOR]]["shape"] if isinstance(ref, dict) and TENSOR in ref else None
+                 for ref in refs]
+        if None in found or any(shape != found[0] for shape in found):
+            raise CorruptCheckpoint(f"{where}: optimizer parameter {i} is not a tensor of the saved state")
+        shapes.append(found[0])
+    saved = _shape(SavedOptimizer, state.optimizers.get("optimizer"), f"{where} optimizer")
+    if any(not 0 <= j < len(shapes) for g in saved.param_groups for j in g.params):
+        raise CorruptCheckpoint(f"{where}: an optimizer group names a parameter it does not have")
+    return shapes, index["skeleton"]
+
+
+def _diff_fits(store: Store, diff: Manifest, rank: int, classes: dict[str, type] | None) -> None:
+    """CorruptCheckpoint unless every step of `diff` replays on its base: one gradient of the
+    parameter's shape (or none, or a sparse pair) per parameter, hyper-parameters per group, and
+    post-step state for optimizers and models the base has."""
+    base = store.manifest(diff.depends_on[0])
+    shapes, base_state = _param_shapes(store, base, rank, classes)
+    groups = len(base_state["optimizers"]["optimizer"]["param_groups"])
+    index = store.read_index(diff.name, rank, diff)
+    for s, skeleton in index["skeleton"]["steps"].items():
+        where = f"{diff.name}: rank {rank} step {s}"
+        step = _shape(DiffStep, skeleton, where)
+        if len(step.grads) != len(shapes) or len(step.groups) != groups:
+            raise CorruptCheckpoint(f"{where}: {len(step.grads)} gradients in {len(step.groups)} groups, its base "
+                                    f"{base.name} has {len(shapes)} parameters in {groups}")
+        if not set(step.param_groups) <= set(base_state["optimizers"]) or not set(step.buffers) <= set(
+                base_state["models"]):
+            raise CorruptCheckpoint(f"{where}: names an optimizer or model that {base.name} does not have")
+        for i, grad in enumerate(step.grads):
+            if grad is not None and not _grad_fits(grad, shapes[i], index["tensors"]):
+                raise CorruptCheckpoint(f"{where}: gradient {i} does not fit parameter {i} {shapes[i]}")
+
+
+def _grad_fits(grad: Any, shape: list[int], tensors: dict[str, dict]) -> bool:
+    """A recorded gradient (replay.decode_grad): a tensor of the parameter's shape, or a sparse
+    {"idx", "val"} pair of tensors with as many indices as values."""
+    def spec(ref: Any) -> dict | None:
+        return tensors[ref[TENSOR]] if isinstance(ref, dict) and TENSOR in ref else None
+
+    if isinstance(grad, dict) and set(grad) == {"idx", "val"}:
+        idx, val = spec(grad["idx"]), spec(grad["val"])
+        return idx is not None and val is not None and math.prod(idx["shape"]) == math.prod(val["shape"])
+    dense = spec(grad)
+    return dense is not None and dense["shape"] == shape
+
+
+def fit_problems(store: Store, m: Manifest, classes: dict[str, type] | None, *, replay: bool) -> list[str]:
+    """What stops restore from assembling a state out of committed record `m`, beyond `m`'s own
+    checks (Store.verify_record): a full record's skeleton must be a state, and with `replay`
+    (a base that diff records depend on) its optimizer must be rebuildable from `classes` (None:
+    by a resumed run's own optimizer); a diff record's steps must replay on its base."""
+    try:
+        for rank in range(m.world_size):
+            if m.kind == "diff":
+                _diff_fits(store, m, rank, classes)
+            elif replay:
+                _param_shapes(store, m, rank, classes)
+            else:
+                _shape(StateSkeleton, store.read_index(m.name, rank, m)["skeleton"], f"{m.name}: rank {rank}")
+    except CorruptCheckpoint as e:
+        return [str(e)]
+    return []
+
+
+def verify_problems(store: Store, classes: dict[str, type], *, torn: bool = True) -> list[str]:
+    """Everything `ckptrun verify` reports: unreadable manifests, every committed record's own
+    problems and what stops restore from using it (`fit_problems`), and with `torn` records
+    without a manifest. None means that every restorable step restores (with the same trusted
+    optimizer `classes`)."""
+    ms = store.manifests(warn=False)
+    names = {m.name for m in ms}
+    bases = {m.depends_on[0] for m in ms if m.kind == "diff"}
+    problems = [*store.unreadable().values()]
+    for m in ms:
+        problems += store.verify_record(m, names) or fit_problems(store, m, classes, replay=m.name in bases)
+    incomplete = store.incomplete() if torn else []
+    problems += [f"{name}: incomplete (no manifest; torn or still being written)" for name in incomplete]
+    return list(dict.fromkeys(problems))  # a base's problem is found again through each diff on it
+
+
+def _problems(store: Store, plan: Plan, classes: dict[str, type] | None = None) -> tuple[list[str], list[str]]:
+    """(what is wrong with the plan's records themselves, what stops assembling the state:
+    replay on the base with `classes` (see `fit_problems`), or the base's state alone)."""
+    own = [p for m in plan.records for p in store.verify_record(m)]
+    if own:
+        return own, []
+    fit = [p for m in plan.records for p in fit_problems(store, m, classes, replay=bool(plan.diffs))]
+    return own, fit
+
+
+def newest_good(store: Store, *, at_most: int | None = None, verify: bool = True,
+                classes: dict[str, type] | None = None) -> Plan | None:
+    """The newest restorable step (≤ `at_most`) whose records all pass their checks and fit
+    together; offline replay (restore) passes the optimizer `classes` it may construct, a
+    resumed run (None) replays with its own optimizer."""
+    bad: set[str] = set()
+    for step, plan in reversed(plans(store).items()):
+        if at_most is not None and step > at_most or bad & {m.name for m in plan.records}:
+            continue
+        own, replay = _problems(store, plan, classes) if verify else ([], [])
+        problems = own + replay
+        if not problems:
+            return plan
+        # A base that cannot be replayed on may still restore alone.
+        bad |= {p.split(":", 1)[0] for p in own} | ({p.split(":", 1)[0] for p in replay} - {plan.base.name})
+        warnings.warn(f"ckptrun: step {step} is damaged ({problems[0]}); falling back to an older step",
+                      stacklevel=2)
+    return None
+
+
+def find(store: Store, step: int | str, classes: dict[str, type] | None = None) -> Plan:
+    """The plan for `step` ("latest" falls back past damaged records)."""
+    if step == "latest":
+        plan = newest_good(store, classes=classes)
+        if plan is None:
+            raise StepNotAvailable(f"no restorable step in {store.root}" + _available(store))
+        return plan
+    plan = plans(store).get(int(step))
+    if plan is None:
+        raise StepNotAvailable(f"step {step} is not committed in {store.root}" + _available(store))
+    problems = sum(_problems(store, plan, classes), [])
+    if problems:
+        good = newest_good(store, at_most=plan.step, classes=classes)
+        hint = f"; the newest good step before it is {good.step}" if good else "; no good step precedes it"
+        raise CorruptCheckpoint(f"step {plan.step} cannot be restored ({problems[0]}){hint}")
+    return plan
+
+
+def _available(store: Store) -> str:
+    steps = restorable(store)
+    unreadable = list(store.unreadable().values())
+    skipped = f"; skipped {unreadable[0]}" + (f" and {len(unreadable) - 1} more" if len(unreadable) > 1 else "") \
+        if unreadable else ""
+    if not steps:
+        return "; it holds no committed steps" + skipped
+    return f"; available steps: {_ranges(steps)}" + skipped
+
+
+def _ranges(steps: list[int]) -> str:
+    out, start = [], steps[0]
+    for a, b in zip(steps, [*steps[1:], None], strict=True):
+        if b != a + 1:
+            out.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out)
+
+
+def read_state(store: Store, m: Manifest, rank: int) -> dict:
+    """The nested state of `rank` in record `m` (tensors are private copies)."""
+    index, tensors = store.read_rank(m.name, rank)
+    return unflatten(index["skeleton"], {k: t.clone() for k, t in tensors.items()})
+
+
+def diff_states(store: Store, plan: Plan, rank: int) -> Iterator[dict]:
+    """The recorded steps base+1..plan.step in order; the next record is read while the
+    current one is replayed."""
+    q: Queue = Queue(maxsize=1)
+
+    def reader() -> None:
+        try:
+            for m in plan.diffs:
+                q.put(read_state(store, m, rank))
+        except BaseException as e:  # handed to the consumer, which re-raises it
+            q.put(e)
+        q.put(None)
+
+    threading.Thread(target=reader, name="ckptrun-diff-reader", daemon=True).start()
+    while (item := q.get()) is not None:
+        if isinstance(item, BaseException):
+            raise item
+        for s in sorted(item["steps"], key=int):
+            if int(s) <= plan.step:
+                yield item["steps"][s]
+
+
+def finish_state(state: dict, last: dict) -> dict:
+    """Step N's state once replay reached N: the post-step parts come from diff N."""
+    for name, groups in last["param_groups"].items():
+        state["optimizers"][name]["param_groups"] = groups
+    for name, buffers in last["buffers"].items():
+        state["models"][name].update(buffers)
+    return {**state, **{k: last[k] for k in ("rng", "schedulers", "scalers", "extra")}}
+
+
+def load_state(store: Store, plan: Plan, rank: int, classes: dict[str, type] | None = None) -> dict:
+    """The full state of `rank` at `plan.step`, replaying diffs offline when needed (with an
+    optimizer class from `classes`, torch.optim's by default)."""
+    state = read_state(store, plan.base, rank)
+    if not plan.diffs:
+        return state
+    try:
+        return _replay_offline(store, plan, rank, state, optimizer_classes() if classes is None else classes)
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        # The records pass their own checks but do not fit together (crafted or mixed runs).
+        raise CorruptCheckpoint(f"{plan.base.name}: replaying step {plan.step} failed: its records do not "
+                                f"fit together ({type(e).__name__}: {_one_line(e)})") from None
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:200]
+
+
+def _replay_offline(store: Store, plan: Plan, rank: int, state: dict, classes: dict[str, type]) -> dict:
+    """Rebuild the optimizer from the base's metadata and replay (no training script needed)."""
+    from .replay import replay
+
+    cls, info = _optimizer(store.read_index(plan.base.name, rank, plan.base), plan.base, rank, classes)
+    orphans = state.get("extra", {}).get(orphans_key("optimizer"), {})
+    params = [state["models"][a[0][0]][a[0][1]] if a else orphans[str(i)] for i, a in enumerate(info["params"])]
+    saved = state["optimizers"]["optimizer"]
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[i] for i in g["params"]]}
+              for g in saved["param_groups"]]
+    opt = cls(groups)
+    opt.load_state_dict(saved)
+    last = replay(opt, diff_states(store, plan, rank))
+    for p, aliases in zip(params, info["params"], strict=True):
+        for model, key in aliases:
+            state["models"][model][key] = p.detach()
+    state["optimizers"]["optimizer"] = opt.state_dict()
+    state = finish_state(state, last)
+    for i in orphans:  # module-less parameters: the replayed values
+        state["extra"][orphans_key("optimizer")][i] = params[int(i)].detach()
+    return state

@@ -1,0 +1,1 @@
+"""The checkpoint directory: record format, store, locks, leftovers, durable-write primitives, tensor layout."""

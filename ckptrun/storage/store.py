@@ -1,0 +1,471 @@
+"""The checkpoint directory: immutable records, per-rank raw data + JSON index, atomic commit.
+
+A record is a directory (`step-00000010` for a full checkpoint, `diff-00000011-00000015` for a
+differential batch). Each rank publishes `rank-NNNNN.data` (4 KiB-aligned raw tensor bytes) and
+`rank-NNNNN.json` (dtype/shape/offset/xxh3 per tensor and the JSON skeleton of everything
+else). A record exists for readers only once `MANIFEST.json` is published, after every rank's
+files are durable (DESIGN invariant 2). Nothing here unpickles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import shutil
+import stat
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import xxhash
+from pydantic import ValidationError
+
+from ..errors import AlreadyCommitted, CkptrunError, CorruptCheckpoint
+from .fsutil import FaultHook, _no_fault, fsync_dir, publish_bytes, publish_json
+from .schema import (
+    FORMAT,
+    MAX_METADATA_BYTES,
+    Manifest,
+    RankIndex,
+    checksum,
+    diff_name,
+    full_name,
+    is_record_name,
+    problem,
+    rank_files,
+)
+
+__all__ = ["FORMAT", "MANIFEST", "MARKER", "Manifest", "Store", "checksum", "diff_name", "full_name", "rank_files"]
+
+MANIFEST = "MANIFEST.json"
+MARKER = "ckptrun.json"
+CHUNK = 1 << 20  # verify hashes data files in pieces of this size (bounded memory)
+_RANK_INDEX = re.compile(r"rank-([0-9]{5})\.json")
+_RANK_FAILED = re.compile(r"rank-([0-9]{5})\.failed")
+
+
+_WHY = {errno.ELOOP: "is a symbolic link (not followed)", errno.ENOTDIR: "is not a directory",
+        errno.ENOENT: "is missing", errno.EMLINK: "is a symbolic link (not followed)"}
+
+
+def _why(e: OSError) -> str:
+    return _WHY.get(e.errno, f"cannot be opened ({e.strerror})")
+
+
+def _open_regular(path: str | os.PathLike, what: str, dir_fd: int | None = None) -> int:
+    """A read-only descriptor of a regular file, or CorruptCheckpoint naming `what`: a symbolic
+    link is not followed, and a FIFO or device is never waited on (opened non-blocking, then
+    rejected by fstat)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        raise CorruptCheckpoint(f"{what} {_why(e)}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpoint(f"{what} is not a regular file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _read_small(fd: int, what: str) -> bytes:
+    """All of a metadata file (manifest, index, marker); one over MAX_METADATA_BYTES is not read."""
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size > MAX_METADATA_BYTES:
+            raise CorruptCheckpoint(f"{what} is {size} bytes (more than {MAX_METADATA_BYTES})")
+        return f.read(size)
+
+
+class Store:
+    """One run's checkpoint directory."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self._ranks_ok: set[tuple[str, int]] = set()  # committed records whose rank files match world_size
+
+    @classmethod
+    def existing(cls, root: str | os.PathLike) -> Store:
+        """The directory a reading command (ls, verify, restore) works on; an error if absent."""
+        if not Path(root).is_dir():
+            raise CkptrunError(f"no checkpoint directory at {root}; pass --dir", exit_code=2)
+        return cls(root)
+
+    # ---- writing -----------------------------------------------------------------------
+    def ensure_writable(self) -> None:
+        """Create the directory and prove it accepts durable writes, or explain why not."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            marker = self.root / MARKER
+            if not marker.exists():
+                publish_json(marker, {"format": FORMAT, "created": time.time()})
+            probe = self.root / f".probe-{os.getpid()}"
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as e:
+            raise CkptrunError(
+                f"checkpoint directory {self.root} is not writable ({e.strerror}); "
+                "pass --dir with a writable path",
+                exit_code=2,
+            ) from None
+        try:
+            body = json.loads(_read_small(_open_regular(self.root / MARKER, MARKER), MARKER))
+        except (CorruptCheckpoint, ValueError, RecursionError) as e:
+            raise CkptrunError(f"{self.root} is not a ckptrun checkpoint directory ({MARKER}: "
+                               f"{e if isinstance(e, CorruptCheckpoint) else 'not JSON'})", exit_code=2) from None
+        fmt = body.get("format") if isinstance(body, dict) else None
+        if fmt != FORMAT:
+            raise CkptrunError(f"{self.root} holds checkpoint format {fmt}, this ckptrun reads {FORMAT}")
+
+    def write_rank(
+        self,
+        name: str,
+        rank: int,
+        data: memoryview,
+        tensors: dict[str, dict],
+        skeleton: Any,
+        meta: dict[str, Any],
+        *,
+        fault: FaultHook = _no_fault,
+        threads: int = 1,
+    ) -> int:
+        """Durably publish one rank's part of record `name`; returns the bytes written.
+
+        `tensors` maps key -> {dtype, shape, offset, nbytes}; `data` holds them at those offsets.
+        Raises AlreadyCommitted (touching nothing) if `name` is committed, and OSError after
+        removing whatever it wrote if a write fails. The run's directory is never re-created: a
+        directory deleted under a running job is a save error, not a silent fresh start.
+        """
+        rdir = self.root / name
+        if self.is_committed(name):
+            raise AlreadyCommitted(f"{name} is committed; committed records are immutable")
+        if not (self.root / MARKER).is_file():
+            raise FileNotFoundError(errno.ENOENT, f"checkpoint directory {self.root} is gone (no {MARKER})")
+        rdir.mkdir(exist_ok=True)
+        self.discard_rank(name, rank, keep_dir=True)  # a stale part of an earlier attempt must not commit
+        data_file, index_file = rank_files(rank)
+        sums = {k: {**spec, "xxh3": checksum(data[spec["offset"] : spec["offset"] + spec["nbytes"]])}
+                for k, spec in tensors.items()}
+        index = {"format": FORMAT, "record": name, "rank": rank, "data": data_file,
+                 "data_nbytes": len(data), "tensors": sums, "skeleton": skeleton, "meta": meta}
+        try:
+            publish_bytes(rdir / data_file, data, fault=fault, name="data", threads=threads)
+            publish_json(rdir / index_file, index, fault=fault, name="index")
+        except OSError:
+            self.discard_rank(name, rank)
+            raise
+        return len(data)
+
+    def is_committed(self, name: str) -> bool:
+        return is_record_name(name) and os.path.lexists(self.root / name / MANIFEST)
+
+    def _own_record_dir(self, name: str) -> Path | None:
+        """`name`'s directory if it is one this store may delete from: a record name, a real
+        directory (never a symbolic link out of --dir), not committed."""
+        rdir = self.root / name
+        if not is_record_name(name) or rdir.is_symlink() or self.is_committed(name):
+            return None
+        return rdir
+
+    def discard_rank(self, name: str, rank: int, *, keep_dir: bool = False) -> None:
+        """Remove one rank's files of an uncommitted record (and the record's directory once it
+        is empty). A committed record is never touched: that is retention's job alone."""
+        rdir = self._own_record_dir(name)
+        if rdir is None:
+            return
+        for f in (rank_files(rank)[1], rank_files(rank)[0]):  # index first: the part stops counting
+            with contextlib.suppress(OSError):
+                (rdir / f).unlink(missing_ok=True)
+        if not keep_dir:
+            with contextlib.suppress(OSError):
+                rdir.rmdir()  # only if empty; other ranks' files keep it
+
+    def mark_failed(self, name: str, rank: int) -> None:
+        """Tell the committer (another process) that this rank's part of `name` will not come.
+        Best effort: with the disk full even an empty file may fail; the record then waits."""
+        rdir = self._own_record_dir(name)
+        with contextlib.suppress(OSError):
+            if rdir is not None and self.root.is_dir():
+                rdir.mkdir(exist_ok=True)
+                (rdir / f"rank-{rank:05d}.failed").touch()
+
+    def failed_ranks(self, name: str) -> list[int]:
+        rdir = self._own_record_dir(name)
+        if rdir is None or not rdir.is_dir():
+            return []
+        return sorted(int(m[1]) for p in rdir.iterdir() if (m := _RANK_FAILED.fullmatch(p.name)))
+
+    def abandon(self, name: str) -> None:
+        """Remove an uncommitted record whose commit will never happen (a rank failed to write
+        it, or it depends on one that did). Never a committed one."""
+        rdir = self._own_record_dir(name)
+        if rdir is not None:
+            shutil.rmtree(rdir, ignore_errors=True)
+
+    def ranks_present(self, name: str) -> list[int]:
+        rdir = self.root / name
+        if not rdir.is_dir() or rdir.is_symlink():
+            return []
+        return sorted(int(m[1]) for p in rdir.iterdir() if (m := _RANK_INDEX.fullmatch(p.name)))
+
+    def try_commit(
+        self,
+        name: str,
+        *,
+        kind: str,
+        step: int,
+        first_step: int,
+        world_size: int,
+        depends_on: list[str] | None = None,
+        meta: dict[str, Any] | None = None,
+        fault: FaultHook = _no_fault,
+    ) -> Manifest | None:
+        """Publish the manifest of `name` if every rank's files are there; else None."""
+        rdir = self.root / name
+        if (rdir / MANIFEST).exists():
+            fsync_dir(rdir)  # a retry after a failed directory fsync makes the commit durable
+            return self.manifest(name)
+        if self.ranks_present(name) != list(range(world_size)):
+            return None
+        sums, total = {}, 0
+        for r in range(world_size):
+            raw = (rdir / rank_files(r)[1]).read_bytes()
+            sums[str(r)] = checksum(raw)
+            total += json.loads(raw)["data_nbytes"]
+        m = Manifest(name, kind, step, first_step, world_size, total, list(depends_on or []),
+                     dict(meta or {}), sums, time.time())
+        publish_json(rdir / MANIFEST, m.to_json(), fault=fault, name="manifest")
+        return m
+
+    # ---- reading: the directory is untrusted input (DESIGN invariant 7) -------------------
+    def _open(self, name: str, file: str, what: str) -> int:
+        """A read-only descriptor of `file` in record `name`, or CorruptCheckpoint: the record must
+        be a real directory (a symbolic link is not followed), the file a regular one."""
+        if not is_record_name(name):
+            raise CorruptCheckpoint(f"{name!r} is not a record name")
+        try:
+            dfd = os.open(self.root / name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise CorruptCheckpoint(f"{name}: record directory {_why(e)}") from None
+        try:
+            return _open_regular(file, f"{name}: {what}", dfd)
+        finally:
+            os.close(dfd)
+
+    def _read_metadata(self, name: str, file: str, what: str) -> bytes:
+        return _read_small(self._open(name, file, what), f"{name}: {what}")
+
+    def manifest(self, name: str) -> Manifest:
+        try:
+            m = Manifest.from_json(json.loads(self._read_metadata(name, MANIFEST, "manifest")))
+        except CorruptCheckpoint as e:
+            raise CorruptCheckpoint(str(e) if str(e).startswith(f"{name}: ") else f"{name}: {e}") from None
+        except (ValueError, RecursionError):
+            raise CorruptCheckpoint(f"{name}: manifest is not valid JSON") from None
+        if m.name != name:
+            raise CorruptCheckpoint(f"{name}: manifest names another record ({m.name})")
+        return m
+
+    def _records(self) -> list[tuple[str, bool]]:
+        """(name, is a real directory) of every entry named like a record, from the listing only."""
+        if not self.root.is_dir():
+            return []
+        with os.scandir(self.root) as it:
+            return sorted((e.name, e.is_dir(follow_symlinks=False)) for e in it
+                          if is_record_name(e.name) and (e.is_symlink() or e.is_dir(follow_symlinks=False)))
+
+    def _scan(self) -> tuple[list[Manifest], dict[str, str]]:
+        """(readable manifests oldest first, {record: problem} of records that fail their checks)."""
+        good, bad = [], {}
+        for name, real in self._records():
+            if not real:
+                bad[name] = f"{name}: record directory is a symbolic link (not followed)"
+            elif os.path.lexists(self.root / name / MANIFEST):
+                try:
+                    good.append(self.manifest(name))
+                except CorruptCheckpoint as e:
+                    bad[name] = str(e)
+        return sorted(good, key=lambda m: (m.step, m.kind != "full")), bad
+
+    def manifests(self, *, warn: bool = True) -> list[Manifest]:
+        """Every committed record, oldest first; unreadable manifests are skipped loudly."""
+        good, bad = self._scan()
+        for problem_ in bad.values() if warn else []:
+            warnings.warn(f"ckptrun: skipping {problem_}", stacklevel=2)
+        return good
+
+    def unreadable(self) -> dict[str, str]:
+        """{record: problem} of records whose manifest exists but fails its checks (never loaded)."""
+        return self._scan()[1]
+
+    def read_index(self, name: str, rank: int, manifest: Manifest | None = None) -> dict:
+        """Rank `rank`'s index of committed record `name`, every field checked against the manifest."""
+        from .tree import check_skeleton  # torch: not needed to list records
+
+        m = manifest or self.manifest(name)
+        if not 0 <= rank < m.world_size:
+            raise CorruptCheckpoint(f"{name}: has no rank {rank} (world_size {m.world_size})")
+        raw = self._read_metadata(name, rank_files(rank)[1], f"rank {rank} index")
+        if m.index_checksums.get(str(rank)) != checksum(raw):
+            raise CorruptCheckpoint(f"{name}: rank {rank} index checksum mismatch")
+        try:
+            body = json.loads(raw)
+            index = RankIndex.model_validate(body)
+        except ValidationError as e:
+            raise CorruptCheckpoint(f"{name}: rank {rank} index: {problem(e)}") from None
+        except (ValueError, RecursionError):
+            raise CorruptCheckpoint(f"{name}: rank {rank} index is not valid JSON") from None
+        if (index.record, index.rank) != (name, rank):
+            raise CorruptCheckpoint(f"{name}: rank {rank} index belongs to {index.record} rank {index.rank}")
+        try:
+            check_skeleton(index.skeleton, {k: t.dtype for k, t in index.tensors.items()})
+            if m.kind == "diff":
+                _check_diff_steps(m, index.skeleton)
+        except ValueError as e:
+            raise CorruptCheckpoint(f"{name}: rank {rank} skeleton: {e}") from None
+        return body
+
+    def _check_ranks(self, m: Manifest) -> None:
+        if (m.name, m.world_size) in self._ranks_ok:
+            return
+        present = self.ranks_present(m.name)
+        if present != list(range(m.world_size)):
+            raise CorruptCheckpoint(f"{m.name}: world_size {m.world_size}, but it holds "
+                                    f"{len(present)} rank index file(s)")
+        self._ranks_ok.add((m.name, m.world_size))
+
+    def open_rank(self, m: Manifest, rank: int) -> tuple[dict, int]:
+        """(index, open data file) of one rank of committed record `m` after every check that does
+        not read tensor bytes: restore and verify both start here, so they cannot disagree."""
+        self._check_ranks(m)
+        index = self.read_index(m.name, rank, m)
+        fd = self._open(m.name, index["data"], f"rank {rank} data file")
+        size = os.fstat(fd).st_size
+        if size != index["data_nbytes"]:
+            os.close(fd)
+            raise CorruptCheckpoint(f"{m.name}: rank {rank} data file is {size} bytes, its index says "
+                                    f"{index['data_nbytes']} (truncated or replaced)")
+        return index, fd
+
+    def read_rank(self, name: str, rank: int, *, verify: bool = True) -> tuple[dict, dict]:
+        """(index, tensors) of one rank of a committed record; raises CorruptCheckpoint."""
+        import torch
+
+        from .layout import TensorSpec, view
+
+        index, fd = self.open_rank(self.manifest(name), rank)
+        buf = torch.empty(index["data_nbytes"], dtype=torch.uint8)
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            raw = memoryview(buf.numpy()) if len(buf) else memoryview(b"")
+            done = 0
+            while done < len(raw):
+                n = f.readinto(raw[done:])
+                if not n:
+                    raise CorruptCheckpoint(f"{name}: rank {rank} data file shrank while being read")
+                done += n
+        tensors = {}
+        for key, spec in index["tensors"].items():
+            if verify and checksum(raw[spec["offset"] : spec["offset"] + spec["nbytes"]]) != spec["xxh3"]:
+                raise CorruptCheckpoint(f"{name}: rank {rank} tensor {key!r} checksum mismatch")
+            tensors[key] = view(buf, TensorSpec.from_json(key, spec))
+        return index, tensors
+
+    def verify_record(self, m: Manifest, committed: set[str] | None = None) -> list[str]:
+        """Problems found re-checking everything a restore of `m` relies on: its dependencies, every
+        field (`open_rank`) and every checksum, streaming the data with bounded memory
+        (`committed`: the names of the committed records, when the caller has them already)."""
+        names = committed if committed is not None else {x.name for x in self.manifests(warn=False)}
+        problems = [f"{m.name}: depends on {d}, which is not committed" for d in m.depends_on if d not in names]
+        total = 0
+        for r in range(m.world_size):
+            try:
+                index, fd = self.open_rank(m, r)
+                total += index["data_nbytes"]
+                with os.fdopen(fd, "rb", buffering=0):
+                    problems += [f"{m.name}: rank {r} tensor {k!r} checksum mismatch"
+                                 for k, s in index["tensors"].items()
+                                 if _hash_range(fd, s["offset"], s["nbytes"]) != s["xxh3"]]
+            except CorruptCheckpoint as e:
+                return [*problems, str(e)]
+            except OSError as e:
+                return [*problems, f"{m.name}: rank {r}: {e.strerror}"]
+        if total != m.bytes:
+            problems.append(f"{m.name}: manifest says {m.bytes} bytes, its ranks hold {total}")
+        return problems
+
+    def incomplete(self) -> list[str]:
+        """Record directories without a manifest (torn or still being written)."""
+        return [name for name, real in self._records() if real and not os.path.lexists(self.root / name / MANIFEST)]
+
+    def sweep_incomplete(self) -> list[str]:
+        """Remove every record directory without a manifest. Only when no writer is left (the
+        run is over), since a record being written has no manifest yet either."""
+        names = self.incomplete()
+        for name in names:
+            self.abandon(name)
+        return names
+
+    # ---- retention ---------------------------------------------------------------------
+    def remove(self, name: str) -> None:
+        """Unpublish (manifest first, so a crash never leaves a half-deleted committed record)."""
+        rdir = self.root / name
+        if not is_record_name(name) or rdir.is_symlink():
+            raise CkptrunError(f"refusing to remove {rdir}: not a record directory")
+        (rdir / MANIFEST).unlink(missing_ok=True)
+        fsync_dir(rdir)
+        shutil.rmtree(rdir, ignore_errors=True)
+
+    def prune(self, keep: int, *, incomplete_grace_s: float = 60.0) -> list[str]:
+        """Drop full checkpoints beyond the newest `keep` (0 keeps all) and what only they need.
+
+        Runs after a commit: the newest committed record is never a candidate, and a record a
+        kept one depends on is kept. Torn directories older than the newest commit go too.
+        """
+        ms = self.manifests(warn=False)
+        removed: list[str] = []
+        if not ms:
+            return removed
+        if keep > 0:
+            fulls = [m for m in ms if m.kind == "full"]
+            kept = {m.name for m in fulls[-keep:]}
+            kept |= {m.name for m in ms if m.kind != "full" and set(m.depends_on) & kept}
+            kept.add(ms[-1].name)
+            for m in reversed(ms):  # newest first, so chains pull in their whole ancestry
+                if m.name in kept:
+                    kept |= set(m.depends_on)
+            for m in ms:
+                if m.name not in kept:
+                    self.remove(m.name)
+                    removed.append(m.name)
+        newest = ms[-1].step
+        for name in self.incomplete():
+            rdir = self.root / name
+            last = int(name.split("-")[-1])
+            if last < newest and time.time() - rdir.stat().st_mtime > incomplete_grace_s:
+                shutil.rmtree(rdir, ignore_errors=True)
+                removed.append(name)
+        return removed
+
+
+def _hash_range(fd: int, offset: int, nbytes: int) -> str:
+    """xxh3 of `nbytes` bytes at `offset` of `fd`, read CHUNK bytes at a time."""
+    h = xxhash.xxh3_64()
+    while nbytes > 0:
+        chunk = os.pread(fd, min(CHUNK, nbytes), offset)
+        if not chunk:
+            break
+        h.update(chunk)
+        offset, nbytes = offset + len(chunk), nbytes - len(chunk)
+    return h.hexdigest()
+
+
+def _check_diff_steps(m: Manifest, skeleton: Any) -> None:
+    """A differential record holds exactly the steps its name says, each once."""
+    steps = skeleton.get("steps") if isinstance(skeleton, dict) else None
+    if not isinstance(steps, dict) or set(skeleton) != {"steps"}:
+        raise ValueError("a diff record's skeleton must be {\"steps\": {...}}")
+    if len(steps) != m.step - m.first_step + 1 or set(steps) != {str(s) for s in range(m.first_step, m.step + 1)}:
+        raise ValueError(f"holds steps other than {m.first_step}..{m.step}")

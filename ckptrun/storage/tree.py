@@ -1,0 +1,178 @@
+"""Split nested state (state_dicts, RNG states) into a JSON skeleton and a list of tensors.
+
+Checkpoints must load without unpickling (DESIGN invariant 4): every tensor goes to raw
+bytes, and everything else must be a JSON-representable value. Tuples, non-string dict keys
+and numpy arrays are tagged so that the structure round-trips exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .layout import _DTYPES, dtype_from_name
+from .schema import MAX_SKELETON_DEPTH, short
+
+TENSOR = "__tensor__"
+TUPLE = "__tuple__"
+ITEMS = "__items__"
+NDARRAY = "__ndarray__"
+FLOAT = "__float__"
+DTYPE = "__dtype__"
+TAGS = (TENSOR, NDARRAY, FLOAT, TUPLE, ITEMS, DTYPE)
+_NOT_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # no numpy dtype: never an __ndarray__
+
+
+def orphans_key(optimizer: str) -> str:
+    """Where an optimizer's module-less parameters are tracked (under "extra")."""
+    return f"ckptrun.orphan_params.{optimizer}"
+
+
+def flatten(obj: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
+    """Return (skeleton, tensors): tensors keyed by their path; the skeleton names them."""
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _flatten(obj, prefix, tensors)
+    return skeleton, tensors
+
+
+def _key(path: str, tensors: dict[str, torch.Tensor]) -> str:
+    key, n = path or "_", 1
+    while key in tensors:
+        key, n = f"{path}~{n}", n + 1
+    return key
+
+
+def _flatten(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided or obj.is_quantized:
+            raise TypeError(f"cannot checkpoint {obj.layout} tensor at {path!r}: only dense tensors")
+        key = _key(path, tensors)
+        tensors[key] = obj
+        return {TENSOR: key}
+    if type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray":
+        key = _key(path, tensors)
+        tensors[key] = torch.from_numpy(obj)
+        return {NDARRAY: key}
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else {FLOAT: repr(obj)}
+    if type(obj).__module__ == "numpy" and hasattr(obj, "item"):
+        return _flatten(obj.item(), path, tensors)
+    if isinstance(obj, tuple):
+        return {TUPLE: [_flatten(v, f"{path}.{i}", tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_flatten(v, f"{path}.{i}", tensors) for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        def sub(k: Any) -> str:
+            return f"{path}/{k}" if path else str(k)
+
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: _flatten(v, sub(k), tensors) for k, v in obj.items()}
+        return {ITEMS: [[_flatten(k, path, {}), _flatten(v, sub(k), tensors)] for k, v in obj.items()]}
+    if isinstance(obj, torch.dtype):
+        return {DTYPE: str(obj).removeprefix("torch.")}
+    raise TypeError(
+        f"cannot checkpoint a {type(obj).__name__} at {path!r}: state must be tensors, numbers, "
+        "strings, lists, tuples and dicts (give the object a state_dict() returning those)"
+    )
+
+
+def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of `flatten`: rebuild the nested state, taking tensors from `tensors`."""
+    if isinstance(skeleton, list):
+        return [unflatten(v, tensors) for v in skeleton]
+    if not isinstance(skeleton, dict):
+        return skeleton
+    if TENSOR in skeleton:
+        return tensors[skeleton[TENSOR]]
+    if NDARRAY in skeleton:
+        return tensors[skeleton[NDARRAY]].numpy()
+    if FLOAT in skeleton:
+        return float(skeleton[FLOAT])
+    if TUPLE in skeleton:
+        return tuple(unflatten(v, tensors) for v in skeleton[TUPLE])
+    if ITEMS in skeleton:
+        return {unflatten(k, tensors): unflatten(v, tensors) for k, v in skeleton[ITEMS]}
+    if DTYPE in skeleton:
+        return dtype_from_name(skeleton[DTYPE])  # the known dtypes only, never getattr(torch, ...)
+    return {k: unflatten(v, tensors) for k, v in skeleton.items()}
+
+
+def tensor_keys(skeleton: Any) -> Iterator[str]:
+    """Every tensor key a skeleton refers to, in order."""
+    if isinstance(skeleton, list):
+        for v in skeleton:
+            yield from tensor_keys(v)
+    elif isinstance(skeleton, dict):
+        for tag in (TENSOR, NDARRAY):
+            if tag in skeleton:
+                yield skeleton[tag]
+                return
+        for v in skeleton.values():
+            yield from tensor_keys(v)
+
+
+def check_skeleton(skeleton: Any, dtypes: dict[str, str]) -> None:
+    """Raise ValueError unless `unflatten(skeleton, tensors)` succeeds for tensors of `dtypes`
+    (key -> dtype name): known, well-formed tags only, every tensor it names present, every dtype
+    tag a known dtype, bounded nesting. Iterative, so no input can exhaust the stack."""
+    stack: list[tuple[Any, int, bool]] = [(skeleton, 0, False)]  # (node, depth, used as a dict key)
+    seen: set[str] = set()  # `flatten` gives every place its own key: a shared one is crafted
+    while stack:
+        node, depth, as_key = stack.pop()
+        if depth > MAX_SKELETON_DEPTH:
+            raise ValueError(f"nested more than {MAX_SKELETON_DEPTH} levels deep")
+        if isinstance(node, list):
+            if as_key:
+                raise ValueError("a list used as a dict key")
+            stack.extend((v, depth + 1, False) for v in node)
+        elif isinstance(node, dict):
+            tags = [k for k in node if k.startswith("__")]
+            if not tags:
+                if as_key:
+                    raise ValueError("a dict used as a dict key")
+                stack.extend((v, depth + 1, False) for v in node.values())
+                continue
+            tag = tags[0]
+            if len(node) != 1 or tag not in TAGS:
+                raise ValueError(f"unknown tag {short(tag)}" if tag not in TAGS else f"tag {tag} with other keys")
+            stack.extend(_tagged(tag, node[tag], depth, as_key, dtypes))
+            if tag in (TENSOR, NDARRAY):
+                if node[tag] in seen:
+                    raise ValueError(f"refers to tensor {short(node[tag])} twice")
+                seen.add(node[tag])
+        elif node is not None and not isinstance(node, (bool, int, float, str)):
+            raise ValueError(f"a {type(node).__name__} is not JSON")
+
+
+def _tagged(tag: str, value: Any, depth: int, as_key: bool, dtypes: dict[str, str]) -> list[tuple[Any, int, bool]]:
+    """Check one tagged node; return its children to check."""
+    if tag in (TENSOR, NDARRAY):
+        if as_key:
+            raise ValueError("a tensor used as a dict key")
+        if not isinstance(value, str) or value not in dtypes:
+            raise ValueError(f"refers to tensor {short(value)}, which the index does not hold")
+        if tag == NDARRAY and dtypes[value] in _NOT_NUMPY:
+            raise ValueError(f"numpy array {short(value)} of dtype {dtypes[value]}")
+        return []
+    if tag == FLOAT:
+        if value not in ("nan", "inf", "-inf"):
+            raise ValueError(f"{FLOAT} {short(value)} is not nan or an infinity")
+        return []
+    if tag == DTYPE:
+        if not isinstance(value, str) or value not in _DTYPES:
+            raise ValueError(f"unknown dtype {short(value)}")
+        return []
+    if not isinstance(value, list):
+        raise ValueError(f"{tag} is not a list")
+    if tag == TUPLE:
+        return [(v, depth + 1, as_key) for v in value]
+    if as_key:
+        raise ValueError("a dict used as a dict key")
+    if not all(isinstance(kv, list) and len(kv) == 2 for kv in value):
+        raise ValueError(f"{ITEMS} entries are not [key, value] pairs")
+    return [(x, depth + 1, i == 0) for kv in value for i, x in enumerate(kv)]

@@ -1,0 +1,1 @@
+"""gockpt (not yet a registered strategy): its corrected stall model, used by `ckptrun tune`."""

@@ -1,0 +1,77 @@
+"""Engine side of `lowdiff`: batch B consecutive diffs in host memory, write each batch as one
+record (concatenated), chained to its base full checkpoint and to the previous batch.
+
+Kept apart from the trainer side so the engine imports no torch. Diffs held here and not yet
+written are lost if the engine dies (half a batch on average, as in the paper); a worker crash
+loses nothing, since the engine writes its partial batch before answering the restarted worker.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ...engine.handlers import EngineHandler
+from ...storage.store import diff_name
+
+
+class LowDiffHandler(EngineHandler):
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.batch: list[tuple[dict, bytes]] = []
+        self.chain: dict[str, str] = {}  # base record -> newest diff record based on it
+        self.volatile: dict | None = None  # newest step's memory-only state (top-k residual)
+
+    def handle(self, msg: dict) -> None:
+        if msg["op"] == "lowdiff_residual":
+            held = self.volatile if self.volatile and self.volatile["step"] == msg["step"] else None
+            self.engine.reply(msg, found=held is not None, **(held or {}))
+            return
+        if msg["op"] != "diff":
+            super().handle(msg)
+        view = self.engine.slots[msg["slot"]].view
+        disk = msg.get("disk_nbytes", msg["nbytes"])
+        data = bytes(view[:disk])
+        if disk < msg["nbytes"]:
+            skeleton = msg["skeleton"].pop("volatile")
+            tensors = {k: {**spec, "offset": spec["offset"] - disk} for k, spec in msg["tensors"].items()
+                       if spec["offset"] >= disk}
+            msg["tensors"] = {k: spec for k, spec in msg["tensors"].items() if spec["offset"] < disk}
+            self.volatile = {"step": msg["step"], "skeleton": skeleton, "tensors": tensors,
+                             "data": bytes(view[disk : msg["nbytes"]])}
+        self.engine.send({"op": "slot_free", "slot": msg["slot"]})
+        if self.batch and self.batch[-1][0]["base"] != msg["base"]:
+            self.flush()
+        self.batch.append((msg, data))
+        if len(self.batch) >= msg["batch"] or self._fault_due(msg["step"]):
+            self.flush()
+
+    def _fault_due(self, step: int) -> bool:
+        """A write-phase fault at `step` (crash-matrix tests) must hit a write of that step: the
+        batch holding it is written now. Waiting for the batch to fill would never fire the fault
+        (the record is named after its last step), and a worker killed "while step K is being
+        written" waits for that write, so it would hang."""
+        fault = self.engine.fault
+        return fault is not None and fault.phase == "write" and fault.step == step
+
+    def flush(self) -> None:
+        """Write the diffs held in memory as one record."""
+        if not self.batch:
+            return
+        batch, self.batch = self.batch, []
+        first, last = batch[0][0], batch[-1][0]
+        base = first["base"]
+        data, tensors, offset = bytearray(), {}, 0
+        for msg, raw in batch:
+            tensors.update({k: {**spec, "offset": spec["offset"] + offset} for k, spec in msg["tensors"].items()})
+            data += raw
+            offset += len(raw)
+        name = diff_name(first["step"], last["step"])
+        prev = self.chain.get(base)
+        self.chain[base] = name
+        record = {
+            "record": name, "kind": "diff", "step": last["step"], "first_step": first["step"],
+            "depends_on": [base] + ([prev] if prev else []), "tensors": tensors,
+            "skeleton": {"steps": {str(m["step"]): m["skeleton"] for m, _ in batch}},
+            "meta": {**last["meta"], "first_step": first["step"], "batched_at": time.time()},
+        }
+        self.engine.submit(self.engine.write_record, record, memoryview(data))

@@ -1,0 +1,337 @@
+"""`lowdiff` (LowDiff): the gradient the optimizer consumed is the differential checkpoint.
+
+Every step, the pre-step hook (after the script's clipping, unscaling and all-reduce) copies the
+gradients and the hyper-parameters they are applied with into a staging slot, off the training
+thread while the update runs; the post-step hook adds the state replay cannot rebuild (module
+buffers, RNG), and the next pre-step seals it with schedulers/scaler/tracked state. The engine
+batches B such diffs into one record (concatenated, not summed: summing is not exact for Adam)
+and writes it in one I/O. A full checkpoint is taken every F steps through the shared snapshot
+path, and once when training (re)starts, so every chain starts from a true full checkpoint.
+Recovery = load the base, replay diffs through the same optimizer (`ckptrun.restore.replay`).
+
+`--compress topk:R` sparsifies the gradient in training itself (top-k with error feedback) before
+the optimizer consumes it; the stored diff is the (indices, values) pair that was applied, so
+replay stays exact. (F, B) = `auto` follows eq. (10) of the paper (`ckptrun.strategies.lowdiff.model`) from
+measured costs and is re-tuned as they move.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from statistics import median
+from typing import Any
+
+import torch
+
+from ...errors import UsageError
+from ...restore.replay import densify, optimizer_params
+from ...storage.layout import TensorSpec, view
+from ...storage.schema import MAX_DIFF_SPAN
+from ...storage.store import full_name
+from ...storage.tree import unflatten
+from ...worker import discovery
+from ...worker.runtime import Snapshot
+from ..base import Strategy
+from .model import LowDiffCosts, optimal_fb_given, retune
+
+DEFAULT_F, DEFAULT_B = 50, 4
+SAMPLE = 10_000  # values sampled to estimate the top-k threshold of a large tensor
+RETUNE_EVERY = 25
+
+
+class TopK:
+    """Top-k sparsification with an error-feedback residual (the residual is training state)."""
+
+    def __init__(self, ratio: float) -> None:
+        if not 0 < ratio <= 1:
+            raise UsageError(f"--compress topk:RATIO needs 0 < RATIO <= 1 (got {ratio})")
+        self.ratio = ratio
+        self.residual: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def parse(cls, spec: str) -> TopK:
+        kind, _, ratio = spec.partition(":")
+        if kind != "topk" or not ratio:
+            raise UsageError(f"--compress {spec!r}: expected topk:RATIO, e.g. topk:0.01")
+        return cls(float(ratio))
+
+    def sparsify(self, key: int, grad: torch.Tensor, *, exact_k: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k of (grad + carried residual) as flat (indices, values); the rest is carried.
+
+        Large tensors select by a threshold estimated from a strided sample (as DGC does), which
+        takes about k values at a fraction of a full top-k's cost; `exact_k` (DDP, where every
+        rank must send the same number of values) takes exactly k. Either way the stored diff is
+        what was applied, so replay stays exact.
+        """
+        flat = grad.detach().flatten()
+        acc = flat + self.residual[key] if key in self.residual else flat.clone()
+        mag = acc.abs()
+        k = max(1, math.ceil(self.ratio * acc.numel()))
+        idx = None
+        if not exact_k and acc.numel() > 4 * SAMPLE:
+            sample = mag[:: acc.numel() // SAMPLE]
+            thr = sample.topk(max(1, math.ceil(self.ratio * sample.numel())), sorted=False).values.min()
+            if thr > 0:
+                idx = torch.nonzero(mag >= thr).flatten()
+        if idx is None:
+            idx = mag.topk(k, sorted=False).indices
+        val = acc[idx]
+        acc[idx] = 0
+        self.residual[key] = acc
+        return idx, val
+
+    def apply(self, params: list[torch.Tensor]) -> list[Any]:
+        """Replace each gradient by its sparse top-k (plus carried residual); return what was applied."""
+        applied: list[Any] = []
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                if p.grad is None:
+                    applied.append(None)
+                    continue
+                idx, val = self.sparsify(i, p.grad)
+                idx = idx.to(torch.int32) if idx.numel() and p.numel() < 2**31 else idx
+                p.grad = densify(idx, val, p.grad)
+                applied.append({"idx": idx, "val": val})
+        return applied
+
+    def ddp_hook(self, keys: dict[int, int]):
+        """A DDP communication hook: each rank sends only its top-k (indices, values) per
+        parameter (all-gather), and every rank sums them in rank order, so all ranks apply
+        bit-identical gradients. `keys` maps id(param) to its residual key."""
+        import torch.distributed as dist
+
+        def hook(_state, bucket):  # unannotated: DDP rejects annotations other than its own types
+            buf = bucket.buffer()
+            idx_parts, val_parts, offset = [], [], 0
+            with torch.no_grad():
+                for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
+                    idx, val = self.sparsify(keys[id(p)], g, exact_k=True)
+                    idx_parts.append(idx + offset)
+                    val_parts.append(val)
+                    offset += g.numel()
+                idx, val = torch.cat(idx_parts), torch.cat(val_parts)
+                world = dist.get_world_size()
+                all_idx = [torch.empty_like(idx) for _ in range(world)]
+                all_val = [torch.empty_like(val) for _ in range(world)]
+                dist.all_gather(all_idx, idx)
+                dist.all_gather(all_val, val)
+                out = torch.zeros_like(buf)
+                for i, v in zip(all_idx, all_val, strict=True):
+                    out.index_add_(0, i, v)
+                out.div_(world)
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(out)
+            return fut
+
+        return hook
+
+    def state_dict(self) -> dict:
+        return {"ratio": self.ratio, "residual": dict(self.residual)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.residual = {int(k): v for k, v in state["residual"].items()}
+
+
+def _as_sparse(grad: torch.Tensor | None) -> Any:
+    """A gradient that is mostly zeros as (indices, values): exact, -0.0 included."""
+    if grad is None:
+        return None
+    flat = grad.flatten()
+    idx = torch.nonzero(flat.ne(0) | torch.signbit(flat)).flatten()
+    return {"idx": idx.to(torch.int32) if flat.numel() < 2**31 else idx, "val": flat[idx]}
+
+
+class LowDiff(Strategy):
+    name = "lowdiff"
+    single_optimizer = True
+
+    def __init__(self, rt) -> None:
+        super().__init__(rt)
+        opts = rt.cfg.options
+        self.auto_f = opts.get("full_every", "auto") == "auto"
+        self.auto_b = opts.get("batch", "auto") == "auto"
+        self.full_every = DEFAULT_F if self.auto_f else int(opts["full_every"])
+        self.batch = DEFAULT_B if self.auto_b else int(opts["batch"])
+        if self.full_every < 1 or self.batch < 1:
+            raise UsageError("--full-every and --batch must be at least 1 (or auto)")
+        if self.batch > MAX_DIFF_SPAN:  # a reader refuses longer diff records (schema)
+            raise UsageError(f"--batch must be at most {MAX_DIFF_SPAN}")
+        self.mtbf = float(opts.get("mtbf", 3600.0))
+        self.compress = TopK.parse(opts["compress"]) if opts.get("compress") else None
+        self.base: str | None = None
+        self.pending_full: Snapshot | None = None
+        self.pending_diff: Snapshot | None = None
+        self.diff_base: str | None = None
+        self._buffer_keys: dict[str, list[str]] | None = None
+        self._opt_t0 = 0.0
+        self.costs: dict[str, list[float]] = {"step": [], "opt": [], "full_bytes": [], "diff_bytes": [],
+                                              "bw": []}
+        self._last_post = None
+        self.ddp_compressed = False
+        self._residual: dict = {}  # the top-k residual as it was right after the pending diff's step
+        self.broken: str | None = None  # a record of the current chain that failed to save
+
+    def settings(self) -> dict:
+        return {"full_every": self.full_every, "batch": self.batch, "auto": self.auto_f or self.auto_b,
+                "compress": self.rt.cfg.options.get("compress") or "none"}
+
+    # ---- hooks -------------------------------------------------------------------------
+    def on_ready(self, step: int) -> None:
+        resume = self.rt.resume
+        if self.compress and resume is not None:
+            self._restore_residual(resume)
+        if resume is not None and resume.diffs is None:
+            self.base = resume.record  # resumed exactly at a committed full checkpoint: chain on it
+        else:
+            self._take_full(step)
+
+    def _restore_residual(self, resume) -> None:
+        """The error-feedback residual at the resume step: in the base full checkpoint if we
+        resume exactly there, else in the engine's memory (never written with the diffs)."""
+        if "lowdiff" in resume.state and resume.step == int(resume.record.split("-")[-1]):
+            self.compress.load_state_dict(resume.state["lowdiff"])
+            return
+        reply = self.rt.client.request({"op": "lowdiff_residual", "step": resume.step})
+        if reply.get("found"):
+            buf = torch.frombuffer(bytearray(reply["data"]), dtype=torch.uint8)
+            tensors = {k: view(buf, TensorSpec.from_json(k, spec)) for k, spec in reply["tensors"].items()}
+            self.compress.load_state_dict(unflatten(reply["skeleton"], tensors))
+            return
+        print(f"ckptrun: warning: resumed step {resume.step} without the top-k error-feedback residual (the "
+              "engine that held it is gone); model and optimizer state are exact, the residual restarts at zero",
+              file=sys.stderr, flush=True)
+
+    def before_step(self, step: int) -> None:
+        rt = self.rt
+        self._hand_over()
+        opt = rt.primary
+        params = optimizer_params(opt)
+        if self.compress and self.ddp_compressed:
+            grads = [_as_sparse(p.grad) for p in params]
+        elif self.compress:
+            grads = self.compress.apply(params)
+        else:
+            grads = [p.grad for p in params]
+        diff = {"grads": grads, "groups": [{k: v for k, v in g.items() if k != "params"}
+                                           for g in opt.param_groups]}
+        self.pending_diff = rt.begin(step, "diff", prefix=f"s{step}")
+        self.diff_base = self.base
+        rt.add(self.pending_diff, diff, background=True)
+        self._opt_t0 = time.perf_counter()
+
+    def after_step(self, step: int) -> None:
+        rt = self.rt
+        now = time.perf_counter()
+        self.costs["opt"].append(now - self._opt_t0)
+        if self._last_post is not None:
+            self.costs["step"].append(now - self._last_post)
+        self._last_post = now
+        rt.wait_copy(self.pending_diff)  # the next backward may overwrite these gradients
+        rt.add(self.pending_diff, self._post_state())
+        if self.compress:  # residual tensors are replaced, never modified: references suffice
+            self._residual = self.compress.state_dict()
+        if step % self.full_every == 0 or self._restart_chain(step):
+            self._take_full(step)
+        if (self.auto_f or self.auto_b) and step % RETUNE_EVERY == 0:
+            self._retune()
+
+    def on_event(self, msg: dict) -> None:
+        if msg["op"] == "durable" and msg.get("write_s"):
+            self.costs["bw"].append(msg["bytes"] / max(msg["write_s"], 1e-9))
+        elif msg["op"] == "save_error":
+            self.broken = msg.get("record") or f"step {msg['step']}"
+
+    def _restart_chain(self, step: int) -> bool:
+        """After a record failed to save, every later diff of its chain would depend on it and
+        never commit: start a new chain with a full checkpoint now. Ranks must start it at the
+        same step, so a multi-rank run waits for the next regular full checkpoint instead."""
+        if self.broken is None or self.rt.world_size > 1:
+            return False
+        print(f"ckptrun: lowdiff: {self.broken} was not saved; starting a new chain with a full checkpoint "
+              f"at step {step}", file=sys.stderr, flush=True)
+        self.rt.metrics.emit(type="chain_restart", step=step, broken=self.broken)
+        return True
+
+    def finish(self) -> None:
+        self._hand_over()
+
+    def on_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """With --compress, compression runs as DDP's communication hook (it cuts traffic too)."""
+        if self.compress:
+            keys = {id(p): i for i, p in enumerate(ddp.module.parameters())}
+            ddp.register_comm_hook(None, self.compress.ddp_hook(keys))
+            self.ddp_compressed = True
+
+    # ---- pieces ------------------------------------------------------------------------
+    def _take_full(self, step: int) -> None:
+        self.broken = None
+        self.pending_full = self.rt.capture(step, background=True)
+        if self.compress:
+            self.rt.add(self.pending_full, {"lowdiff": self.compress.state_dict()})
+        self.base = full_name(step)
+
+    def _post_state(self) -> dict:
+        """What replay cannot rebuild: module buffers (changed by forward) and RNG."""
+        rt = self.rt
+        if self._buffer_keys is None:
+            self._buffer_keys = {n: [k for k in m.state_dict() if k not in dict(m.named_parameters(
+                remove_duplicate=False))] for n, m in rt.models.items()}
+        return {"buffers": {n: {k: v for k, v in rt.models[n].state_dict().items() if k in keys}
+                            for n, keys in self._buffer_keys.items()},
+                "rng": discovery.rng_state()}
+
+    def _hand_over(self) -> None:
+        rt = self.rt
+        if self.pending_full is not None:
+            snap, self.pending_full = self.pending_full, None
+            rt.seal(snap)
+            self.costs["full_bytes"].append(snap.nbytes)
+            rt.submit(snap)
+        if self.pending_diff is not None:
+            snap, self.pending_diff = self.pending_diff, None
+            rt.seal(snap)
+            disk = snap.nbytes
+            self.costs["diff_bytes"].append(disk)
+            if self.compress:  # the tail of the slot: kept in the engine's memory, not written
+                rt.add(snap, {"volatile": self._residual})
+                rt.wait_copy(snap)
+            rt.submit(snap, op="diff", base=self.diff_base, batch=self.batch, disk_nbytes=disk)
+
+    def _retune(self) -> None:
+        c = self.costs
+        if not (c["step"] and c["full_bytes"] and c["bw"] and c["opt"]):
+            return
+        bw = median(c["bw"][-10:])
+        costs = LowDiffCosts(step_time=median(c["step"][-50:]), full_ckpt_bytes=c["full_bytes"][-1],
+                             diff_bytes=median(c["diff_bytes"][-10:]), write_bandwidth=bw,
+                             full_load_time=c["full_bytes"][-1] / bw, diff_replay_time=median(c["opt"][-50:]),
+                             mtbf=self.mtbf)
+        prev = (self.full_every, self.batch)
+        if prev == (DEFAULT_F, DEFAULT_B) and self._first_tune(costs):
+            return
+        (f, b), reason = retune(prev, costs, **self._fixed())
+        if reason:
+            self._set(f, b, reason)
+
+    def _fixed(self) -> dict:
+        """The values the user set: the tuner optimises only the other one."""
+        return {"fixed_f": None if self.auto_f else self.full_every, "fixed_b": None if self.auto_b else self.batch}
+
+    def _first_tune(self, costs: LowDiffCosts) -> bool:
+        fixed = self._fixed()
+        f, b = optimal_fb_given(costs, f=fixed["fixed_f"], b=fixed["fixed_b"])
+        if (f, b) == (self.full_every, self.batch):
+            return False
+        self._set(f, b, f"LowDiff auto: full checkpoint every {f} steps, batch {b} diffs from measured costs "
+                        f"(eq. 10: S={costs.full_ckpt_bytes / 1e6:.1f} MB, W={costs.write_bandwidth / 1e6:.0f} MB/s, "
+                        f"R_D={costs.diff_replay_time * 1e3:.1f} ms, MTBF={costs.mtbf:.0f} s)")
+        return True
+
+    def _set(self, f: int, b: int, reason: str) -> None:
+        self.full_every = f if self.auto_f else self.full_every
+        self.batch = min(b, MAX_DIFF_SPAN) if self.auto_b else self.batch
+        print(f"ckptrun: {reason}", file=sys.stderr, flush=True)
+        self.rt.metrics.emit(type="interval", strategy=self.name, full_every=self.full_every, batch=self.batch,
+                             reason=reason)

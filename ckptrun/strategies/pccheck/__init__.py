@@ -1,0 +1,1 @@
+"""pccheck (not yet a registered strategy): its (N*, f*) tuning model, used by `ckptrun tune`."""

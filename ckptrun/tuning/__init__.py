@@ -1,0 +1,2 @@
+"""Choosing when to checkpoint: `ckptrun tune` (profile, plan, report), interval formulas,
+durations, recipes."""

@@ -1,0 +1,99 @@
+"""What `ckptrun tune` shows and writes: the table, the JSON document and the recipe."""
+
+from __future__ import annotations
+
+import shlex
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from .durations import format_duration
+from .plan import settings_flags
+from .tune import TuneResult
+
+__all__ = ["print_report", "to_json", "write_recipe"]
+
+WIDE = 140
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.2f} MB"
+
+
+def _measured_line(result: TuneResult) -> str:
+    c = result.profile.costs
+    return (f"measured: step t {format_duration(c.step_s)} · full checkpoint S {_mb(c.ckpt_bytes)} · diff D "
+            f"{_mb(c.diff_bytes)}/step · write W {c.write_Bps / 1e6:.1f} MB/s · load R_F {format_duration(c.load_s)}"
+            f" · replay R_D {format_duration(c.replay_s)}/diff · free {c.free_bytes / 1e9:.1f} GB")
+
+
+def print_report(console: Console, result: TuneResult) -> None:
+    """The per-strategy table, the model answers and the one-line recommendation."""
+    prof, plan = result.profile, result.plan
+    if not console.is_terminal and console.width < WIDE:  # a log or a pipe: do not squeeze the table
+        console = Console(file=console.file, width=WIDE, highlight=False)
+
+    def say(text: str) -> None:
+        console.print(text, soft_wrap=True, markup=False)
+
+    say(f"ckptrun tune: {shlex.join([prof.script, *prof.args])} ({prof.steps} steps measured per run)")
+    say(_measured_line(result))
+    say(f"MTBF {format_duration(plan.mtbf_s)} ({plan.mtbf_source}); overhead budget {plan.max_overhead:.2%}")
+    table = Table("strategy", "δ/ckpt", "persist", "Young", "Daly", "CheckFreq ≥", "setting", "overhead",
+                  "lost/failure", "waste", title="per strategy (intervals: time = steps)")
+    for sp in plan.strategies:
+        p = sp.prediction
+        mark = "→ " if sp.name == plan.recommended else ""
+        table.add_row(mark + sp.name, format_duration(sp.delta_s), format_duration(sp.persist_s),
+                      f"{format_duration(sp.young_s)} = {sp.young_steps}",
+                      f"{format_duration(sp.daly_s)} = {sp.daly_steps}",
+                      str(sp.checkfreq_min_steps), settings_flags(sp.settings), f"{p.overhead:.2%}",
+                      format_duration(p.lost_work_s), f"{p.waste:.2%}",
+                      style="bold" if mark else None)
+    console.print(table)
+    ld = plan.lowdiff
+    check = "agrees" if ld.agrees else "DISAGREES"
+    say(f"LowDiff eq. (10): F* {ld.full_every}, B* {ld.batch} (numeric argmin of eq. (8): F {ld.numeric[0]}, "
+                  f"B {ld.numeric[1]}, {check}); overhead {ld.prediction.overhead:.2%}, lost "
+                  f"{format_duration(ld.prediction.lost_work_s)}/failure, recovery {format_duration(ld.recovery_s)}, "
+                  f"waste {ld.prediction.waste:.2%}" + ("" if ld.diff_writes_keep_up else
+                                                        "; a step's diff takes longer to write than a step"))
+    pc = plan.pccheck
+    if pc is None:
+        say(f"PCcheck §3.4: no setting ({plan.pccheck_note})")
+    else:
+        say(f"PCcheck §3.4: N* {pc.concurrency} in flight, f* every {pc.interval_steps} steps "
+                      f"(T_w {format_duration(pc.write_s)}, measured for N = {', '.join(map(str, pc.measured_n))}); "
+                      f"overhead {pc.prediction.overhead:.2%} with {pc.delta_from}'s δ, lost "
+                      f"{format_duration(pc.prediction.lost_work_s)}/failure, waste {pc.prediction.waste:.2%}")
+    say(f"recommendation: {plan.reason}")
+
+
+def to_json(result: TuneResult) -> dict[str, Any]:
+    """Every measurement, setting and prediction (seconds, bytes, fractions)."""
+    plan = asdict(result.plan)
+    best = next(s for s in result.plan.strategies if s.name == result.plan.recommended)
+    return {"profile": asdict(result.profile), "plan": plan,
+            "recommendation": {"strategy": best.name, "settings": best.settings, "reason": result.plan.reason}}
+
+
+def write_recipe(path: Path, result: TuneResult) -> None:
+    """A recipe that `ckptrun --recipe PATH SCRIPT` runs as is, its provenance in comments."""
+    prof, plan = result.profile, result.plan
+    best = next(s for s in plan.strategies if s.name == plan.recommended)
+    command = shlex.join([prof.script, *prof.args])
+    header = [
+        f"# Written by `ckptrun tune` on {time.strftime('%Y-%m-%d %H:%M')} for: {command}",
+        f"# Why: {plan.reason}",
+        f"# {_measured_line(result)}",
+        f"# MTBF {format_duration(plan.mtbf_s)} ({plan.mtbf_source}).",
+        f"# Run: ckptrun --recipe {path} {command}   (flags given on the command line override these)",
+        "# Tune again when the model, batch size, machine or storage change.",
+    ]
+    body = {"strategy": best.name, **best.settings, "mtbf": format_duration(plan.mtbf_s), "dir": prof.dir}
+    path.write_text("\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False))

@@ -1,0 +1,1 @@
+"""TRAINING PROCESS: bootstrap, the runtime hooked into the optimizer, discovery, patches, integrations."""

@@ -1,0 +1,176 @@
+"""Worker entry point (`python -m ckptrun.worker.bootstrap SCRIPT ARGS...`), started by the elastic agent.
+
+Connects to this rank's engine (which flushes first), agrees with the other ranks on the step
+to resume from, installs the hooks, then runs the user's script unmodified with runpy.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from ..config import RESUME_ENV, RunConfig, is_torchrun_var
+from ..errors import AbortRun, CheckpointMismatch, CkptrunError
+from ..ipc.client import EngineLost
+from ..ipc.stdio import merge_stderr
+from ..restore.recovery import Plan, diff_states, newest_good, plans, read_state
+from ..storage.store import Store
+from .jobstore import job_store
+from .runtime import ResumeState, Runtime, StopRun, install
+
+
+def _rank_env() -> tuple[int, int, int, int, int]:
+    """(rank, local rank, world size, restart count, max restarts), from torchrun's environment."""
+    env = os.environ
+    return (int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1)),
+            int(env.get("TORCHELASTIC_RESTART_COUNT", 0)), int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)))
+
+
+def _hide_torchrun_env(launcher_env: dict[str, str]) -> None:
+    """--no-dist-env: leave the script torchrun's variables as the launcher had them (usually none),
+    as under plain `python SCRIPT`. Everything ckptrun needs of them is read by now; the job store
+    (MASTER_ADDR/PORT) serves only multi-rank runs, which --no-dist-env refuses."""
+    for name in [n for n in os.environ if is_torchrun_var(n)]:
+        del os.environ[name]
+    os.environ.update(launcher_env)
+
+
+def _decide(rt: Runtime, store: Store) -> Plan | None:
+    """Rank 0's choice: the newest committed step that verifies, once every engine has flushed."""
+    rt.client.request({"op": "commit_pending"})
+    if not rt.cfg.resume and rt.restart_count == 0:
+        return None
+    plan = newest_good(store)
+    store.sweep_incomplete()  # every engine has flushed: no record is on its way
+    newest = plan.step if plan else -1
+    # A re-run writes these steps again (a corrupt manifest would block their commit); keep the
+    # bad copies for inspection.
+    damaged = [m.name for m in store.manifests(warn=False) if m.step > newest] + list(store.unreadable())
+    for name in damaged:
+        warnings.warn(f"ckptrun: moving {name} (not restorable) aside to {store.root}/damaged/", stacklevel=1)
+        (store.root / "damaged").mkdir(exist_ok=True)
+        os.replace(store.root / name, store.root / "damaged" / f"{name}-{int(time.time())}")
+    if rt.cfg.on_restart == "fresh" and rt.restart_count > 0:
+        return None  # the script starts from scratch; committed steps are kept (and not rewritten)
+    return plan
+
+
+def _agreed_resume(rt: Runtime, store: Store) -> Plan | None:
+    if rt.world_size == 1:
+        return _decide(rt, store)
+    kv = job_store(rt.restart_count)
+    kv.set(f"flushed/{rt.rank}", "1")
+    if rt.rank == 0:
+        kv.wait([f"flushed/{r}" for r in range(rt.world_size)])
+        plan = _decide(rt, store)
+        kv.set("resume", str(plan.step) if plan else "")
+    step = kv.get("resume").decode()
+    return plans(store)[int(step)] if step else None
+
+
+def _error_file(cfg: RunConfig, rank: int) -> Path:
+    """Where a worker leaves the one line (and exit code) the launcher reports if it fails for good."""
+    return Path(cfg.engine_dir, f"error-{rank}.txt")
+
+
+def _leave_error(cfg: RunConfig | None, rank: int, code: int, message: str) -> None:
+    if cfg and cfg.engine_dir:
+        _error_file(cfg, rank).write_text(f"{code}\n{message}\n")
+
+
+def _fail(cfg: RunConfig | None, rank: int, err: CkptrunError, restarts: bool) -> None:
+    """Exit the worker. A lost engine is transient (the elastic agent restarts the worker and
+    the launcher the engine); anything else is the user's to fix and is reported by the launcher,
+    once, when the last attempt fails: an attempt that `restarts` says it here."""
+    if isinstance(err, EngineLost):
+        print(f"ckptrun: rank {rank}: {err}; exiting so the worker restarts", file=sys.stderr, flush=True)
+        sys.exit(1)
+    _leave_error(cfg, rank, err.exit_code, str(err))
+    if restarts:
+        print(f"ckptrun: rank {rank}: {err}; restarting (--max-restarts)", file=sys.stderr, flush=True)
+    elif not (cfg and cfg.engine_dir):  # no launcher to report it
+        print(f"ckptrun: error: {err}", file=sys.stderr, flush=True)
+    sys.exit(err.exit_code)
+
+
+def _on_signal(rt: Runtime):
+    """SIGTERM/SIGINT: stop at the next optimizer step every rank agrees on (Runtime._stop_here),
+    after handing over the newest finished step. Repeats (the terminal's Ctrl-C and the agent's
+    forwarded one) change nothing; the agent kills what outlives the grace period."""
+
+    def handler(signum: int, frame) -> None:
+        if rt.stop_signal is None:
+            rt.stop_signal = signum
+
+    return handler
+
+
+def main() -> None:
+    merge_stderr()  # live dashboard: one file per rank keeps stdout and stderr in order
+    script, *args = sys.argv[1:]
+    cfg = RunConfig.from_env()
+    rank, local_rank, world_size, restart_count, max_restarts = _rank_env()
+    restarts = restart_count < max_restarts
+    t_start = time.time()
+    if cfg.engine_dir:
+        _error_file(cfg, rank).unlink(missing_ok=True)  # an earlier attempt's: this one decides
+    try:
+        rt = Runtime(cfg, rank, local_rank, world_size, restart_count)
+        store = Store(cfg.dir)
+        plan = _agreed_resume(rt, store)
+        if plan is not None:
+            if plan.base.world_size != world_size:
+                raise CheckpointMismatch(
+                    f"{cfg.dir} step {plan.step} was written by {plan.base.world_size} ranks, this run has "
+                    f"{world_size}; launch {plan.base.world_size} ranks, or export it with `ckptrun restore`")
+            rt.resume = ResumeState(plan.step, plan.base.name, read_state(store, plan.base, rank),
+                                    plan.base.world_size, diff_states(store, plan, rank) if plan.diffs else None)
+            rt.step = rt.checkpointed_step = plan.step
+        if plan is not None or restart_count > 0:
+            rt.recovery_started = t_start
+        os.environ[RESUME_ENV] = str(rt.step)
+        rt.metrics.emit(type="run", pid=os.getpid(), engine_pid=rt.engine_pid, strategy=cfg.strategy,
+                        settings=rt.strategy.settings(), dir=cfg.dir, world_size=world_size,
+                        restart_count=restart_count, resume_step=rt.step, start_t=t_start)
+        install(rt)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _on_signal(rt))
+    except CkptrunError as e:
+        _fail(cfg, rank, e, restarts)
+    if not cfg.dist_env:
+        _hide_torchrun_env(cfg.launcher_env)
+    sys.argv = [script, *args]
+    stop: StopRun | None = None
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except StopRun as e:
+        stop = e
+        if rank == 0:
+            print(f"ckptrun: stopped the script after step {e.step} ({e.reason})", file=sys.stderr, flush=True)
+    except SystemExit as e:
+        if e.code not in (None, 0):  # the script's own choice: its code is the run's, no restart advice
+            code = e.code if isinstance(e.code, int) else 1
+            if rt.optimizers:  # what it trained is handed over as after a normal exit
+                rt.finish()
+            _leave_error(cfg, rank, code, f"the training script exited with code {code} (rank {rank})")
+            raise
+    except AbortRun as e:
+        _fail(cfg, rank, e.error, restarts)
+    except CkptrunError as e:
+        _fail(cfg, rank, e, restarts)
+    try:
+        rt.finish()
+    except CkptrunError as e:
+        _fail(cfg, rank, e, restarts)
+    if stop is not None and stop.signum is not None:
+        sys.exit(128 + stop.signum)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Every monkey-patch ckptrun makes, in one place.
+
+Constructors of optimizers, LR schedulers and GradScalers are wrapped so that the runtime
+learns of each object the moment it exists, and restores its checkpointed state right then
+("restored when constructed"). The wrapper fires once, after the most-derived __init__ returns.
+In multi-rank runs the `env://` rendezvous is wrapped so that each restart attempt's process
+group uses its own keys in torchrun's job-wide store. `torch.autograd.backward` is wrapped until
+an optimizer exists, to stop a script that trains without one within its first steps.
+Framework integrations (ckptrun/worker/integrations/) hook in when the script imports the framework.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import integrations
+
+_MARK = "_ckptrun_wrapped"
+BACKWARDS_WITHOUT_OPTIMIZER = 10  # a few, for scripts that run a backward pass or two before making it
+
+
+def _subclasses(cls: type) -> list[type]:
+    out, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        out.append(c)
+        todo.extend(c.__subclasses__())
+    return out
+
+
+def _wrap_init(cls: type, callback: Callable[[Any], None]) -> None:
+    orig = cls.__dict__.get("__init__")
+    if orig is None or getattr(orig, _MARK, False):
+        return
+
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        if type(self).__init__ is __init__:
+            callback(self)
+
+    setattr(__init__, _MARK, True)
+    cls.__init__ = __init__
+
+
+def _patch_family(base: type, callback: Callable[[Any], None]) -> None:
+    """Wrap `base` and all its subclasses, including ones defined later by the script."""
+    for cls in _subclasses(base):
+        _wrap_init(cls, callback)
+    parent_hook = base.__dict__.get("__init_subclass__")
+
+    def __init_subclass__(cls, **kwargs):
+        if parent_hook is not None:
+            parent_hook.__func__(cls, **kwargs)
+        else:
+            super(base, cls).__init_subclass__(**kwargs)
+        _wrap_init(cls, callback)
+
+    base.__init_subclass__ = classmethod(__init_subclass__)
+
+
+def _isolate_attempt(restart_count: int) -> None:
+    """Scope the script's `env://` process-group keys to this restart attempt.
+
+    torchrun's agent keeps one TCPStore for the whole job, and a process group's keys (a gloo
+    peer's address, an NCCL id) do not name the attempt: a restarted worker can read a dead
+    peer's address from the previous attempt and fail to connect (pytorch/pytorch#135712).
+    """
+    import torch.distributed as dist
+
+    rdzv = importlib.import_module("torch.distributed.rendezvous")  # `dist.rendezvous` is a function
+    env_handler = rdzv._rendezvous_handlers["env"]
+
+    def handler(url: str, **kwargs: Any):
+        for store, rank, world_size in env_handler(url, **kwargs):
+            yield dist.PrefixStore(f"ckptrun/attempt-{restart_count}", store), rank, world_size
+
+    rdzv._rendezvous_handlers["env"] = handler
+
+
+def _watch_backward(rt: Any) -> None:
+    """Count backward passes (`Tensor.backward` calls `torch.autograd.backward`) while no optimizer
+    is registered; stop the script at the next one after BACKWARDS_WITHOUT_OPTIMIZER of them. The
+    wrapper takes itself out at the first backward pass after an optimizer exists."""
+    from ..errors import AbortRun, no_optimizer
+
+    orig = torch.autograd.backward
+    seen = 0
+
+    @functools.wraps(orig)
+    def backward(*args: Any, **kwargs: Any):
+        nonlocal seen
+        if rt.optimizers:
+            if torch.autograd.backward is backward:
+                torch.autograd.backward = orig
+        elif seen >= BACKWARDS_WITHOUT_OPTIMIZER:
+            raise AbortRun(no_optimizer(f"the script ran {seen} backward passes without creating a "
+                                        "torch.optim optimizer"))
+        seen += 1
+        return orig(*args, **kwargs)
+
+    torch.autograd.backward = backward
+
+
+def install(rt: Any) -> None:
+    if rt.world_size > 1 and torch.distributed.is_available():
+        _isolate_attempt(rt.restart_count)
+    _patch_family(torch.optim.Optimizer, rt.on_optimizer)
+    _watch_backward(rt)
+    _patch_family(torch.optim.lr_scheduler.LRScheduler, rt.on_scheduler)
+    if not issubclass(torch.optim.lr_scheduler.ReduceLROnPlateau, torch.optim.lr_scheduler.LRScheduler):
+        _patch_family(torch.optim.lr_scheduler.ReduceLROnPlateau, rt.on_scheduler)
+    _patch_family(torch.amp.GradScaler, rt.on_scaler)
+    _patch_family(torch.nn.parallel.DistributedDataParallel, rt.strategy.on_ddp)
+    integrations.install(rt)

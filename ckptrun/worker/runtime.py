@@ -1,0 +1,666 @@
+"""The per-worker runtime: optimizer hooks, state capture into staging slots, restore on resume.
+
+One Runtime exists per worker process (`current()`). It numbers steps (completed optimizer
+steps of the first optimizer), asks the strategy what to do at each hook, and offers the
+strategies one shared snapshot path: `capture` (post-step state: parameters, optimizer state,
+buffers, RNG), `seal` (state that settles after the step: schedulers, scaler, tracked objects),
+`submit` (hand the slot to the engine).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import faults
+from ..config import RunConfig
+from ..errors import CheckpointMismatch, CkptrunError, no_optimizer
+from ..ipc.client import EngineClient, EngineLost
+from ..ipc.staging import map_slot
+from ..restore import replay
+from ..restore.recovery import finish_state
+from ..storage.layout import ALIGN, Layout, align, view
+from ..storage.store import full_name
+from ..storage.tree import flatten, orphans_key
+from . import autotune, discovery
+from .metrics import WorkerMetrics
+
+_current: Runtime | None = None
+
+
+def current() -> Runtime | None:
+    return _current
+
+
+@dataclass
+class Snapshot:
+    """State of one step on its way into a staging slot."""
+
+    step: int
+    slot: int
+    skeleton: dict
+    layout: Layout
+    time: float
+    copy: Future | None = None
+    event: Any = None  # CUDA event marking the end of the device-to-host copy
+    nbytes: int = 0
+    prefix: str = ""  # tensor-key prefix, so several snapshots can share one record
+    kind: str = "full"  # snapshots of one kind have about the same size (slot sizing)
+
+
+@dataclass
+class ResumeState:
+    """What the worker restores, keyed like the live registries."""
+
+    step: int
+    record: str
+    state: dict
+    world_size: int
+    diffs: Iterator[dict] | None = None  # recorded steps to replay after loading the base
+    restored: set = field(default_factory=set)
+
+
+class SlotPool:
+    """Staging slots on the worker side: free-list, back-pressure and the mapped buffers.
+
+    Slots are numbered by the engine. When state outgrows them, a larger generation is added
+    and the old slots are retired as they come back, so growing never waits on a slot in use.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.free: list[int] = []
+        self.retired: set[int] = set()
+        self.nbytes = 0
+        self.cond = threading.Condition()
+
+    def add(self, slots: list[tuple[int, str, int]], pin: bool) -> list[int]:
+        """Make `slots` the current generation; returns the old slots already free (to retire)."""
+        with self.cond:
+            old_free = [i for i in self.free]
+            self.retired |= set(self.buffers)
+            self.free = []
+            for index, path, n in slots:
+                self.buffers[index] = map_slot(path, n, pin)
+                self.free.append(index)
+                self.nbytes = n
+            for i in old_free:
+                self.retired.discard(i)
+                del self.buffers[i]
+            self.cond.notify_all()
+            return old_free
+
+    def acquire(self, lost: threading.Event) -> int:
+        with self.cond:
+            self.cond.wait_for(lambda: self.free or lost.is_set())
+            if lost.is_set():
+                raise EngineLost("checkpoint engine went away")
+            return self.free.pop(0)
+
+    def release(self, slot: int) -> bool:
+        """Return a slot; False if it belonged to a retired generation (the engine may drop it)."""
+        with self.cond:
+            if slot in self.retired:
+                self.retired.discard(slot)
+                self.buffers.pop(slot, None)
+                return False
+            self.free.append(slot)
+            self.cond.notify_all()
+            return True
+
+    @property
+    def inflight(self) -> int:
+        return len(self.buffers) - len(self.free)
+
+
+class StopRun(BaseException):
+    """Raised at the pre-step hook once `--max-steps` optimizer steps are done, or at the agreed
+    step after SIGTERM/SIGINT. A BaseException, so the script's own `except Exception` does not
+    swallow it; bootstrap then finishes the checkpoints as after a normal exit (the last step's
+    state is complete: its scheduler stepped)."""
+
+    def __init__(self, step: int, reason: str, signum: int | None = None) -> None:
+        super().__init__(step, reason)
+        self.step, self.reason, self.signum = step, reason, signum
+
+
+class Runtime:
+    def __init__(self, cfg: RunConfig, rank: int, local_rank: int, world_size: int, restart_count: int):
+        self.cfg, self.rank, self.local_rank = cfg, rank, local_rank
+        self.world_size, self.restart_count = world_size, restart_count
+        self.step = 0
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.models: dict[str, torch.nn.Module] = {}
+        self.schedulers: list[Any] = []
+        self.scalers: list[Any] = []
+        self.tracked: dict[str, Any] = {}
+        self._generators: dict[str, torch.Tensor] = {}  # tracked Generators as of the last step
+        self.resume: ResumeState | None = None
+        self.recovery_started: float | None = None  # set on resume: time to the first resumed step
+        self.replaying = False  # optimizer steps taken by replay are not training steps
+        self.checkpointed_step: int | None = None  # newest step committed already or captured by this run
+        self.stop_signal: int | None = None  # SIGTERM/SIGINT received: stop at the agreed step
+        self._stop_at: int | None = None
+        self._stopping: tuple[str, int | None] | None = None  # (why, signal): stop before the next step
+        self.script_resumes = False  # the script asked ckptrun.resume_step() (it starts its loop there)
+        self._restart_checked = False
+        self.optimizer_info: dict[str, dict] = {}
+        self.metrics = WorkerMetrics(cfg.metrics_dir, rank)
+        self.fault = faults.from_env(rank, restart_count)
+        self.autotune = autotune.for_runtime(self) if cfg.every_auto else None
+        self._optim_t0 = 0.0
+        self.slots = SlotPool()
+        self.lost = threading.Event()
+        self.durable: dict[int, threading.Event] = {}
+        self.save_errors: list[str] = []
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="ckptrun-snapshot")
+        self._last_copy: Future | None = None  # the newest background copy (wait_copies)
+        self._last_event: Any = None  # its CUDA counterpart
+        self._volatile: set[int] = set()
+        self._sizes: dict[str, int] = {}  # bytes the last submitted snapshot of each kind took
+        self._cuda = torch.cuda.is_available()
+        self._stream = None
+        self.client = EngineClient(cfg.engine_address(local_rank), bytes.fromhex(cfg.authkey), self._on_event)
+        hello = self.client.request({
+            "op": "hello", "rank": rank, "world_size": world_size, "restart_count": restart_count,
+            "dir": cfg.dir, "keep": cfg.keep, "strategy": cfg.strategy, "writers": cfg.writers,
+            "io_threads": cfg.io_threads, "fault": os.environ.get(faults.ENV) if self.fault else None,
+        })
+        self.engine_pid = hello["pid"]
+        if hello["slots"]:
+            self.slots.add(hello["slots"], pin=self._cuda)
+        from ..strategies import REGISTRY
+
+        self.strategy = REGISTRY[cfg.strategy].load()(self)
+
+    # ---- engine events (receiver thread) -----------------------------------------------
+    def _on_event(self, msg: dict) -> None:
+        op = msg["op"]
+        if op == "slot_free":
+            if not self.slots.release(msg["slot"]):
+                self.client.send({"op": "retire", "slots": [msg["slot"]]})
+        elif op == "durable":  # this rank's bytes are on disk; the step counts once committed
+            self.durable.setdefault(msg["step"], threading.Event()).set()
+            if self.autotune is not None and msg.get("write_s"):
+                self.autotune.observe_write(msg["write_s"])
+        elif op == "committed":
+            self.metrics.last_durable_step = max(self.metrics.last_durable_step or 0, msg["step"])
+        elif op == "save_error":
+            self.save_errors.append(f"step {msg['step']}: {msg['error']}")
+            print(f"ckptrun: rank {self.rank}: checkpoint of step {msg['step']} failed: {msg['error']}; "
+                  "training goes on, the last committed step stays valid", file=sys.stderr, flush=True)
+            self.durable.setdefault(msg["step"], threading.Event()).set()
+        elif op == "fault_kill":
+            faults.die()
+        elif op == "engine_lost":
+            self.lost.set()
+            with self.slots.cond:
+                self.slots.cond.notify_all()
+            for ev in self.durable.values():
+                ev.set()
+        self.strategy.on_event(msg) if hasattr(self, "strategy") else None
+
+    def check_engine(self) -> None:
+        if self.lost.is_set():
+            raise EngineLost("checkpoint engine went away")
+        if self.save_errors and self.cfg.on_save_error == "fail":
+            raise CkptrunError(f"checkpoint failed ({self.save_errors[0]}) and --on-save-error=fail")
+
+    # ---- hooks -------------------------------------------------------------------------
+    @property
+    def primary(self) -> torch.optim.Optimizer | None:
+        return self.optimizers[0] if self.optimizers else None
+
+    def pre_step_hook(self, optimizer, args, kwargs) -> tuple[tuple, dict] | None:
+        """Before the primary optimizer's step. With `step(closure)` (Lightning, LBFGS), forward
+        and backward run inside the step: the gradients are final only once the closure has
+        returned, so the strategy's `before_step` runs there (the closure is wrapped)."""
+        if self.replaying:
+            return None
+        if optimizer is not self.primary:
+            if optimizer in self.optimizers:  # its update must not race a snapshot still being copied
+                self.wait_copies()
+            return None
+        if self.cfg.max_steps and self.step >= self.cfg.max_steps:
+            raise StopRun(self.step, "--max-steps")
+        if self._stopping is not None:
+            raise StopRun(self.step, *self._stopping)
+        if self.resume is not None and not self.script_resumes and not self._restart_checked:
+            self._restarted_from_the_top()
+        self.check_engine()
+        # `args` is (optimizer, closure?) as `Optimizer.step` was called
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._gradients_final(self.step + 1)
+            return None
+        wrapped = self._wrap_closure(closure, self.step + 1)
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": wrapped}
+        return (args[0], wrapped, *args[2:]), kwargs
+
+    def _restarted_from_the_top(self) -> None:
+        """The script resumed at a committed step never asked `ckptrun.resume_step()`: its loop
+        starts over on top of the restored state (more steps than an uninterrupted run;
+        schedulers run past their end). --on-restart says what to do (`fresh` acts earlier:
+        nothing is restored)."""
+        self._restart_checked = True
+        what = (f"the script does not call ckptrun.resume_step(), so its loop starts again from its first "
+                f"iteration on top of the restored step {self.resume.step}")
+        fix = ("make its loop start at ckptrun.resume_step(), or pass --on-restart fresh (restart from "
+               "scratch)")
+        if self.cfg.on_restart == "fail":
+            raise CkptrunError(f"{what} (--on-restart fail); {fix}", exit_code=2)
+        if self.rank == 0:
+            print(f"ckptrun: warning: {what}: it will take {self.resume.step} more optimizer steps than an "
+                  f"uninterrupted run; {fix}", file=sys.stderr, flush=True)
+
+    def _gradients_final(self, step: int) -> None:
+        """The gradients optimizer step `step` consumes are final: the strategy may take them."""
+        self._timed(self.strategy.before_step, step)
+        if self.fault and self.fault.target == "kill" and self.fault.phase == "compute" \
+                and self.fault.step == step:
+            self.metrics.flush()
+            faults.die()
+        self._optim_t0 = time.perf_counter()
+
+    def _wrap_closure(self, closure, step: int):
+        calls = 0
+
+        def wrapped():
+            nonlocal calls
+            loss = closure()
+            calls += 1
+            if calls == 1:
+                self._gradients_final(step)
+            elif self.strategy.single_optimizer:
+                raise CkptrunError(
+                    f"--strategy {self.cfg.strategy} replays the gradient of each step, and this optimizer "
+                    f"evaluated its closure {calls} times in step {step} (LBFGS-style); use --strategy checkfreq "
+                    "or sync")
+            return loss
+
+        return wrapped
+
+    def post_step_hook(self, optimizer, args, kwargs) -> None:
+        if optimizer is not self.primary or self.replaying:
+            return
+        self.metrics.optim_s = time.perf_counter() - self._optim_t0
+        self.step += 1
+        self._generators = {n: o.get_state() for n, o in self.tracked.items() if isinstance(o, torch.Generator)}
+        if self.cfg.max_steps and self.step >= self.cfg.max_steps:
+            self._stopping = ("--max-steps", None)
+        elif self.stop_signal is not None and self._stop_here():
+            self._stopping = (signal.Signals(self.stop_signal).name, self.stop_signal)
+        self._timed(self.strategy.after_step, self.step)
+        if self.recovery_started is not None:
+            self.metrics.emit(type="restart", restart_count=self.restart_count,
+                              resume_step=self.resume.step if self.resume else 0,
+                              recovery_s=time.time() - self.recovery_started)
+            self.recovery_started = None
+        self.metrics.inflight = self.slots.inflight
+        record = self.metrics.end_step(self.step)
+        if self.autotune is not None:
+            self.autotune.after_step(self.step, record)
+
+    def _stop_here(self) -> bool:
+        """After SIGTERM/SIGINT: is the step just finished the one every rank stops after?
+
+        Decided right after a step, so that its state is captured then, exactly (the next
+        forward changes RNG and buffers). One rank alone stops at once. Ranks agree through the
+        job store: the first to ask proposes the step after its own (compare-and-set, so every
+        rank gets the same answer); no rank in lock-step training (DDP) can be past it, and none
+        blocks waiting for another, so no collective is left half-done."""
+        if self.world_size == 1:
+            return True
+        if self._stop_at is None:
+            from .jobstore import job_store
+
+            kv = job_store(self.restart_count, "stop")
+            self._stop_at = int(kv.compare_set("step", "", str(self.step + 1)).decode())
+        if self.step > self._stop_at:
+            print(f"ckptrun: rank {self.rank} is past the agreed stop step {self._stop_at} (it trains without "
+                  f"collectives); stopping after step {self.step}", file=sys.stderr, flush=True)
+        return self.step >= self._stop_at
+
+    def due(self, step: int) -> bool:
+        """Is a checkpoint of `step` due? Always for the step the run stops after."""
+        if self._stopping is not None:
+            return True
+        return self.autotune.due(step) if self.autotune is not None else step % self.cfg.every == 0
+
+    def stall(self, cause: str, since: float) -> None:
+        self.metrics.add_stall(cause, time.perf_counter() - since)
+
+    def _timed(self, hook, step: int) -> None:
+        """Run a strategy hook; all the time it blocks training is stall. Whatever the inner timers
+        (back-pressure, sync write) did not claim is the snapshot's (state building, copies, sends)."""
+        claimed = sum(self.metrics.stall.values())
+        t0 = time.perf_counter()
+        hook(step)
+        spent = time.perf_counter() - t0
+        self.metrics.add_stall("snapshot", max(0.0, spent - (sum(self.metrics.stall.values()) - claimed)))
+
+    # ---- registration and restore ------------------------------------------------------
+    def on_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        """A torch.optim.Optimizer (subclass) was constructed. A wrapper that delegates to one
+        already registered (accelerate's AcceleratedOptimizer, ZeRO-style wrappers: every
+        parameter it updates is already another optimizer's) is the same logical optimizer: its
+        steps run the inner one's, whose state is stored once."""
+        known = {id(p) for o in self.optimizers for p in replay.optimizer_params(o)}
+        params = replay.optimizer_params(opt)
+        if known and params and all(id(p) in known for p in params):
+            self.metrics.emit(type="optimizer_alias", cls=type(opt).__name__)
+            return
+        idx = len(self.optimizers)
+        if idx > 0 and self.strategy.single_optimizer:
+            raise CkptrunError(
+                f"--strategy {self.cfg.strategy} replays one optimizer, and this script creates a second one "
+                f"({type(opt).__name__} after {type(self.primary).__name__}); use --strategy checkfreq or sync, "
+                "which checkpoint every optimizer")
+        if self.strategy.single_optimizer and isinstance(opt, torch.optim.LBFGS):
+            raise CkptrunError(
+                f"--strategy {self.cfg.strategy} replays gradients, and LBFGS re-evaluates its closure several "
+                "times per step (no one gradient to replay); use --strategy checkfreq or sync")
+        self.optimizers.append(opt)
+        if self.strategy.wants_grad_hooks:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.register_post_accumulate_grad_hook(self.strategy.on_grad_ready)
+        for m in discovery.owning_modules(opt):
+            if all(m is not known for known in self.models.values()):
+                self.models["model" if not self.models else f"model_{len(self.models)}"] = m
+        self._volatile = discovery.module_buffers(list(self.models.values()))
+        self.optimizer_info[_indexed("optimizer", idx)] = self._describe(opt)
+        orphans = discovery.orphan_params(opt, list(self.models.values()))
+        if orphans:
+            self.track(orphans_key(_indexed("optimizer", idx)), discovery.OrphanParams(orphans))
+        self.metrics.emit(type="optimizer", index=idx, cls=type(opt).__name__,
+                          param_bytes=sum(p.numel() * p.element_size() for g in opt.param_groups for p in g["params"]))
+        if self.resume is not None:
+            self._restore(opt, idx)
+        if idx == 0:
+            self.strategy.on_ready(self.step)
+
+    def _describe(self, opt: torch.optim.Optimizer) -> dict:
+        """What offline replay needs: the optimizer class and each parameter's state_dict keys."""
+        aliases: dict[int, list[list[str]]] = {}
+        for name, m in self.models.items():
+            for key, p in m.named_parameters(remove_duplicate=False):
+                aliases.setdefault(id(p), []).append([name, key])
+        cls = type(opt)
+        return {"class": f"{cls.__module__}.{cls.__qualname__}",
+                "params": [aliases.get(id(p), []) for p in replay.optimizer_params(opt)]}
+
+    def _restore(self, opt: torch.optim.Optimizer, idx: int) -> None:
+        saved = self.resume.state
+        for name, model in self.models.items():
+            if name in self.resume.restored:
+                continue
+            if name not in saved["models"]:
+                raise CheckpointMismatch(f"checkpoint {self.resume.record} has no {name!r}; "
+                                         "use another --dir or --no-resume")
+            self._load_model(name, model, saved["models"][name])
+            self.resume.restored.add(name)
+        oname = _indexed("optimizer", idx)
+        if oname in saved["optimizers"]:
+            opt.load_state_dict(saved["optimizers"][oname])
+        if idx != 0:
+            return
+        if self.resume.diffs is not None:
+            self.replaying = True
+            try:
+                last = replay.replay(opt, self.resume.diffs)
+            finally:
+                self.replaying = False
+            for name, model in self.models.items():
+                model.load_state_dict({**model.state_dict(), **last["buffers"].get(name, {})})
+            saved = self.resume.state = finish_state(saved, last)
+            self._reapply_hyperparams(opt)
+        discovery.set_rng_state(saved["rng"])
+
+    def _load_model(self, name: str, model: torch.nn.Module, saved: dict) -> None:
+        live = model.state_dict()
+        missing, extra = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
+        shapes = [k for k in live if k in saved and tuple(live[k].shape) != tuple(saved[k].shape)]
+        if missing or extra or shapes:
+            what = (f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}" if extra
+                    else f"shape of {shapes[0]!r} is {tuple(saved[shapes[0]].shape)} there, "
+                         f"{tuple(live[shapes[0]].shape)} here")
+            raise CheckpointMismatch(
+                f"checkpoint dir {self.cfg.dir} holds another model ({name}: {what}); "
+                "pass a new --dir, or --no-resume after removing it")
+        model.load_state_dict(saved)
+
+    def on_scheduler(self, sched: Any) -> None:
+        idx = len(self.schedulers)
+        self.schedulers.append(sched)
+        if self.resume and idx < len(self.resume.state["schedulers"]):
+            sched.load_state_dict(self.resume.state["schedulers"][idx])
+            self._reapply_hyperparams(sched.optimizer)
+
+    def _reapply_hyperparams(self, opt: torch.optim.Optimizer) -> None:
+        """A scheduler's constructor re-sets the lr; put back the checkpointed values."""
+        if opt not in self.optimizers:
+            return
+        saved = self.resume.state["optimizers"].get(_indexed("optimizer", self.optimizers.index(opt)))
+        if saved:
+            for group, sgroup in zip(opt.param_groups, saved["param_groups"], strict=True):
+                group.update({k: v for k, v in sgroup.items() if k != "params"})
+
+    def on_scaler(self, scaler: Any) -> None:
+        idx = len(self.scalers)
+        self.scalers.append(scaler)
+        if self.resume and idx < len(self.resume.state["scalers"]):
+            scaler.load_state_dict(self.resume.state["scalers"][idx])
+
+    def track(self, name: str, obj: Any) -> None:
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")) \
+                and not isinstance(obj, torch.Generator):
+            raise TypeError(f"ckptrun.track({name}=...): needs state_dict()/load_state_dict() "
+                            f"or a torch.Generator, got {type(obj).__name__}")
+        self.tracked[name] = obj
+        extra = self.resume.state.get("extra", {}) if self.resume else {}
+        if name in extra:
+            if isinstance(obj, torch.Generator):
+                obj.set_state(extra[name])
+            else:
+                obj.load_state_dict(extra[name])
+
+    # ---- capture -----------------------------------------------------------------------
+    def early_state(self) -> dict:
+        return {
+            "models": {n: m.state_dict() for n, m in self.models.items()},
+            "optimizers": {_indexed("optimizer", i): o.state_dict() for i, o in enumerate(self.optimizers)},
+            "rng": discovery.rng_state(),
+        }
+
+    def late_state(self) -> dict:
+        """State the script updates after optimizer.step(): schedulers (and the lr they set in
+        the optimizer's param_groups), scalers, tracked objects. A tracked Generator is an RNG
+        state: it is taken as it was right after the step, before the next batch drew from it."""
+        return {
+            "param_groups": {_indexed("optimizer", i): o.state_dict()["param_groups"]
+                             for i, o in enumerate(self.optimizers)},
+            "schedulers": [s.state_dict() for s in self.schedulers],
+            "scalers": [s.state_dict() for s in self.scalers],
+            "extra": {n: (self._generators.get(n, o.get_state()) if isinstance(o, torch.Generator)
+                          else o.state_dict()) for n, o in self.tracked.items()},
+        }
+
+    def _ensure_slots(self, need: int) -> None:
+        """Make the slots hold `need` bytes; with none yet (a fresh engine), allocate some anyway,
+        so that a snapshot of unknown size has a slot to start in and grow from."""
+        if self.slots.buffers and need <= self.slots.nbytes:
+            return
+        self.check_engine()
+        size = align(int(need * 1.25) + ALIGN)
+        reply = self.client.request({"op": "alloc", "nslots": self.cfg.max_inflight, "nbytes": size})
+        retire = self.slots.add(reply["slots"], pin=self._cuda)
+        if retire:
+            self.client.send({"op": "retire", "slots": retire})
+
+    def begin(self, step: int, kind: str = "full", need: int = 0, prefix: str = "") -> Snapshot:
+        """Take a free staging slot for `step` (back-pressure: wait while none is free), big
+        enough for `need` bytes and for what the last snapshot of this `kind` took; a snapshot
+        that still outgrows it moves to a larger slot."""
+        self._ensure_slots(max(need, self._sizes.get(kind, 0)))
+        t0 = time.perf_counter()
+        slot = self.slots.acquire(self.lost)
+        self.stall("backpressure", t0)
+        return Snapshot(step, slot, {}, Layout((), 0), time.time(), prefix=prefix, kind=kind)
+
+    def add(self, snap: Snapshot, state: dict, *, background: bool = False) -> None:
+        """Append `state` to the slot. With `background`, tensors other than module buffers
+        (which the next forward changes) are copied off the training thread (a side stream on GPU)."""
+        self._append(snap, *flatten(state, snap.prefix), background=background)
+
+    def _append(self, snap: Snapshot, skeleton: Any, tensors: dict[str, torch.Tensor], *, background: bool) -> None:
+        self.wait_copy(snap)
+        layout = Layout.of(tensors, start=snap.layout.nbytes)
+        if layout.nbytes > self.slots.buffers[snap.slot].numel():
+            self._move_to_larger_slot(snap, layout.nbytes)
+        buf = self.slots.buffers[snap.slot]
+        now = {k: t for k, t in tensors.items() if not background or t.data_ptr() in self._volatile}
+        self._copy(buf, layout, now)
+        later = {k: t for k, t in tensors.items() if k not in now}
+        if later:
+            if any(t.is_cuda for t in later.values()):
+                snap.event = self._last_event = self._copy_cuda_async(buf, layout, later)
+            else:
+                snap.copy = self._last_copy = self._copier.submit(self._copy, buf, layout, later)
+        snap.skeleton.update(skeleton)
+        snap.layout = snap.layout + layout
+        snap.nbytes = snap.layout.nbytes
+
+    def _move_to_larger_slot(self, snap: Snapshot, need: int) -> None:
+        """The state outgrew its slot mid-snapshot: carry what is written into a bigger one."""
+        self._ensure_slots(need)
+        t0 = time.perf_counter()
+        slot = self.slots.acquire(self.lost)
+        self.stall("backpressure", t0)
+        old = snap.slot
+        self.slots.buffers[slot][: snap.layout.nbytes].copy_(self.slots.buffers[old][: snap.layout.nbytes])
+        snap.slot = slot
+        if not self.slots.release(old):
+            self.client.send({"op": "retire", "slots": [old]})
+
+    def capture(self, step: int, *, background: bool) -> Snapshot:
+        """Copy the post-step state of `step` (parameters, optimizer state, buffers, RNG) into a
+        free slot; `seal` adds what settles later."""
+        skeleton, tensors = flatten(self.early_state())
+        snap = self.begin(step, "full", Layout.of(tensors).nbytes)
+        self._append(snap, skeleton, tensors, background=background)
+        self.metrics.last_snapshot_step = self.checkpointed_step = step
+        return snap
+
+    @staticmethod
+    def _copy(buf: torch.Tensor, layout: Layout, tensors: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for spec in layout.specs:
+                if spec.key in tensors:
+                    view(buf, spec).copy_(tensors[spec.key])
+
+    def _copy_cuda_async(self, buf: torch.Tensor, layout: Layout, tensors: dict[str, torch.Tensor]):
+        """Device-to-host copies on a side stream into the pinned slot; returns their event."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(self._stream):
+            for spec in layout.specs:
+                if spec.key in tensors:
+                    view(buf, spec).copy_(tensors[spec.key], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return event
+
+    def wait_copies(self) -> None:
+        """Block until every background copy started so far is done: the newest one is the last
+        to finish (one FIFO copier thread; on GPU, one side stream)."""
+        if self._last_copy is not None:
+            self._last_copy.result()
+        if self._last_event is not None:
+            self._last_event.synchronize()
+
+    def wait_copy(self, snap: Snapshot) -> None:
+        """Block until the slot holds `snap`'s post-step state (the next update may then run)."""
+        if snap.copy is not None:
+            snap.copy.result()
+            snap.copy = None
+        if snap.event is not None:
+            snap.event.synchronize()
+            snap.event = None
+
+    def seal(self, snap: Snapshot) -> None:
+        """Add the state that settles after the step: schedulers, scaler, tracked objects, and
+        the optimizer's param_groups (a scheduler has set their lr by now)."""
+        self.add(snap, self.late_state())
+        self.wait_copy(snap)
+        if "optimizers" in snap.skeleton:
+            for name, groups in snap.skeleton.pop("param_groups").items():
+                snap.skeleton["optimizers"][name]["param_groups"] = groups
+
+    def record_meta(self, snap: Snapshot) -> dict:
+        return {"step": snap.step, "rank": self.rank, "world_size": self.world_size,
+                "strategy": self.cfg.strategy, "snapshot_time": snap.time, "optimizers": self.optimizer_info}
+
+    def submit(self, snap: Snapshot, *, wait_durable: bool = False, op: str = "persist", **fields: Any) -> None:
+        """Hand a sealed slot to the engine (by default: persist it as the full checkpoint of
+        its step; a strategy's own `op` goes to its engine-side handler)."""
+        self.check_engine()
+        done = self.durable.setdefault(snap.step, threading.Event())
+        self.client.send({
+            "op": op, "slot": snap.slot, "nbytes": snap.nbytes, "record": full_name(snap.step),
+            "kind": "full", "step": snap.step, "skeleton": snap.skeleton,
+            "tensors": {s.key: s.to_json() for s in snap.layout.specs}, "meta": self.record_meta(snap),
+            **fields,
+        })
+        self.metrics.bytes += snap.nbytes
+        self._sizes[snap.kind] = snap.nbytes
+        if self.fault and self.fault.target == "kill" and self.fault.phase == "write" \
+                and self.fault.step == snap.step and not wait_durable:
+            done.wait()  # the engine kills us mid-write (fault_kill) before this returns
+        if wait_durable:
+            t0 = time.perf_counter()
+            done.wait()
+            self.stall("sync_write", t0)
+            self.check_engine()
+
+    def drain(self) -> None:
+        """Wait until the engine holds nothing of ours unwritten."""
+        if not self.lost.is_set():
+            self.client.request({"op": "flush"})
+
+    def finish(self) -> None:
+        if not self.optimizers:
+            raise no_optimizer("the script never created a torch.optim optimizer")
+        self.strategy.finish()
+        self.drain()
+        self.metrics.close()
+        self.client.send({"op": "bye"}) if not self.lost.is_set() else None
+        self.client.close()
+
+
+def _indexed(base: str, i: int) -> str:
+    return base if i == 0 else f"{base}_{i}"
+
+
+def install(rt: Runtime) -> None:
+    """Make `rt` the process runtime and hook every optimizer's step."""
+    global _current
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    from . import patches
+
+    _current = rt
+    register_optimizer_step_pre_hook(rt.pre_step_hook)
+    register_optimizer_step_post_hook(rt.post_step_hook)
+    patches.install(rt)
