@@ -35,6 +35,7 @@ from conftest import (
 )
 
 from ckptrun.config import RESUME_ENV
+from ckptrun.ipc.messages import Durable
 from ckptrun.restore.export import export
 from ckptrun.storage.store import Store, diff_name, full_name, rank_files
 from ckptrun.strategies.lowdiff.model import LowDiffCosts, optimal_fb
@@ -284,8 +285,8 @@ class FakeWriter:
 
     def write(self, nbytes: float, times: int = 10) -> None:
         for _ in range(times):
-            self.strategy.on_event({"op": "durable", "step": 1, "record": full_name(1), "bytes": nbytes,
-                                    "write_s": nbytes / self.bandwidth})
+            self.strategy.on_event(Durable(step=1, record=full_name(1), nbytes=int(nbytes),
+                                           write_s=nbytes / self.bandwidth))
 
 
 STEP_S, OPT_S, FULL_BYTES, DIFF_BYTES, MTBF_S = 0.1, 0.01, 100e6, 20e6, 1800.0

@@ -10,15 +10,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from ..ipc.messages import StrategyMessage
+
 
 class EngineHandler:
-    """Default: the strategy sends only the shared ops (persist, flush, ...)."""
+    """Default: the strategy sends only the shared messages (Persist, Flush, ...)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
-    def handle(self, msg: dict) -> None:
-        raise RuntimeError(f"strategy has no engine-side handler for op {msg.get('op')!r}")
+    def handle(self, msg: StrategyMessage) -> None:
+        raise RuntimeError(f"strategy has no engine-side handler for {type(msg).__name__}")
 
     def flush(self) -> None:
         """Hand everything held in memory to the writers (before a flush or a new worker)."""

@@ -22,6 +22,22 @@ from typing import Any
 
 from ..errors import AlreadyCommitted
 from ..faults import Fault
+from ..ipc.messages import (
+    Alloc,
+    Committed,
+    Durable,
+    FaultKill,
+    Hello,
+    Message,
+    Persist,
+    RecordSpec,
+    Reply,
+    Retire,
+    SaveError,
+    Shutdown,
+    SlotFree,
+    StrategyMessage,
+)
 from ..ipc.staging import EngineSlot
 from ..storage.dirlock import hold_for_engine
 from ..storage.fsutil import FaultHook, _no_fault
@@ -67,7 +83,7 @@ class Engine:
         self.fault: Fault | None = None
         self.handler = None
         self.strategy: str | None = None
-        self.pending: dict[str, dict] = {}
+        self.pending: dict[str, RecordSpec] = {}  # written by this rank, not yet committed
         self.failed: dict[str, str] = {}  # records that will never commit -> why
         self._retries: dict[str, tuple[int, float]] = {}  # record -> (failed commits, next try)
         self._enospc_left = 0
@@ -77,7 +93,7 @@ class Engine:
         self.log.emit(type="engine", local_rank=local_rank, pid=os.getpid())
 
     # ---- plumbing ----------------------------------------------------------------------
-    def send(self, msg: dict) -> None:
+    def send(self, msg: Message) -> None:
         """Send an event to the connected worker; a gone worker is not an error."""
         with self._send_lock:
             if self.conn is None:
@@ -87,8 +103,8 @@ class Engine:
             except (OSError, EOFError, ValueError):
                 self.conn = None
 
-    def reply(self, req: dict, **fields: Any) -> None:
-        self.send({"op": "reply", "id": req["id"], **fields})
+    def reply(self, req: Message, **fields: Any) -> None:
+        self.send(Reply(id=req.id, body=fields))
 
     def submit(self, fn, *args) -> Future:
         fut = self.pool.submit(fn, *args)
@@ -122,41 +138,40 @@ class Engine:
                 msg = conn.recv()
             except (EOFError, OSError):
                 break
-            op = msg.get("op")
-            if op == "shutdown":
+            if isinstance(msg, Shutdown):
                 self.stopping.set()
                 break
-            getattr(self, f"op_{op}", self.op_strategy)(msg)
+            getattr(self, f"op_{msg.op.value}")(msg)
         with self._send_lock:
             self.conn = None
         conn.close()
 
-    def op_hello(self, msg: dict) -> None:
+    def op_hello(self, msg: Hello) -> None:
         self.flush()
-        self.rank, self.world_size, self.keep = msg["rank"], msg["world_size"], msg["keep"]
-        self.store = Store(msg["dir"])
-        self.fault = Fault.parse(msg["fault"]) if msg.get("fault") else None
+        self.rank, self.world_size, self.keep = msg.rank, msg.world_size, msg.keep
+        self.store = Store(msg.dir)
+        self.fault = Fault.parse(msg.fault) if msg.fault else None
         self._enospc_left = self.fault.times if self.fault and self.fault.target == "enospc" else 0
         if self.pool is None:
-            self.pool = ThreadPoolExecutor(max(1, msg.get("writers", 2)), thread_name_prefix="writer")
-        self.io_threads = max(1, msg.get("io_threads", 1))
-        if self.strategy != msg["strategy"]:  # a restarted worker keeps what the handler holds
-            self.strategy, self.handler = msg["strategy"], engine_handler(msg["strategy"], self)
+            self.pool = ThreadPoolExecutor(max(1, msg.writers), thread_name_prefix="writer")
+        self.io_threads = max(1, msg.io_threads)
+        if self.strategy != msg.strategy:  # a restarted worker keeps what the handler holds
+            self.strategy, self.handler = msg.strategy, engine_handler(msg.strategy, self)
         newest = max((s.nbytes for s in self.slots.values()), default=0)
         for i in [i for i, s in self.slots.items() if s.nbytes < newest]:
             self.slots.pop(i).close()
         self.reply(msg, pid=os.getpid(), slots=self._slot_list(sorted(self.slots)),
                    committed_step=self.committed_step)
 
-    def op_alloc(self, msg: dict) -> None:
+    def op_alloc(self, msg: Alloc) -> None:
         """Add a generation of staging slots; the worker retires the old ones as they free up."""
         first = max(self.slots, default=-1) + 1
-        for i in range(first, first + msg["nslots"]):
-            self.slots[i] = EngineSlot(staging_path(self.tag, self.local_rank, i), msg["nbytes"])
-        self.reply(msg, slots=self._slot_list(range(first, first + msg["nslots"])))
+        for i in range(first, first + msg.nslots):
+            self.slots[i] = EngineSlot(staging_path(self.tag, self.local_rank, i), msg.nbytes)
+        self.reply(msg, slots=self._slot_list(range(first, first + msg.nslots)))
 
-    def op_retire(self, msg: dict) -> None:
-        for i in msg["slots"]:
+    def op_retire(self, msg: Retire) -> None:
+        for i in msg.slots:
             slot = self.slots.pop(i, None)
             if slot is not None:
                 slot.close()
@@ -164,24 +179,24 @@ class Engine:
     def _slot_list(self, indices) -> list[tuple[int, str, int]]:
         return [(i, str(self.slots[i].path), self.slots[i].nbytes) for i in indices]
 
-    def op_flush(self, msg: dict) -> None:
+    def op_flush(self, msg: Message) -> None:
         self.flush()
         self.reply(msg)
 
-    def op_commit_pending(self, msg: dict) -> None:
+    def op_commit_pending(self, msg: Message) -> None:
         self.flush()
         self.commit_ready()
         self.reply(msg, committed_step=self.committed_step)
 
-    def op_bye(self, msg: dict) -> None:
+    def op_bye(self, msg: Message) -> None:
         """A worker's clean goodbye; its writes go on as queued."""
 
-    def op_persist(self, msg: dict) -> None:
+    def op_persist(self, msg: Persist) -> None:
         self.submit(self._persist, msg)
 
-    def op_strategy(self, msg: dict) -> None:
+    def op_strategy(self, msg: StrategyMessage) -> None:
         if self.handler is None:
-            raise RuntimeError(f"engine got {msg.get('op')!r} with no strategy handler")
+            raise RuntimeError(f"engine got {type(msg).__name__} with no strategy handler")
         self.handler.handle(msg)
 
     # ---- persisting --------------------------------------------------------------------
@@ -202,7 +217,7 @@ class Engine:
             if fault.target == "kill-engine":
                 os._exit(137)
             conn = self.conn
-            self.send({"op": "fault_kill"})
+            self.send(FaultKill())
             deadline = time.time() + 10
             while self.conn is conn and conn is not None and time.time() < deadline:
                 time.sleep(0.01)
@@ -219,19 +234,19 @@ class Engine:
 
         return hook
 
-    def write_record(self, msg: dict, data: memoryview) -> int:
+    def write_record(self, spec: RecordSpec, data: memoryview) -> int:
         """Persist this rank's part of a record and hand it to the committer (rank 0)."""
         t0 = time.time()
-        name, step = msg["record"], msg["step"]
+        name, step = spec.record, spec.step
         try:
-            n = self.store.write_rank(name, self.rank, data, msg["tensors"], msg["skeleton"], msg["meta"],
+            n = self.store.write_rank(name, self.rank, data, spec.tensors, spec.skeleton, spec.meta,
                                       fault=self._fault_hook(step), threads=self.io_threads)
         except AlreadyCommitted:
             # A re-run reaching a step that is committed already (the same state, by exactness):
             # nothing to write, and the committed record is left exactly as it is.
             self.log.emit(type="skip", rank=self.rank, step=step, record=name)
-            self.send({"op": "durable", "step": step, "record": name, "bytes": 0, "write_s": 0.0})
-            self.send({"op": "committed", "step": step, "record": name})
+            self.send(Durable(step=step, record=name, nbytes=0, write_s=0.0))
+            self.send(Committed(step=step, record=name))
             return 0
         except Exception as e:  # noqa: BLE001 - any failure is a save error: reported, never a hang
             with self._pending_lock:
@@ -245,9 +260,9 @@ class Engine:
         write_s = time.time() - t0
         self.log.emit(type="write", rank=self.rank, step=step, bytes=n, write_s=write_s,
                       queue_depth=len(self.inflight))
-        self.send({"op": "durable", "step": step, "record": name, "bytes": n, "write_s": write_s})
+        self.send(Durable(step=step, record=name, nbytes=n, write_s=write_s))
         with self._pending_lock:
-            self.pending[name] = msg
+            self.pending[name] = spec
         if self.rank == 0:
             self.commit_ready()
         return n
@@ -255,14 +270,13 @@ class Engine:
     def save_error(self, step: int, record: str, error: str) -> None:
         """Report a failed save to the log and to the worker (dashboard, --on-save-error)."""
         self.log.emit(type="save_error", rank=self.rank, step=step, record=record, error=error)
-        self.send({"op": "save_error", "step": step, "record": record, "error": error})
+        self.send(SaveError(step=step, record=record, error=error))
 
-    def _persist(self, msg: dict) -> None:
-        slot = msg["slot"]
+    def _persist(self, msg: Persist) -> None:
         try:
-            self.write_record(msg, self.slots[slot].view[: msg["nbytes"]])
+            self.write_record(msg.spec, self.slots[msg.slot].view[: msg.nbytes])
         finally:
-            self.send({"op": "slot_free", "slot": slot})
+            self.send(SlotFree(slot=msg.slot))
 
     # ---- committing (global rank 0) ----------------------------------------------------
     def commit_ready(self) -> None:
@@ -272,23 +286,23 @@ class Engine:
         uncommitted files removed, the worker told); a failed commit is retried with back-off,
         COMMIT_TRIES times, then abandoned the same way."""
         with self._pending_lock:
-            todo = sorted(self.pending.values(), key=lambda m: m["step"])
+            todo = sorted(self.pending.values(), key=lambda spec: spec.step)
             committed = {m.name for m in self.store.manifests(warn=False)} if todo else set()
-            for msg in todo:
-                name = msg["record"]
-                reason = self._failure(name, msg.get("depends_on", []))
+            for spec in todo:
+                name = spec.record
+                reason = self._failure(name, spec.depends_on)
                 if reason:
-                    self._abandon(msg, reason)
+                    self._abandon(spec, reason)
                     continue
-                if any(d not in committed for d in msg.get("depends_on", [])) or not self._retry_due(name):
+                if any(d not in committed for d in spec.depends_on) or not self._retry_due(name):
                     continue
                 try:
-                    m = self.store.try_commit(name, kind=msg["kind"], step=msg["step"],
-                                              first_step=msg.get("first_step", msg["step"]),
-                                              world_size=self.world_size, depends_on=msg.get("depends_on"),
-                                              meta=msg["meta"], fault=self._fault_hook(msg["step"]))
+                    m = self.store.try_commit(name, kind=spec.kind, step=spec.step,
+                                              first_step=spec.step if spec.first_step is None else spec.first_step,
+                                              world_size=self.world_size, depends_on=spec.depends_on or None,
+                                              meta=spec.meta, fault=self._fault_hook(spec.step))
                 except (OSError, ValueError) as e:  # ValueError: the schema rejects what a writer sent
-                    self._commit_failed(msg, e)
+                    self._commit_failed(spec, e)
                     continue
                 if m is None:
                     continue
@@ -297,8 +311,8 @@ class Engine:
                 committed.add(m.name)
                 self.committed_step = max(self.committed_step or 0, m.step)
                 self.log.emit(type="commit", step=m.step, bytes=m.bytes, kind=m.kind, ranks=m.world_size,
-                              lag_s=time.time() - msg["meta"].get("snapshot_time", time.time()))
-                self.send({"op": "committed", "step": m.step, "record": m.name})
+                              lag_s=time.time() - spec.meta.get("snapshot_time", time.time()))
+                self.send(Committed(step=m.step, record=m.name))
             if todo and self.keep >= 0:
                 try:
                     self.store.prune(self.keep)
@@ -322,39 +336,39 @@ class Engine:
         while len(self.failed) > FAILED_KEPT:
             del self.failed[next(iter(self.failed))]
 
-    def _abandon(self, msg: dict, reason: str) -> None:
-        name = msg["record"]
+    def _abandon(self, spec: RecordSpec, reason: str) -> None:
+        name = spec.record
         self._mark_failed(name, reason)
         del self.pending[name]
         self._retries.pop(name, None)
         self.store.abandon(name)
-        self.save_error(msg["step"], name, f"not committed: {reason}")
+        self.save_error(spec.step, name, f"not committed: {reason}")
 
     def _retry_due(self, name: str) -> bool:
         return time.monotonic() >= self._retries.get(name, (0, 0.0))[1]
 
-    def _commit_failed(self, msg: dict, err: Exception) -> None:
-        name = msg["record"]
+    def _commit_failed(self, spec: RecordSpec, err: Exception) -> None:
+        name = spec.record
         tries = self._retries.get(name, (0, 0.0))[0] + 1
-        self.log.emit(type="commit_retry", rank=self.rank, step=msg["step"], record=name, tries=tries,
+        self.log.emit(type="commit_retry", rank=self.rank, step=spec.step, record=name, tries=tries,
                       error=str(err))
         if tries >= COMMIT_TRIES:
-            self._abandon(msg, f"commit failed {tries} times ({err})")
+            self._abandon(spec, f"commit failed {tries} times ({err})")
             return
         delay = COMMIT_BACKOFF_S * 2 ** (tries - 1)
         self._retries[name] = (tries, time.monotonic() + delay)
-        self.save_error(msg["step"], name, f"commit failed ({err}); retrying in {delay:.1f} s "
+        self.save_error(spec.step, name, f"commit failed ({err}); retrying in {delay:.1f} s "
                                            f"(try {tries} of {COMMIT_TRIES})")
 
     def watch_commits(self) -> None:
         """Other ranks: tell the worker when rank 0 has committed a record we wrote."""
         with self._pending_lock:
-            done = [m for name, m in self.pending.items() if self.store.is_committed(name)]
+            done = [spec for name, spec in self.pending.items() if self.store.is_committed(name)]
             gone = [name for name in self.pending if not (self.store.root / name).exists()]  # pruned/abandoned
-            for name in [m["record"] for m in done] + gone:
+            for name in [spec.record for spec in done] + gone:
                 del self.pending[name]
-        for m in sorted(done, key=lambda m: m["step"]):
-            self.send({"op": "committed", "step": m["step"], "record": m["record"]})
+        for spec in sorted(done, key=lambda spec: spec.step):
+            self.send(Committed(step=spec.step, record=spec.record))
 
     def commit_loop(self) -> None:
         """Retry pending commits that wait on other ranks' files or on a back-off (rank 0), or

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Client, Connection
 
 from ..errors import CkptrunError
+from .messages import ConnectionLost, Message, Reply
 
 
 class EngineLost(CkptrunError):
@@ -16,12 +17,12 @@ class EngineLost(CkptrunError):
 
 
 class EngineClient:
-    def __init__(self, address: str, authkey: bytes, on_event: Callable[[dict], None],
+    def __init__(self, address: str, authkey: bytes, on_event: Callable[[Message], None],
                  connect_timeout: float = 60.0) -> None:
         self.conn = self._connect(address, authkey, connect_timeout)
         self.on_event = on_event
         self._ids = itertools.count(1)
-        self._replies: dict[int, dict] = {}
+        self._replies: dict[int, Reply] = {}
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
         self.lost = False
@@ -45,32 +46,33 @@ class EngineClient:
                 msg = self.conn.recv()
             except (EOFError, OSError):
                 break
-            if msg.get("op") == "reply":
+            if isinstance(msg, Reply):
                 with self._cond:
-                    self._replies[msg["id"]] = msg
+                    self._replies[msg.id] = msg
                     self._cond.notify_all()
             else:
                 self.on_event(msg)
         with self._cond:
             self.lost = True
             self._cond.notify_all()
-        self.on_event({"op": "engine_lost"})
+        self.on_event(ConnectionLost())
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: Message) -> None:
         with self._send_lock:
             try:
                 self.conn.send(msg)
             except (OSError, ValueError) as e:
                 raise EngineLost(f"checkpoint engine connection lost ({e})") from None
 
-    def request(self, msg: dict, timeout: float | None = None) -> dict:
-        rid = next(self._ids)
-        self.send({**msg, "id": rid})
+    def request(self, msg: Message, timeout: float | None = None) -> dict:
+        """Send `msg` and wait for its reply's body."""
+        msg.id = rid = next(self._ids)
+        self.send(msg)
         with self._cond:
             ok = self._cond.wait_for(lambda: rid in self._replies or self.lost, timeout)
             if rid in self._replies:
-                return self._replies.pop(rid)
-        raise EngineLost("checkpoint engine went away" if ok else f"engine did not answer {msg['op']!r}")
+                return self._replies.pop(rid).body
+        raise EngineLost("checkpoint engine went away" if ok else f"engine did not answer {msg.op.value!r}")
 
     def close(self) -> None:
         try:

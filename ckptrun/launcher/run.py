@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..config import ENV, RunConfig, is_torchrun_var
 from ..errors import CkptrunError, UsageError
+from ..ipc.messages import Shutdown
 from ..storage.dirlock import DirLock, lock_name
 from ..storage.leftovers import new_tag, remove_staging, run_name, sweep_stale
 from ..storage.store import Store
@@ -97,7 +98,7 @@ class EngineSupervisor:
             try:
                 with Client(self.cfg.engine_address(r), family="AF_UNIX",
                             authkey=bytes.fromhex(self.cfg.authkey)) as c:
-                    c.send({"op": "shutdown"})
+                    c.send(Shutdown())
             except OSError:
                 p.terminate()
         for p in self.procs:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
+    from ..ipc.messages import Message
     from ..worker.runtime import Runtime, Snapshot
 
 
@@ -55,7 +56,7 @@ class Strategy:
     def after_step(self, step: int) -> None:
         return None
 
-    def on_event(self, msg: dict) -> None:
+    def on_event(self, msg: Message) -> None:
         return None
 
     def finish(self) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..config import RESUME_ENV, RunConfig, is_torchrun_var
 from ..errors import AbortRun, CheckpointMismatch, CkptrunError
 from ..ipc.client import EngineLost
+from ..ipc.messages import CommitPending
 from ..ipc.stdio import merge_stderr
 from ..restore.recovery import Plan, diff_states, newest_good, plans, read_state
 from ..storage.store import Store
@@ -42,7 +43,7 @@ def _hide_torchrun_env(launcher_env: dict[str, str]) -> None:
 
 def _decide(rt: Runtime, store: Store) -> Plan | None:
     """Rank 0's choice: the newest committed step that verifies, once every engine has flushed."""
-    rt.client.request({"op": "commit_pending"})
+    rt.client.request(CommitPending())
     if not rt.cfg.resume and rt.restart_count == 0:
         return None
     plan = newest_good(store)

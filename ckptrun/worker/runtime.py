@@ -25,6 +25,22 @@ from .. import faults
 from ..config import RunConfig
 from ..errors import CheckpointMismatch, CkptrunError, no_optimizer
 from ..ipc.client import EngineClient, EngineLost
+from ..ipc.messages import (
+    Alloc,
+    Bye,
+    Committed,
+    ConnectionLost,
+    Durable,
+    FaultKill,
+    Flush,
+    Hello,
+    Message,
+    Persist,
+    RecordSpec,
+    Retire,
+    SaveError,
+    SlotFree,
+)
 from ..ipc.staging import map_slot
 from ..restore import replay
 from ..restore.recovery import finish_state
@@ -170,11 +186,10 @@ class Runtime:
         self._cuda = torch.cuda.is_available()
         self._stream = None
         self.client = EngineClient(cfg.engine_address(local_rank), bytes.fromhex(cfg.authkey), self._on_event)
-        hello = self.client.request({
-            "op": "hello", "rank": rank, "world_size": world_size, "restart_count": restart_count,
-            "dir": cfg.dir, "keep": cfg.keep, "strategy": cfg.strategy, "writers": cfg.writers,
-            "io_threads": cfg.io_threads, "fault": os.environ.get(faults.ENV) if self.fault else None,
-        })
+        hello = self.client.request(Hello(
+            rank=rank, world_size=world_size, restart_count=restart_count, dir=cfg.dir, keep=cfg.keep,
+            strategy=cfg.strategy, writers=cfg.writers, io_threads=cfg.io_threads,
+            fault=os.environ.get(faults.ENV) if self.fault else None))
         self.engine_pid = hello["pid"]
         if hello["slots"]:
             self.slots.add(hello["slots"], pin=self._cuda)
@@ -183,25 +198,24 @@ class Runtime:
         self.strategy = REGISTRY[cfg.strategy].load()(self)
 
     # ---- engine events (receiver thread) -----------------------------------------------
-    def _on_event(self, msg: dict) -> None:
-        op = msg["op"]
-        if op == "slot_free":
-            if not self.slots.release(msg["slot"]):
-                self.client.send({"op": "retire", "slots": [msg["slot"]]})
-        elif op == "durable":  # this rank's bytes are on disk; the step counts once committed
-            self.durable.setdefault(msg["step"], threading.Event()).set()
-            if self.autotune is not None and msg.get("write_s"):
-                self.autotune.observe_write(msg["write_s"])
-        elif op == "committed":
-            self.metrics.last_durable_step = max(self.metrics.last_durable_step or 0, msg["step"])
-        elif op == "save_error":
-            self.save_errors.append(f"step {msg['step']}: {msg['error']}")
-            print(f"ckptrun: rank {self.rank}: checkpoint of step {msg['step']} failed: {msg['error']}; "
+    def _on_event(self, msg: Message) -> None:
+        if isinstance(msg, SlotFree):
+            if not self.slots.release(msg.slot):
+                self.client.send(Retire(slots=[msg.slot]))
+        elif isinstance(msg, Durable):  # this rank's bytes are on disk; the step counts once committed
+            self.durable.setdefault(msg.step, threading.Event()).set()
+            if self.autotune is not None and msg.write_s:
+                self.autotune.observe_write(msg.write_s)
+        elif isinstance(msg, Committed):
+            self.metrics.last_durable_step = max(self.metrics.last_durable_step or 0, msg.step)
+        elif isinstance(msg, SaveError):
+            self.save_errors.append(f"step {msg.step}: {msg.error}")
+            print(f"ckptrun: rank {self.rank}: checkpoint of step {msg.step} failed: {msg.error}; "
                   "training goes on, the last committed step stays valid", file=sys.stderr, flush=True)
-            self.durable.setdefault(msg["step"], threading.Event()).set()
-        elif op == "fault_kill":
+            self.durable.setdefault(msg.step, threading.Event()).set()
+        elif isinstance(msg, FaultKill):
             faults.die()
-        elif op == "engine_lost":
+        elif isinstance(msg, ConnectionLost):
             self.lost.set()
             with self.slots.cond:
                 self.slots.cond.notify_all()
@@ -503,10 +517,10 @@ class Runtime:
             return
         self.check_engine()
         size = align(int(need * 1.25) + ALIGN)
-        reply = self.client.request({"op": "alloc", "nslots": self.cfg.max_inflight, "nbytes": size})
+        reply = self.client.request(Alloc(nslots=self.cfg.max_inflight, nbytes=size))
         retire = self.slots.add(reply["slots"], pin=self._cuda)
         if retire:
-            self.client.send({"op": "retire", "slots": retire})
+            self.client.send(Retire(slots=retire))
 
     def begin(self, step: int, kind: str = "full", need: int = 0, prefix: str = "") -> Snapshot:
         """Take a free staging slot for `step` (back-pressure: wait while none is free), big
@@ -551,7 +565,7 @@ class Runtime:
         self.slots.buffers[slot][: snap.layout.nbytes].copy_(self.slots.buffers[old][: snap.layout.nbytes])
         snap.slot = slot
         if not self.slots.release(old):
-            self.client.send({"op": "retire", "slots": [old]})
+            self.client.send(Retire(slots=[old]))
 
     def capture(self, step: int, *, background: bool) -> Snapshot:
         """Copy the post-step state of `step` (parameters, optimizer state, buffers, RNG) into a
@@ -612,17 +626,16 @@ class Runtime:
         return {"step": snap.step, "rank": self.rank, "world_size": self.world_size,
                 "strategy": self.cfg.strategy, "snapshot_time": snap.time, "optimizers": self.optimizer_info}
 
-    def submit(self, snap: Snapshot, *, wait_durable: bool = False, op: str = "persist", **fields: Any) -> None:
-        """Hand a sealed slot to the engine (by default: persist it as the full checkpoint of
-        its step; a strategy's own `op` goes to its engine-side handler)."""
+    def submit(self, snap: Snapshot, message: type[Persist] = Persist, *, wait_durable: bool = False,
+               **fields: Any) -> None:
+        """Hand a sealed slot to the engine: by default `Persist` it as the full checkpoint of its
+        step; a strategy's own `message` (a Persist subclass with `fields`) goes to its engine-side
+        handler."""
         self.check_engine()
         done = self.durable.setdefault(snap.step, threading.Event())
-        self.client.send({
-            "op": op, "slot": snap.slot, "nbytes": snap.nbytes, "record": full_name(snap.step),
-            "kind": "full", "step": snap.step, "skeleton": snap.skeleton,
-            "tensors": {s.key: s.to_json() for s in snap.layout.specs}, "meta": self.record_meta(snap),
-            **fields,
-        })
+        spec = RecordSpec(record=full_name(snap.step), kind="full", step=snap.step, skeleton=snap.skeleton,
+                          tensors={s.key: s.to_json() for s in snap.layout.specs}, meta=self.record_meta(snap))
+        self.client.send(message(slot=snap.slot, nbytes=snap.nbytes, spec=spec, **fields))
         self.metrics.bytes += snap.nbytes
         self._sizes[snap.kind] = snap.nbytes
         if self.fault and self.fault.target == "kill" and self.fault.phase == "write" \
@@ -637,7 +650,7 @@ class Runtime:
     def drain(self) -> None:
         """Wait until the engine holds nothing of ours unwritten."""
         if not self.lost.is_set():
-            self.client.request({"op": "flush"})
+            self.client.request(Flush())
 
     def finish(self) -> None:
         if not self.optimizers:
@@ -645,7 +658,7 @@ class Runtime:
         self.strategy.finish()
         self.drain()
         self.metrics.close()
-        self.client.send({"op": "bye"}) if not self.lost.is_set() else None
+        self.client.send(Bye()) if not self.lost.is_set() else None
         self.client.close()
 
 

@@ -11,38 +11,39 @@ from __future__ import annotations
 import time
 
 from ...engine.handlers import EngineHandler
+from ...ipc.messages import RecordSpec, SlotFree, StrategyMessage
 from ...storage.store import diff_name
+from .messages import Diff, Residual
 
 
 class LowDiffHandler(EngineHandler):
     def __init__(self, engine) -> None:
         super().__init__(engine)
-        self.batch: list[tuple[dict, bytes]] = []
+        self.batch: list[tuple[Diff, bytes]] = []
         self.chain: dict[str, str] = {}  # base record -> newest diff record based on it
         self.volatile: dict | None = None  # newest step's memory-only state (top-k residual)
 
-    def handle(self, msg: dict) -> None:
-        if msg["op"] == "lowdiff_residual":
-            held = self.volatile if self.volatile and self.volatile["step"] == msg["step"] else None
+    def handle(self, msg: StrategyMessage) -> None:
+        if isinstance(msg, Residual):
+            held = self.volatile if self.volatile and self.volatile["step"] == msg.step else None
             self.engine.reply(msg, found=held is not None, **(held or {}))
             return
-        if msg["op"] != "diff":
+        if not isinstance(msg, Diff):
             super().handle(msg)
-        view = self.engine.slots[msg["slot"]].view
-        disk = msg.get("disk_nbytes", msg["nbytes"])
+        spec, disk = msg.spec, msg.disk_nbytes
+        view = self.engine.slots[msg.slot].view
         data = bytes(view[:disk])
-        if disk < msg["nbytes"]:
-            skeleton = msg["skeleton"].pop("volatile")
-            tensors = {k: {**spec, "offset": spec["offset"] - disk} for k, spec in msg["tensors"].items()
-                       if spec["offset"] >= disk}
-            msg["tensors"] = {k: spec for k, spec in msg["tensors"].items() if spec["offset"] < disk}
-            self.volatile = {"step": msg["step"], "skeleton": skeleton, "tensors": tensors,
-                             "data": bytes(view[disk : msg["nbytes"]])}
-        self.engine.send({"op": "slot_free", "slot": msg["slot"]})
-        if self.batch and self.batch[-1][0]["base"] != msg["base"]:
+        if disk < msg.nbytes:
+            skeleton = spec.skeleton.pop("volatile")
+            tensors = {k: {**t, "offset": t["offset"] - disk} for k, t in spec.tensors.items() if t["offset"] >= disk}
+            spec.tensors = {k: t for k, t in spec.tensors.items() if t["offset"] < disk}
+            self.volatile = {"step": spec.step, "skeleton": skeleton, "tensors": tensors,
+                             "data": bytes(view[disk : msg.nbytes])}
+        self.engine.send(SlotFree(slot=msg.slot))
+        if self.batch and self.batch[-1][0].base != msg.base:
             self.flush()
         self.batch.append((msg, data))
-        if len(self.batch) >= msg["batch"] or self._fault_due(msg["step"]):
+        if len(self.batch) >= msg.batch or self._fault_due(spec.step):
             self.flush()
 
     def _fault_due(self, step: int) -> bool:
@@ -58,20 +59,20 @@ class LowDiffHandler(EngineHandler):
         if not self.batch:
             return
         batch, self.batch = self.batch, []
-        first, last = batch[0][0], batch[-1][0]
-        base = first["base"]
+        first, last = batch[0][0].spec, batch[-1][0].spec
+        base = batch[0][0].base
         data, tensors, offset = bytearray(), {}, 0
         for msg, raw in batch:
-            tensors.update({k: {**spec, "offset": spec["offset"] + offset} for k, spec in msg["tensors"].items()})
+            tensors.update({k: {**t, "offset": t["offset"] + offset} for k, t in msg.spec.tensors.items()})
             data += raw
             offset += len(raw)
-        name = diff_name(first["step"], last["step"])
+        name = diff_name(first.step, last.step)
         prev = self.chain.get(base)
         self.chain[base] = name
-        record = {
-            "record": name, "kind": "diff", "step": last["step"], "first_step": first["step"],
-            "depends_on": [base] + ([prev] if prev else []), "tensors": tensors,
-            "skeleton": {"steps": {str(m["step"]): m["skeleton"] for m, _ in batch}},
-            "meta": {**last["meta"], "first_step": first["step"], "batched_at": time.time()},
-        }
+        record = RecordSpec(
+            record=name, kind="diff", step=last.step, first_step=first.step,
+            depends_on=[base] + ([prev] if prev else []), tensors=tensors,
+            skeleton={"steps": {str(m.spec.step): m.spec.skeleton for m, _ in batch}},
+            meta={**last.meta, "first_step": first.step, "batched_at": time.time()},
+        )
         self.engine.submit(self.engine.write_record, record, memoryview(data))

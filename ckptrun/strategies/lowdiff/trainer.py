@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ...errors import UsageError
+from ...ipc.messages import Durable, Message, SaveError
 from ...restore.replay import densify, optimizer_params
 from ...storage.layout import TensorSpec, view
 from ...storage.schema import MAX_DIFF_SPAN
@@ -34,6 +35,7 @@ from ...storage.tree import unflatten
 from ...worker import discovery
 from ...worker.runtime import Snapshot
 from ..base import Strategy
+from .messages import Diff, Residual
 from .model import LowDiffCosts, optimal_fb_given, retune
 
 DEFAULT_F, DEFAULT_B = 50, 4
@@ -193,7 +195,7 @@ class LowDiff(Strategy):
         if "lowdiff" in resume.state and resume.step == int(resume.record.split("-")[-1]):
             self.compress.load_state_dict(resume.state["lowdiff"])
             return
-        reply = self.rt.client.request({"op": "lowdiff_residual", "step": resume.step})
+        reply = self.rt.client.request(Residual(step=resume.step))
         if reply.get("found"):
             buf = torch.frombuffer(bytearray(reply["data"]), dtype=torch.uint8)
             tensors = {k: view(buf, TensorSpec.from_json(k, spec)) for k, spec in reply["tensors"].items()}
@@ -237,11 +239,11 @@ class LowDiff(Strategy):
         if (self.auto_f or self.auto_b) and step % RETUNE_EVERY == 0:
             self._retune()
 
-    def on_event(self, msg: dict) -> None:
-        if msg["op"] == "durable" and msg.get("write_s"):
-            self.costs["bw"].append(msg["bytes"] / max(msg["write_s"], 1e-9))
-        elif msg["op"] == "save_error":
-            self.broken = msg.get("record") or f"step {msg['step']}"
+    def on_event(self, msg: Message) -> None:
+        if isinstance(msg, Durable) and msg.write_s:
+            self.costs["bw"].append(msg.nbytes / max(msg.write_s, 1e-9))
+        elif isinstance(msg, SaveError):
+            self.broken = msg.record or f"step {msg.step}"
 
     def _restart_chain(self, step: int) -> bool:
         """After a record failed to save, every later diff of its chain would depend on it and
@@ -297,7 +299,7 @@ class LowDiff(Strategy):
             if self.compress:  # the tail of the slot: kept in the engine's memory, not written
                 rt.add(snap, {"volatile": self._residual})
                 rt.wait_copy(snap)
-            rt.submit(snap, op="diff", base=self.diff_base, batch=self.batch, disk_nbytes=disk)
+            rt.submit(snap, Diff, base=self.diff_base, batch=self.batch, disk_nbytes=disk)
 
     def _retune(self) -> None:
         c = self.costs
