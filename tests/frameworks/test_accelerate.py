@@ -23,7 +23,7 @@ import pytest
 from conftest import TIMEOUT_S, assert_same, clean_env, kill_tree, load, restore, run_events
 from safetensors.torch import load_file
 
-from ckptrun.store import Store
+from ckptrun.storage.store import Store
 from ckptrun.strategies import REGISTRY
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "accelerate_loop.py"
