@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -56,7 +58,37 @@ Mtbf = Annotated[str, typer.Option(help="Mean time between failures: 90s, 45m, 2
                                         "run: used by --every auto and lowdiff's auto settings.")]
 
 
+def _with_strategy_options(func: Callable) -> Callable:
+    """Add every registered strategy's options (ckptrun/strategies/options.py) to the `run`
+    command as typer options; `run` receives them in `**strategy_options`."""
+    from .strategies import all_options
+
+    sig = inspect.signature(func, eval_str=True)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    for strategy, opt in all_options():
+        ann = Annotated[str | None, typer.Option(opt.flag, help=f"{strategy}: {opt.help}")]
+        params.append(inspect.Parameter(opt.name, inspect.Parameter.KEYWORD_ONLY, default=opt.default,
+                                        annotation=ann))
+        func.__annotations__[opt.name] = ann
+    func.__signature__ = sig.replace(parameters=params)
+    return func
+
+
+def _chosen_options(ctx: typer.Context, strategy: str, given: dict[str, str | None]) -> dict[str, str | None]:
+    """The chosen strategy's option values; an option of another strategy typed on the command
+    line is an error (it would be silently ignored)."""
+    from .strategies import REGISTRY, all_options
+
+    for owner, opt in all_options():
+        if owner != strategy and getattr(ctx.get_parameter_source(opt.name), "name", "") == "COMMANDLINE":
+            raise UsageError(f"{opt.flag} is an option of --strategy {owner}, not of {strategy}; drop it or "
+                             f"pass --strategy {owner}")
+    entry = REGISTRY.get(strategy)
+    return {opt.name: given[opt.name] for opt in entry.options} if entry else {}
+
+
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
+@_with_strategy_options
 def run(
     ctx: typer.Context,
     script: Script,
@@ -92,11 +124,6 @@ def run(
                                                           "to this file as it happens.")] = None,
     dashboard: Annotated[bool, typer.Option(help="Live panel on a terminal, a log line every few seconds "
                                                  "otherwise; an exit summary either way.")] = True,
-    full_every: Annotated[str, typer.Option(help="lowdiff: steps between full checkpoints, or auto (eq. 10).")]
-    = "auto",
-    batch: Annotated[str, typer.Option(help="lowdiff: diffs written per record, or auto (eq. 10).")] = "auto",
-    compress: Annotated[str | None, typer.Option(help="lowdiff: gradient compression in training, e.g. "
-                                                      "topk:0.01 (top-k with error feedback).")] = None,
     nproc_per_node: Annotated[str, typer.Option(help="Workers per node (torchrun).")] = "1",
     nnodes: Annotated[str, typer.Option(help="Number of nodes, or MIN:MAX (torchrun).")] = "1",
     node_rank: Annotated[int | None, typer.Option(help="Rank of this node (torchrun).")] = None,
@@ -120,6 +147,7 @@ def run(
                                                    "their newest finished step, the engines commit it, and "
                                                    "ckptrun exits (143/130) within this time, e.g. 30s, 2m.")]
     = "30s",
+    **strategy_options: str | None,
 ) -> None:
     """Run SCRIPT under ckptrun: hooks installed, state checkpointed, failures restarted."""
     from .config import RunConfig
@@ -133,7 +161,7 @@ def run(
                     resume=resume, on_save_error=on_save_error, max_inflight=max_inflight, writers=writers,
                     io_threads=io_threads, metrics_dir=metrics_dir, every_auto=every == "auto", mtbf=mtbf_s,
                     max_steps=max_steps, on_restart=on_restart, dist_env=dist_env,
-                    options={"full_every": full_every, "batch": batch, "compress": compress,
+                    options={**_chosen_options(ctx, strategy, strategy_options),
                              **({"mtbf": mtbf_s} if mtbf_s else {})})
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id,
                          master_addr, master_port, max_restarts, standalone,

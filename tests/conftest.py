@@ -27,11 +27,12 @@ import torch
 from ckptrun.storage.layout import Layout, TensorSpec, view
 from ckptrun.storage.store import MANIFEST, Store, full_name, rank_files
 from ckptrun.storage.tree import flatten, unflatten
+from ckptrun.strategies import REGISTRY
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_gpt.py"
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-STRATEGIES = ["sync", "checkfreq"]
+STRATEGIES = list(REGISTRY)  # the crash matrix covers every registered strategy
 STEPS = 12
 # The tiny example run every test shares: one thread so that results never depend on load.
 TINY = ["--layers", "1", "--d-model", "32", "--steps", str(STEPS), "--threads", "1"]
@@ -209,32 +210,37 @@ def copy_dir(src: Path, dst: Path, *, up_to: int | None = None) -> Path:
     return dst
 
 
-def data_file(ckpt_dir: Path, step: int, rank: int = 0) -> Path:
-    return ckpt_dir / full_name(step) / rank_files(rank)[0]
+def record_dir(ckpt_dir: Path, record: int | str) -> Path:
+    """A record's folder: by name, or by step for a full checkpoint."""
+    return ckpt_dir / (full_name(record) if isinstance(record, int) else record)
 
 
-def flip_tensor_byte(ckpt_dir: Path, step: int, rank: int = 0) -> str:
+def data_file(ckpt_dir: Path, record: int | str, rank: int = 0) -> Path:
+    return record_dir(ckpt_dir, record) / rank_files(rank)[0]
+
+
+def flip_tensor_byte(ckpt_dir: Path, record: int | str, rank: int = 0) -> str:
     """Flip one bit inside the first tensor's bytes (not padding) of a record; returns its key."""
-    index = json.loads((ckpt_dir / full_name(step) / rank_files(rank)[1]).read_text())
+    index = json.loads((record_dir(ckpt_dir, record) / rank_files(rank)[1]).read_text())
     key, spec = next((k, s) for k, s in index["tensors"].items() if s["nbytes"] > 0)
-    path = data_file(ckpt_dir, step, rank)
+    path = data_file(ckpt_dir, record, rank)
     raw = bytearray(path.read_bytes())
     raw[spec["offset"] + spec["nbytes"] // 2] ^= 0x01
     path.write_bytes(bytes(raw))
     return key
 
 
-def tear(ckpt_dir: Path, step: int, how: str) -> None:
-    """Damage record `step`: no manifest (a crash mid-commit), a short data file, or a manifest
-    whose bytes no longer match its checksum."""
+def tear(ckpt_dir: Path, record: int | str, how: str) -> None:
+    """Damage a record: no manifest (a crash mid-commit), a short data file, or a manifest whose
+    bytes no longer match its checksum."""
     if how == "no-manifest":
-        (ckpt_dir / full_name(step) / MANIFEST).unlink()
+        (record_dir(ckpt_dir, record) / MANIFEST).unlink()
     elif how == "truncated":
-        path = data_file(ckpt_dir, step)
+        path = data_file(ckpt_dir, record)
         os.truncate(path, path.stat().st_size // 2)
     elif how == "bad-manifest":
-        path = ckpt_dir / full_name(step) / MANIFEST
-        path.write_text(path.read_text().replace('"kind": "full"', '"kind": "fuII"'))
+        path = record_dir(ckpt_dir, record) / MANIFEST
+        path.write_text(path.read_text().replace('"kind": "', '"kind": "x'))
     else:
         raise ValueError(how)
 
@@ -281,7 +287,8 @@ def example_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
     def get(strategy: str) -> Path:
         if strategy not in cache:
             cwd = tmp_path_factory.mktemp(f"run-{strategy}")
-            ok(ckptrun(cwd, "--strategy", strategy, "--dir", "ckpts", "--keep", "0", EXAMPLE, *TINY))
+            ok(ckptrun(cwd, "--strategy", strategy, *REGISTRY[strategy].short_run_flags, "--dir", "ckpts",
+                       "--keep", "0", EXAMPLE, *TINY))
             cache[strategy] = cwd / "ckpts"
         return cache[strategy]
 

@@ -37,7 +37,7 @@ TRAINING_S = 1.2
 FIRST_COMMIT_S, FINAL_RUN_S = 40, 120
 # lowdiff's options (the other strategies ignore them): small, so that kills hit diff batches,
 # full checkpoints and chains alike.
-OPTIONS = ["--keep", "0", "--full-every", "8", "--batch", "3", "--no-dashboard"]
+OPTIONS = ["--keep", "0", "--no-dashboard"]
 ARGS = [EXAMPLE, *TINY, "--steps", STEPS]
 
 
@@ -76,7 +76,8 @@ class Loop:
         self.startup_s = 0.0  # launch to first new commit, as the first kill in training measured it
 
     def start(self, cwd: Path) -> subprocess.Popen:
-        proc = spawn(cwd, "--strategy", self.strategy, "--dir", "ckpts", *OPTIONS, *ARGS,
+        proc = spawn(cwd, "--strategy", self.strategy, "--dir", "ckpts", *OPTIONS,
+                     *REGISTRY[self.strategy].short_run_flags, *ARGS,
                      "--save-at", STEPS, "--save-path", "final.pt")
         self.launchers.append(proc.pid)
         self.proc = proc

@@ -6,7 +6,11 @@ Entries are import paths so that neither the CLI nor the engine imports torch to
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+from . import lowdiff
+from .options import Option
 
 
 @dataclass(frozen=True)
@@ -14,6 +18,10 @@ class Entry:
     trainer: str
     summary: str
     engine_handler: str | None = None
+    options: tuple[Option, ...] = ()  # its own flags (the CLI adds them to `run`)
+    # Flags that make a short run (tens of steps) exercise the whole mechanism (lowdiff: several
+    # full checkpoints and diff batches); the registry-wide contract tests pass them.
+    short_run_flags: tuple[str, ...] = ()
 
     def load(self):
         module, _, cls = self.trainer.partition(":")
@@ -27,9 +35,21 @@ REGISTRY: dict[str, Entry] = {
                        "snapshot to host overlapped with the next forward/backward; persist in the engine"),
     "lowdiff": Entry("ckptrun.strategies.lowdiff.trainer:LowDiff",
                      "every step's gradient as a batched differential checkpoint; full every F; exact replay",
-                     engine_handler="ckptrun.strategies.lowdiff.engine:LowDiffHandler"),
+                     engine_handler="ckptrun.strategies.lowdiff.engine:LowDiffHandler", options=lowdiff.OPTIONS,
+                     short_run_flags=("--full-every", "8", "--batch", "3")),
 }
 
 
 def names() -> list[str]:
     return list(REGISTRY)
+
+
+def all_options() -> Iterator[tuple[str, Option]]:
+    """(strategy, option) for every registered strategy's options; a flag belongs to one strategy."""
+    seen: dict[str, str] = {}
+    for name, entry in REGISTRY.items():
+        for opt in entry.options:
+            if opt.name in seen:
+                raise RuntimeError(f"strategy {name} redeclares option {opt.flag} of {seen[opt.name]}")
+            seen[opt.name] = name
+            yield name, opt
