@@ -38,6 +38,7 @@ from ckptrun.config import RESUME_ENV
 from ckptrun.ipc.messages import Durable
 from ckptrun.restore.export import export
 from ckptrun.storage.store import Store, diff_name, full_name, rank_files
+from ckptrun.strategies.context import StrategyContext
 from ckptrun.strategies.lowdiff.model import LowDiffCosts, optimal_fb
 from ckptrun.strategies.lowdiff.trainer import RETUNE_EVERY, LowDiff
 
@@ -299,9 +300,14 @@ def tuner(**options: str) -> LowDiff:
                          metrics=FakeMetrics(), models={}, optimizers=[],
                          capture=lambda step, background: SimpleNamespace(step=step),
                          wait_copy=lambda snap: None, add=lambda snap, state, background=False: None)
-    s = LowDiff(rt)
+    s = LowDiff(StrategyContext(rt))
     s.costs.update(step=[STEP_S] * 30, opt=[OPT_S] * 30, full_bytes=[FULL_BYTES], diff_bytes=[DIFF_BYTES] * 10)
     return s
+
+
+def emitted(s: LowDiff) -> list[dict]:
+    """The metrics events the strategy emitted (through its context, into the fake runtime)."""
+    return s.ctx._rt.metrics.events
 
 
 def expected_fb(bandwidth: float) -> tuple[int, int]:
@@ -318,7 +324,7 @@ def test_auto_fb_follows_the_measured_write_bandwidth(capsys):
         s._retune()
         chosen[bw] = (s.full_every, s.batch)
         assert chosen[bw] == expected_fb(bw)
-        [event] = s.rt.metrics.events
+        [event] = emitted(s)
         assert (event["type"], event["full_every"], event["batch"]) == ("interval", *chosen[bw])
         assert event["reason"].startswith("LowDiff auto:") and f"W={bw / 1e6:.0f} MB/s" in event["reason"]
         assert event["reason"] in capsys.readouterr().err
@@ -333,12 +339,12 @@ def test_auto_fb_is_retuned_when_the_bandwidth_moves():
     s._retune()
     first = (s.full_every, s.batch)
     s._retune()  # same inputs: no change, nothing logged
-    assert len(s.rt.metrics.events) == 1
+    assert len(emitted(s)) == 1
     writer.bandwidth = 1e7  # the storage slows down
     writer.write(FULL_BYTES)
     s._retune()
     assert (s.full_every, s.batch) == expected_fb(1e7) != first
-    event = s.rt.metrics.events[-1]
+    event = emitted(s)[-1]
     assert (event["type"], event["full_every"], event["batch"]) == ("interval", *expected_fb(1e7))
     assert event["reason"].startswith(f"LowDiff re-tune: full checkpoint every {first[0]}->{s.full_every} steps")
 
@@ -348,10 +354,10 @@ def test_fixed_full_every_and_batch_are_kept():
     FakeWriter(s, 1e7).write(FULL_BYTES)
     s.after_step(RETUNE_EVERY)  # where an auto setting would be re-tuned
     assert (s.full_every, s.batch) == (5, 3)
-    assert s.rt.metrics.events == []
+    assert emitted(s) == []
 
     s = tuner(full_every="5")  # only the batch is free: optimised given F, so never above F
     FakeWriter(s, 1e7).write(FULL_BYTES)
     s._retune()
     assert s.full_every == 5 and 1 <= s.batch <= 5
-    assert all(e["full_every"] == 5 and e["batch"] <= 5 for e in s.rt.metrics.events)
+    assert all(e["full_every"] == 5 and e["batch"] <= 5 for e in emitted(s))

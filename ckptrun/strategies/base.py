@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from ..ipc.messages import Message
-    from ..worker.runtime import Runtime, Snapshot
+    from ..worker.runtime import Snapshot
+    from .context import StrategyContext
 
 
 class Strategy:
@@ -35,8 +36,8 @@ class Strategy:
     # closures (LBFGS) at start instead of saving something it cannot restore.
     single_optimizer: ClassVar[bool] = False
 
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
+    def __init__(self, ctx: StrategyContext) -> None:
+        self.ctx = ctx
 
     def on_ready(self, step: int) -> None:
         """The first optimizer exists and any checkpointed state is restored; `step` is where
@@ -64,7 +65,7 @@ class Strategy:
 
     def settings(self) -> dict:
         """What the dashboard header and metrics show for this strategy."""
-        return {"every": self.rt.cfg.every, "max_inflight": self.rt.cfg.max_inflight}
+        return {"every": self.ctx.every, "max_inflight": self.ctx.max_inflight}
 
 
 class SnapshotStrategy(Strategy):
@@ -77,13 +78,13 @@ class SnapshotStrategy(Strategy):
     background: ClassVar[bool] = False
     wait_durable: ClassVar[bool] = False
 
-    def __init__(self, rt: Runtime) -> None:
-        super().__init__(rt)
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
         self.pending: Snapshot | None = None
 
     def after_step(self, step: int) -> None:
-        if self.rt.due(step):
-            self.pending = self.rt.capture(step, background=self.background)
+        if self.ctx.due(step):
+            self.pending = self.ctx.capture(step, background=self.background)
 
     def before_step(self, step: int) -> None:
         self._hand_over()
@@ -91,11 +92,11 @@ class SnapshotStrategy(Strategy):
     def _hand_over(self) -> None:
         if self.pending is not None:
             snap, self.pending = self.pending, None
-            self.rt.seal(snap)
-            self.rt.submit(snap, wait_durable=self.wait_durable)
+            self.ctx.seal(snap)
+            self.ctx.submit(snap, wait_durable=self.wait_durable)
 
     def finish(self) -> None:
-        rt = self.rt
-        if rt.cfg.final_checkpoint and self.pending is None and rt.step > 0 and rt.checkpointed_step != rt.step:
-            self.pending = rt.capture(rt.step, background=False)
+        ctx = self.ctx
+        if ctx.final_checkpoint and self.pending is None and ctx.step > 0 and ctx.checkpointed_step != ctx.step:
+            self.pending = ctx.capture(ctx.step, background=False)
         self._hand_over()

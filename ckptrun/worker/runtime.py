@@ -194,8 +194,9 @@ class Runtime:
         if hello["slots"]:
             self.slots.add(hello["slots"], pin=self._cuda)
         from ..strategies import REGISTRY
+        from ..strategies.context import StrategyContext
 
-        self.strategy = REGISTRY[cfg.strategy].load()(self)
+        self.strategy = REGISTRY[cfg.strategy].load()(StrategyContext(self))
 
     # ---- engine events (receiver thread) -----------------------------------------------
     def _on_event(self, msg: Message) -> None:

@@ -35,6 +35,7 @@ from ...storage.tree import unflatten
 from ...worker import discovery
 from ...worker.runtime import Snapshot
 from ..base import Strategy
+from ..context import StrategyContext
 from .messages import Diff, Residual
 from .model import LowDiffCosts, optimal_fb_given, retune
 
@@ -149,9 +150,9 @@ class LowDiff(Strategy):
     name = "lowdiff"
     single_optimizer = True
 
-    def __init__(self, rt) -> None:
-        super().__init__(rt)
-        opts = rt.cfg.options
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        opts = ctx.options
         self.auto_f = opts.get("full_every", "auto") == "auto"
         self.auto_b = opts.get("batch", "auto") == "auto"
         self.full_every = DEFAULT_F if self.auto_f else int(opts["full_every"])
@@ -177,11 +178,11 @@ class LowDiff(Strategy):
 
     def settings(self) -> dict:
         return {"full_every": self.full_every, "batch": self.batch, "auto": self.auto_f or self.auto_b,
-                "compress": self.rt.cfg.options.get("compress") or "none"}
+                "compress": self.ctx.options.get("compress") or "none"}
 
     # ---- hooks -------------------------------------------------------------------------
     def on_ready(self, step: int) -> None:
-        resume = self.rt.resume
+        resume = self.ctx.resume
         if self.compress and resume is not None:
             self._restore_residual(resume)
         if resume is not None and resume.diffs is None:
@@ -195,7 +196,7 @@ class LowDiff(Strategy):
         if "lowdiff" in resume.state and resume.step == int(resume.record.split("-")[-1]):
             self.compress.load_state_dict(resume.state["lowdiff"])
             return
-        reply = self.rt.client.request(Residual(step=resume.step))
+        reply = self.ctx.request(Residual(step=resume.step))
         if reply.get("found"):
             buf = torch.frombuffer(bytearray(reply["data"]), dtype=torch.uint8)
             tensors = {k: view(buf, TensorSpec.from_json(k, spec)) for k, spec in reply["tensors"].items()}
@@ -206,9 +207,9 @@ class LowDiff(Strategy):
               file=sys.stderr, flush=True)
 
     def before_step(self, step: int) -> None:
-        rt = self.rt
+        ctx = self.ctx
         self._hand_over()
-        opt = rt.primary
+        opt = ctx.primary
         params = optimizer_params(opt)
         if self.compress and self.ddp_compressed:
             grads = [_as_sparse(p.grad) for p in params]
@@ -218,20 +219,20 @@ class LowDiff(Strategy):
             grads = [p.grad for p in params]
         diff = {"grads": grads, "groups": [{k: v for k, v in g.items() if k != "params"}
                                            for g in opt.param_groups]}
-        self.pending_diff = rt.begin(step, "diff", prefix=f"s{step}")
+        self.pending_diff = ctx.begin(step, "diff", prefix=f"s{step}")
         self.diff_base = self.base
-        rt.add(self.pending_diff, diff, background=True)
+        ctx.add(self.pending_diff, diff, background=True)
         self._opt_t0 = time.perf_counter()
 
     def after_step(self, step: int) -> None:
-        rt = self.rt
+        ctx = self.ctx
         now = time.perf_counter()
         self.costs["opt"].append(now - self._opt_t0)
         if self._last_post is not None:
             self.costs["step"].append(now - self._last_post)
         self._last_post = now
-        rt.wait_copy(self.pending_diff)  # the next backward may overwrite these gradients
-        rt.add(self.pending_diff, self._post_state())
+        ctx.wait_copy(self.pending_diff)  # the next backward may overwrite these gradients
+        ctx.add(self.pending_diff, self._post_state())
         if self.compress:  # residual tensors are replaced, never modified: references suffice
             self._residual = self.compress.state_dict()
         if step % self.full_every == 0 or self._restart_chain(step):
@@ -249,11 +250,11 @@ class LowDiff(Strategy):
         """After a record failed to save, every later diff of its chain would depend on it and
         never commit: start a new chain with a full checkpoint now. Ranks must start it at the
         same step, so a multi-rank run waits for the next regular full checkpoint instead."""
-        if self.broken is None or self.rt.world_size > 1:
+        if self.broken is None or self.ctx.world_size > 1:
             return False
         print(f"ckptrun: lowdiff: {self.broken} was not saved; starting a new chain with a full checkpoint "
               f"at step {step}", file=sys.stderr, flush=True)
-        self.rt.metrics.emit(type="chain_restart", step=step, broken=self.broken)
+        self.ctx.emit(type="chain_restart", step=step, broken=self.broken)
         return True
 
     def finish(self) -> None:
@@ -269,37 +270,37 @@ class LowDiff(Strategy):
     # ---- pieces ------------------------------------------------------------------------
     def _take_full(self, step: int) -> None:
         self.broken = None
-        self.pending_full = self.rt.capture(step, background=True)
+        self.pending_full = self.ctx.capture(step, background=True)
         if self.compress:
-            self.rt.add(self.pending_full, {"lowdiff": self.compress.state_dict()})
+            self.ctx.add(self.pending_full, {"lowdiff": self.compress.state_dict()})
         self.base = full_name(step)
 
     def _post_state(self) -> dict:
         """What replay cannot rebuild: module buffers (changed by forward) and RNG."""
-        rt = self.rt
+        ctx = self.ctx
         if self._buffer_keys is None:
             self._buffer_keys = {n: [k for k in m.state_dict() if k not in dict(m.named_parameters(
-                remove_duplicate=False))] for n, m in rt.models.items()}
-        return {"buffers": {n: {k: v for k, v in rt.models[n].state_dict().items() if k in keys}
+                remove_duplicate=False))] for n, m in ctx.models.items()}
+        return {"buffers": {n: {k: v for k, v in ctx.models[n].state_dict().items() if k in keys}
                             for n, keys in self._buffer_keys.items()},
                 "rng": discovery.rng_state()}
 
     def _hand_over(self) -> None:
-        rt = self.rt
+        ctx = self.ctx
         if self.pending_full is not None:
             snap, self.pending_full = self.pending_full, None
-            rt.seal(snap)
+            ctx.seal(snap)
             self.costs["full_bytes"].append(snap.nbytes)
-            rt.submit(snap)
+            ctx.submit(snap)
         if self.pending_diff is not None:
             snap, self.pending_diff = self.pending_diff, None
-            rt.seal(snap)
+            ctx.seal(snap)
             disk = snap.nbytes
             self.costs["diff_bytes"].append(disk)
             if self.compress:  # the tail of the slot: kept in the engine's memory, not written
-                rt.add(snap, {"volatile": self._residual})
-                rt.wait_copy(snap)
-            rt.submit(snap, Diff, base=self.diff_base, batch=self.batch, disk_nbytes=disk)
+                ctx.add(snap, {"volatile": self._residual})
+                ctx.wait_copy(snap)
+            ctx.submit(snap, Diff, base=self.diff_base, batch=self.batch, disk_nbytes=disk)
 
     def _retune(self) -> None:
         c = self.costs
@@ -335,5 +336,5 @@ class LowDiff(Strategy):
         self.full_every = f if self.auto_f else self.full_every
         self.batch = min(b, MAX_DIFF_SPAN) if self.auto_b else self.batch
         print(f"ckptrun: {reason}", file=sys.stderr, flush=True)
-        self.rt.metrics.emit(type="interval", strategy=self.name, full_every=self.full_every, batch=self.batch,
+        self.ctx.emit(type="interval", strategy=self.name, full_every=self.full_every, batch=self.batch,
                              reason=reason)

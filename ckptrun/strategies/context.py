@@ -1,0 +1,120 @@
+"""`StrategyContext`: the one surface a strategy's trainer side may use.
+
+The worker's Runtime implements it; a strategy never touches the Runtime, the engine client or
+the metrics writer directly, so the runtime can change behind this surface and a new strategy
+is written against a dozen documented calls.
+
+Call order for one checkpoint (see `SnapshotStrategy` for the simplest user):
+
+1. `capture(step, background=...)` right after optimizer step `step` (parameters, optimizer
+   state, buffers, RNG into a free staging slot; back-pressure when none is free), or
+   `begin(step, kind)` for a snapshot of the strategy's own state;
+2. `add(snap, state)` any number of times (more tensors and JSON-able values);
+3. `wait_copy(snap)` before the trainer changes what a background copy still reads;
+4. `seal(snap)`, at the next step's start or at the end: adds what settles after the step
+   (schedulers, scaler, tracked objects) and waits for the copies;
+5. `submit(snap[, message, **fields])`: the engine persists it as the full checkpoint of its
+   step, or the strategy's engine-side handler receives the strategy's own `message`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..ipc.messages import Message, Persist
+    from ..worker.runtime import ResumeState, Runtime, Snapshot
+
+
+class StrategyContext:
+    def __init__(self, rt: Runtime) -> None:
+        self._rt = rt
+
+    # ---- the run ------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Completed optimizer steps of the primary optimizer."""
+        return self._rt.step
+
+    @property
+    def rank(self) -> int:
+        return self._rt.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._rt.world_size
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """This strategy's option values as given (strings or None; ckptrun/strategies/options.py),
+        plus `mtbf` in seconds when --mtbf was given."""
+        return self._rt.cfg.options
+
+    @property
+    def every(self) -> int:
+        return self._rt.cfg.every
+
+    @property
+    def max_inflight(self) -> int:
+        return self._rt.cfg.max_inflight
+
+    @property
+    def final_checkpoint(self) -> bool:
+        """Whether the step the script ends at is checkpointed even when not due."""
+        return self._rt.cfg.final_checkpoint
+
+    @property
+    def resume(self) -> ResumeState | None:
+        """The committed step this worker resumed from (None on a fresh start)."""
+        return self._rt.resume
+
+    @property
+    def checkpointed_step(self) -> int | None:
+        """The newest step committed already or captured by this run."""
+        return self._rt.checkpointed_step
+
+    @property
+    def primary(self) -> torch.optim.Optimizer | None:
+        return self._rt.primary
+
+    @property
+    def models(self) -> dict[str, torch.nn.Module]:
+        return self._rt.models
+
+    def due(self, step: int) -> bool:
+        """Is a checkpoint of `step` due (interval, --every auto, a stop after this step)?"""
+        return self._rt.due(step)
+
+    # ---- snapshots ----------------------------------------------------------------------
+    def capture(self, step: int, *, background: bool) -> Snapshot:
+        return self._rt.capture(step, background=background)
+
+    def begin(self, step: int, kind: str = "full", need: int = 0, prefix: str = "") -> Snapshot:
+        return self._rt.begin(step, kind, need, prefix)
+
+    def add(self, snap: Snapshot, state: dict, *, background: bool = False) -> None:
+        self._rt.add(snap, state, background=background)
+
+    def wait_copy(self, snap: Snapshot) -> None:
+        self._rt.wait_copy(snap)
+
+    def seal(self, snap: Snapshot) -> None:
+        self._rt.seal(snap)
+
+    def submit(self, snap: Snapshot, message: type[Persist] | None = None, *, wait_durable: bool = False,
+               **fields: Any) -> None:
+        if message is None:
+            self._rt.submit(snap, wait_durable=wait_durable, **fields)
+        else:
+            self._rt.submit(snap, message, wait_durable=wait_durable, **fields)
+
+    # ---- engine and metrics -------------------------------------------------------------
+    def request(self, msg: Message) -> dict:
+        """Ask this strategy's engine-side handler something; returns the reply's body."""
+        return self._rt.client.request(msg)
+
+    def emit(self, **event: Any) -> None:
+        """Append an event to this rank's metrics (dashboard, --metrics-file)."""
+        self._rt.metrics.emit(**event)
