@@ -18,7 +18,7 @@ from .config import RESUME_ENV, RunConfig, is_torchrun_var
 from .engine.client import EngineLost
 from .errors import AbortRun, CheckpointMismatch, CkptrunError
 from .jobstore import job_store
-from .recovery import Plan, diff_states, newest_good, plans, read_state
+from .recovery import Plan, diff_states, newest_good, plans, resume_state
 from .runtime import ResumeState, Runtime, StopRun, install
 from .store import Store
 from .worker_logs import merge_stderr
@@ -128,7 +128,7 @@ def main() -> None:
                 raise CheckpointMismatch(
                     f"{cfg.dir} step {plan.step} was written by {plan.base.world_size} ranks, this run has "
                     f"{world_size}; launch {plan.base.world_size} ranks, or export it with `ckptrun restore`")
-            rt.resume = ResumeState(plan.step, plan.base.name, read_state(store, plan.base, rank),
+            rt.resume = ResumeState(plan.step, plan.base.name, resume_state(store, plan, rank),
                                     plan.base.world_size, diff_states(store, plan, rank) if plan.diffs else None)
             rt.step = rt.checkpointed_step = plan.step
         if plan is not None or restart_count > 0:
