@@ -283,6 +283,17 @@ def read_state(store: Store, m: Manifest, rank: int) -> dict:
     return unflatten(index["skeleton"], {k: t.clone() for k, t in tensors.items()})
 
 
+def resume_state(store: Store, plan: Plan, rank: int) -> dict:
+    """What a resume at `plan.step` starts from: the base's state, with the tracked objects'
+    state of `plan.step` itself when that is a diff (recorded there, not rebuilt by replay): an
+    object tracked before the optimizer exists, i.e. before replay (a framework's loop position),
+    must get the resumed step's state, not the base's."""
+    state = read_state(store, plan.base, rank)
+    if plan.diffs:
+        state["extra"] = read_state(store, plan.diffs[-1], rank)["steps"][str(plan.step)]["extra"]
+    return state
+
+
 def diff_states(store: Store, plan: Plan, rank: int) -> Iterator[dict]:
     """The recorded steps base+1..plan.step in order; the next record is read while the
     current one is replayed."""

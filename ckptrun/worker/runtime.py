@@ -463,9 +463,14 @@ class Runtime:
             self._reapply_hyperparams(sched.optimizer)
 
     def _reapply_hyperparams(self, opt: torch.optim.Optimizer) -> None:
-        """A scheduler's constructor re-sets the lr; put back the checkpointed values."""
+        """A scheduler's constructor re-sets the lr; put back the checkpointed values. Its optimizer
+        may be a wrapper around a registered one (HF Trainer builds its scheduler on accelerate's
+        AcceleratedOptimizer): the values go to the registered optimizer it updates."""
         if opt not in self.optimizers:
-            return
+            params = {id(p) for p in replay.optimizer_params(opt)}
+            opt = next((o for o in self.optimizers if params <= {id(p) for p in replay.optimizer_params(o)}), None)
+            if opt is None:
+                return
         saved = self.resume.state["optimizers"].get(_indexed("optimizer", self.optimizers.index(opt)))
         if saved:
             for group, sgroup in zip(opt.param_groups, saved["param_groups"], strict=True):
