@@ -22,10 +22,20 @@ class Entry:
     # Flags that make a short run (tens of steps) exercise the whole mechanism (lowdiff: several
     # full checkpoints and diff batches); the registry-wide contract tests pass them.
     short_run_flags: tuple[str, ...] = ()
+    # `ckptrun tune`: "module:function" turning the interval plan into this strategy's settings
+    # from its own model (see ckptrun/strategies/lowdiff/tuning.py); None keeps the interval plan.
+    tuning: str | None = None
 
     def load(self):
-        module, _, cls = self.trainer.partition(":")
-        return getattr(importlib.import_module(module), cls)
+        return _attr(self.trainer)
+
+    def load_tuning(self):
+        return _attr(self.tuning)
+
+
+def _attr(path: str):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 REGISTRY: dict[str, Entry] = {
@@ -36,7 +46,8 @@ REGISTRY: dict[str, Entry] = {
     "lowdiff": Entry("ckptrun.strategies.lowdiff.trainer:LowDiff",
                      "every step's gradient as a batched differential checkpoint; full every F; exact replay",
                      engine_handler="ckptrun.strategies.lowdiff.engine:LowDiffHandler", options=lowdiff.OPTIONS,
-                     short_run_flags=("--full-every", "8", "--batch", "3")),
+                     short_run_flags=("--full-every", "8", "--batch", "3"),
+                     tuning="ckptrun.strategies.lowdiff.tuning:settle"),
 }
 
 

@@ -9,8 +9,9 @@ module decides which formula answers which question and for which strategy:
   budget's minimum, and the reason names the one that decided.
 - LowDiff's (F*, B*) (eq. (10), checked against a numeric minimisation of eq. (8)) and PCcheck's
   (N*, f*) (§3.4) for the overhead budget are computed from the shared measurements whether or
-  not those strategies are registered; a registered `lowdiff` or `pccheck` takes its settings
-  from its model. Any other strategy registered later gets the interval rows without change.
+  not those strategies are registered; a registered strategy whose registry entry names a
+  `tuning` function (lowdiff) takes its settings from it. Any other strategy gets the interval
+  rows without change.
 
 Predictions at each setting, per unit of run time (fractions) and per failure (seconds):
 overhead = δ / interval; work lost per failure = interval/2 + the time a checkpoint takes to
@@ -21,10 +22,11 @@ become durable (a failure during it loses the previous interval too); wasted-tim
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UsageError
+from ..strategies import REGISTRY
 from ..strategies.lowdiff.model import (
     LowDiffCosts,
     continuous_optimum,
@@ -44,8 +46,8 @@ from .intervals import (
 )
 from .profile import Costs, Profile, StrategyCosts
 
-__all__ = ["LowDiffPlan", "PCcheckPlan", "Plan", "Prediction", "StrategyPlan", "make_plan", "parse_percent",
-           "settings_flags"]
+__all__ = ["LowDiffPlan", "ModelPlans", "PCcheckPlan", "Plan", "Prediction", "StrategyPlan", "make_plan",
+           "parse_percent", "settings_flags"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,14 @@ class PCcheckPlan:
     measured_n: list[int]  # the N for which a write time was measured
     delta_from: str  # whose measured blocking cost the prediction uses
     prediction: Prediction
+
+
+@dataclass(frozen=True)
+class ModelPlans:
+    """The papers' models evaluated on the measured costs, for any strategy's `settle` to use."""
+
+    lowdiff: LowDiffPlan
+    pccheck: PCcheckPlan | None
 
 
 @dataclass(frozen=True)
@@ -193,19 +203,13 @@ def make_plan(profile: Profile, mtbf_s: float, mtbf_source: str, budget: float) 
     measured = {sc.name: sc for sc in profile.strategies}
     lowdiff = _lowdiff_plan(costs, mtbf_s)
     pccheck, pc_note = _pccheck_plan(costs, mtbf_s, budget, measured)
+    models = ModelPlans(lowdiff, pccheck)
     plans = []
     for sc in profile.strategies:
         sp = _interval_plan(sc, costs, mtbf_s, budget)
-        if sc.name == "lowdiff":
-            # eq. (8) assumes the per-step diff capture is hidden; the measured stall of it is added.
-            per_step = sc.delta_s / costs.step_s
-            pred = lowdiff.prediction
-            sp = replace(sp, settings={"full_every": lowdiff.full_every, "batch": lowdiff.batch},
-                         rule="LowDiff eq. (10), plus its measured per-step diff stall",
-                         prediction=replace(pred, overhead=pred.overhead + per_step, waste=pred.waste + per_step))
-        elif sc.name == "pccheck" and pccheck is not None:
-            sp = replace(sp, settings={"every": pccheck.interval_steps, "max_inflight": pccheck.concurrency},
-                         rule="PCcheck §3.4 (N*, f*)", prediction=pccheck.prediction)
+        entry = REGISTRY.get(sc.name)
+        if entry is not None and entry.tuning:  # the strategy's own model decides its settings
+            sp = entry.load_tuning()(sp, sc, costs, models)
         plans.append(sp)
     fitting = [p for p in plans if p.prediction.overhead <= budget]
     best = min(fitting or plans, key=lambda p: p.prediction.waste)
