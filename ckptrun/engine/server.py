@@ -156,7 +156,7 @@ class Engine:
             self.pool = ThreadPoolExecutor(max(1, msg.writers), thread_name_prefix="writer")
         self.io_threads = max(1, msg.io_threads)
         if self.strategy != msg.strategy:  # a restarted worker keeps what the handler holds
-            self.strategy, self.handler = msg.strategy, engine_handler(msg.strategy, self)
+            self.strategy, self.handler = msg.strategy, engine_handler(msg.engine_handler, self)
         newest = max((s.nbytes for s in self.slots.values()), default=0)
         for i in [i for i, s in self.slots.items() if s.nbytes < newest]:
             self.slots.pop(i).close()

@@ -57,6 +57,7 @@ class Hello(Message):
     dir: str
     keep: int
     strategy: str
+    engine_handler: str | None = None  # "module:Class" of the strategy's engine side (the registry's)
     writers: int
     io_threads: int
     fault: str | None = None

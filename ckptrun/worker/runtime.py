@@ -47,6 +47,8 @@ from ..restore.recovery import finish_state
 from ..storage.layout import ALIGN, Layout, align, view
 from ..storage.store import full_name
 from ..storage.tree import flatten, orphans_key
+from ..strategies import REGISTRY
+from ..strategies.context import StrategyContext
 from . import autotune, discovery
 from .metrics import WorkerMetrics
 
@@ -188,13 +190,12 @@ class Runtime:
         self.client = EngineClient(cfg.engine_address(local_rank), bytes.fromhex(cfg.authkey), self._on_event)
         hello = self.client.request(Hello(
             rank=rank, world_size=world_size, restart_count=restart_count, dir=cfg.dir, keep=cfg.keep,
-            strategy=cfg.strategy, writers=cfg.writers, io_threads=cfg.io_threads,
+            strategy=cfg.strategy, engine_handler=REGISTRY[cfg.strategy].engine_handler, writers=cfg.writers,
+            io_threads=cfg.io_threads,
             fault=os.environ.get(faults.ENV) if self.fault else None))
         self.engine_pid = hello["pid"]
         if hello["slots"]:
             self.slots.add(hello["slots"], pin=self._cuda)
-        from ..strategies import REGISTRY
-        from ..strategies.context import StrategyContext
 
         self.strategy = REGISTRY[cfg.strategy].load()(StrategyContext(self))
 

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import time
 
-from ...engine.handlers import EngineHandler
-from ...ipc.messages import RecordSpec, SlotFree, StrategyMessage
+from ...engine.handlers import EngineContext, EngineHandler
+from ...ipc.messages import RecordSpec, StrategyMessage
 from ...storage.store import diff_name
 from .messages import Diff, Residual
 
 
 class LowDiffHandler(EngineHandler):
-    def __init__(self, engine) -> None:
-        super().__init__(engine)
+    def __init__(self, ctx: EngineContext) -> None:
+        super().__init__(ctx)
         self.batch: list[tuple[Diff, bytes]] = []
         self.chain: dict[str, str] = {}  # base record -> newest diff record based on it
         self.volatile: dict | None = None  # newest step's memory-only state (top-k residual)
@@ -26,20 +26,19 @@ class LowDiffHandler(EngineHandler):
     def handle(self, msg: StrategyMessage) -> None:
         if isinstance(msg, Residual):
             held = self.volatile if self.volatile and self.volatile["step"] == msg.step else None
-            self.engine.reply(msg, found=held is not None, **(held or {}))
+            self.ctx.reply(msg, found=held is not None, **(held or {}))
             return
         if not isinstance(msg, Diff):
             super().handle(msg)
         spec, disk = msg.spec, msg.disk_nbytes
-        view = self.engine.slots[msg.slot].view
-        data = bytes(view[:disk])
+        data = self.ctx.read_slot(msg.slot, 0, disk)
         if disk < msg.nbytes:
             skeleton = spec.skeleton.pop("volatile")
             tensors = {k: {**t, "offset": t["offset"] - disk} for k, t in spec.tensors.items() if t["offset"] >= disk}
             spec.tensors = {k: t for k, t in spec.tensors.items() if t["offset"] < disk}
             self.volatile = {"step": spec.step, "skeleton": skeleton, "tensors": tensors,
-                             "data": bytes(view[disk : msg.nbytes])}
-        self.engine.send(SlotFree(slot=msg.slot))
+                             "data": self.ctx.read_slot(msg.slot, disk, msg.nbytes)}
+        self.ctx.free_slot(msg.slot)
         if self.batch and self.batch[-1][0].base != msg.base:
             self.flush()
         self.batch.append((msg, data))
@@ -51,7 +50,7 @@ class LowDiffHandler(EngineHandler):
         batch holding it is written now. Waiting for the batch to fill would never fire the fault
         (the record is named after its last step), and a worker killed "while step K is being
         written" waits for that write, so it would hang."""
-        fault = self.engine.fault
+        fault = self.ctx.fault
         return fault is not None and fault.phase == "write" and fault.step == step
 
     def flush(self) -> None:
@@ -75,4 +74,4 @@ class LowDiffHandler(EngineHandler):
             skeleton={"steps": {str(m.spec.step): m.spec.skeleton for m, _ in batch}},
             meta={**last.meta, "first_step": first.step, "batched_at": time.time()},
         )
-        self.engine.submit(self.engine.write_record, record, memoryview(data))
+        self.ctx.write(record, memoryview(data))
