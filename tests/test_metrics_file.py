@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLE, TINY, ckptrun, ok
 
-from ckptrun.launcher.console.metrics_feed import STALL_CAUSES, MetricsState
+from ckptrun.ipc.events import STALL_CAUSES
+from ckptrun.launcher.console.metrics_feed import MetricsState
 from ckptrun.restore.recovery import restorable
 from ckptrun.storage.store import Store
 

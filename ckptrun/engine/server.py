@@ -9,7 +9,6 @@ files are durable, and prunes old ones. It imports no torch on the plain persist
 from __future__ import annotations
 
 import errno
-import json
 import os
 import signal
 import threading
@@ -17,11 +16,11 @@ import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection, Listener
-from pathlib import Path
 from typing import Any
 
 from ..errors import AlreadyCommitted
 from ..faults import Fault
+from ..ipc.events import EventLog
 from ..ipc.messages import (
     Alloc,
     Committed,
@@ -50,26 +49,10 @@ COMMIT_BACKOFF_S = 0.1  # first retry delay; doubles each time
 FAILED_KEPT = 1024  # failed records remembered (to abandon what depends on them)
 
 
-class EventLog:
-    """Engine-side metrics (`engine-<local_rank>.jsonl`), one JSON object per line."""
-
-    def __init__(self, metrics_dir: str | None, local_rank: int) -> None:
-        self._f = None
-        if metrics_dir:
-            Path(metrics_dir).mkdir(parents=True, exist_ok=True)
-            self._f = open(Path(metrics_dir) / f"engine-{local_rank}.jsonl", "a", buffering=1)
-        self._lock = threading.Lock()
-
-    def emit(self, **event: Any) -> None:
-        if self._f:
-            with self._lock:
-                self._f.write(json.dumps({"t": time.time(), **event}) + "\n")
-
-
 class Engine:
     def __init__(self, local_rank: int, tag: str, metrics_dir: str | None) -> None:
         self.local_rank, self.tag = local_rank, tag
-        self.log = EventLog(metrics_dir, local_rank)
+        self.log = EventLog(metrics_dir, f"engine-{local_rank}")
         self.conn: Connection | None = None
         self._send_lock = threading.Lock()
         self.slots: dict[int, EngineSlot] = {}

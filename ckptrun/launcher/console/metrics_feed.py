@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-STALL_CAUSES: tuple[str, ...] = ("snapshot", "backpressure", "sync_write")
-"""Known causes of a training-loop stall, in display order (others are shown after them)."""
+from ...ipc.events import STALL_CAUSES  # in display order (other causes are shown after them)
 
 RATE_WINDOW_STEPS = 20  # steps/s is measured over this many recent steps
 P99_WINDOW = 10_000  # p99 is computed over this many recent steps (mean is over the whole run)
