@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import psutil
 import pytest
 import torch
 
+from ckptrun.log import log
 from ckptrun.storage.layout import Layout, TensorSpec, view
 from ckptrun.storage.store import MANIFEST, Store, full_name, rank_files
 from ckptrun.storage.tree import flatten, unflatten
@@ -127,6 +129,19 @@ def resumed_beside_plain(tmp_path: Path, script: Path, args: list[Any], flags: l
     ok(proc)
     assert [e["restart_count"] for e in run_events(managed / "metrics")] == [0, 1], "the fault did not fire"
     return plain, managed
+
+
+@contextlib.contextmanager
+def logged() -> Iterator[list[str]]:
+    """The lines ckptrun's logger says inside the block (the logger does not propagate)."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(f"ckptrun: {record.getMessage()}")
+    log.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
 
 
 def load(path: Path) -> dict:

@@ -8,7 +8,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from pathlib import Path
 from ..config import ENV, RunConfig, is_torchrun_var
 from ..errors import CkptrunError, UsageError
 from ..ipc.messages import Shutdown
+from ..log import log
 from ..storage.dirlock import DirLock, lock_name
 from ..storage.leftovers import new_tag, remove_staging, run_name, sweep_stale
 from ..storage.store import Store
@@ -86,8 +86,8 @@ class EngineSupervisor:
         while not self._stop.wait(0.2):
             for r, p in enumerate(self.procs):
                 if p is not None and not p.is_alive() and not self._stop.is_set():
-                    print(f"ckptrun: checkpoint engine of local rank {r} died (exit code {p.exitcode}); "
-                          "restarting it", file=sys.stderr, flush=True)
+                    log.warning(f"checkpoint engine of local rank {r} died (exit code {p.exitcode}); "
+                                "restarting it")
                     self._start(r)
 
     def shutdown(self, timeout: float = 600.0) -> None:
@@ -138,8 +138,7 @@ def preflight(cfg: RunConfig, script: str, *, per_host_lock: bool = False) -> Di
         lock.release()
         raise
     if lock.taken_over:
-        print(f"ckptrun: took over {lock.path} from a run that ended without releasing it ({lock.taken_over})",
-              file=sys.stderr, flush=True)
+        log.info(f"took over {lock.path} from a run that ended without releasing it ({lock.taken_over})")
     return lock
 
 
@@ -184,7 +183,7 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
     nlocal = torchrun.determine_local_world_size(opts.nproc_per_node)
     swept = sweep_stale()
     if swept.owners:
-        print(swept, file=sys.stderr, flush=True)
+        log.info(str(swept))
     tag = new_tag()
     engine_dir = tempfile.mkdtemp(prefix=run_name(tag, ""))
     cfg.dir = str(Path(cfg.dir).resolve())
@@ -230,8 +229,7 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
         if opts.nnodes == "1":  # every writer of this directory has stopped: no record is on its way
             Store(cfg.dir).sweep_incomplete()
         if stopped_by is not None:
-            print(f"ckptrun: stopped by {signal.Signals(stopped_by).name}; {_committed_line(cfg.dir)}",
-                  file=sys.stderr, flush=True)
+            log.info(f"stopped by {signal.Signals(stopped_by).name}; {_committed_line(cfg.dir)}")
 
 
 def _failure(e: Exception, engine_dir: str, opts: LaunchOptions) -> CkptrunError:
@@ -243,7 +241,7 @@ def _failure(e: Exception, engine_dir: str, opts: LaunchOptions) -> CkptrunError
         code, message = errors[min(errors)]
         for rank, (_, other) in sorted(errors.items()):
             if other.strip() != message.strip():
-                print(f"ckptrun: rank {rank}: {other.strip()}", file=sys.stderr, flush=True)
+                log.info(f"rank {rank}: {other.strip()}")
         return CkptrunError(message.strip(), exit_code=int(code))
     first = next(iter(e.failures.values()))
     code = first.exitcode if first.exitcode > 0 else 128 - first.exitcode  # killed by a signal: 128+N

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import math
 import threading
-import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from queue import Queue
@@ -20,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..errors import CorruptCheckpoint, StepNotAvailable, UsageError
+from ..log import log
 from ..storage.schema import DiffStep, SavedOptimizer, StateSkeleton, problem, short
 from ..storage.store import Manifest, Store
 from ..storage.tree import TENSOR, orphans_key, unflatten
@@ -235,8 +235,7 @@ def newest_good(store: Store, *, at_most: int | None = None, verify: bool = True
             return plan
         # A base that cannot be replayed on may still restore alone.
         bad |= {p.split(":", 1)[0] for p in own} | ({p.split(":", 1)[0] for p in replay} - {plan.base.name})
-        warnings.warn(f"ckptrun: step {step} is damaged ({problems[0]}); falling back to an older step",
-                      stacklevel=2)
+        log.warning(f"step {step} is damaged ({problems[0]}); falling back to an older step")
     return None
 
 

@@ -117,7 +117,7 @@ class Swept:
     owners: set[Owner] = field(default_factory=set)
 
     def __str__(self) -> str:
-        return (f"ckptrun: freed {self.bytes:,} bytes left by {len(self.owners)} killed run(s) "
+        return (f"freed {self.bytes:,} bytes left by {len(self.owners)} killed run(s) "
                 f"({self.files} staging file(s), {self.folders} temporary folder(s))")
 
 

@@ -17,7 +17,6 @@ import re
 import shutil
 import stat
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import xxhash
 from pydantic import ValidationError
 
 from ..errors import AlreadyCommitted, CkptrunError, CorruptCheckpoint
+from ..log import log
 from .fsutil import FaultHook, _no_fault, fsync_dir, publish_bytes, publish_json
 from .schema import (
     FORMAT,
@@ -294,7 +294,7 @@ class Store:
         """Every committed record, oldest first; unreadable manifests are skipped loudly."""
         good, bad = self._scan()
         for problem_ in bad.values() if warn else []:
-            warnings.warn(f"ckptrun: skipping {problem_}", stacklevel=2)
+            log.warning(f"skipping {problem_}")
         return good
 
     def unreadable(self) -> dict[str, str]:

@@ -22,13 +22,13 @@ same step.
 
 from __future__ import annotations
 
-import sys
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
+from ..log import log
 from ..tuning.durations import format_duration
 from ..tuning.intervals import checkfreq_min_interval_steps, daly_interval
 
@@ -158,7 +158,7 @@ def for_runtime(rt: Runtime) -> IntervalPolicy:
     def on_change(step: int, decision: Decision) -> None:
         rt.metrics.emit(type="interval", step=step, every=decision.every, reason=decision.reason)
         if rt.rank == 0:
-            print(f"ckptrun: --every auto: {decision.reason}", file=sys.stderr, flush=True)
+            log.info(f"--every auto: {decision.reason}")
 
     mtbf = rt.cfg.mtbf or DEFAULT_MTBF_S
     return IntervalPolicy(mtbf, mtbf_given=bool(rt.cfg.mtbf),

@@ -11,7 +11,6 @@ import runpy
 import signal
 import sys
 import time
-import warnings
 from pathlib import Path
 
 from ..config import RESUME_ENV, RunConfig, is_torchrun_var
@@ -19,6 +18,7 @@ from ..errors import AbortRun, CheckpointMismatch, CkptrunError
 from ..ipc.client import EngineLost
 from ..ipc.messages import CommitPending
 from ..ipc.stdio import merge_stderr
+from ..log import log
 from ..restore.recovery import Plan, diff_states, newest_good, plans, resume_state
 from ..storage.store import Store
 from .jobstore import job_store
@@ -53,7 +53,7 @@ def _decide(rt: Runtime, store: Store) -> Plan | None:
     # bad copies for inspection.
     damaged = [m.name for m in store.manifests(warn=False) if m.step > newest] + list(store.unreadable())
     for name in damaged:
-        warnings.warn(f"ckptrun: moving {name} (not restorable) aside to {store.root}/damaged/", stacklevel=1)
+        log.warning(f"moving {name} (not restorable) aside to {store.root}/damaged/")
         (store.root / "damaged").mkdir(exist_ok=True)
         os.replace(store.root / name, store.root / "damaged" / f"{name}-{int(time.time())}")
     if rt.cfg.on_restart == "fresh" and rt.restart_count > 0:
@@ -89,13 +89,13 @@ def _fail(cfg: RunConfig | None, rank: int, err: CkptrunError, restarts: bool) -
     the launcher the engine); anything else is the user's to fix and is reported by the launcher,
     once, when the last attempt fails: an attempt that `restarts` says it here."""
     if isinstance(err, EngineLost):
-        print(f"ckptrun: rank {rank}: {err}; exiting so the worker restarts", file=sys.stderr, flush=True)
+        log.info(f"rank {rank}: {err}; exiting so the worker restarts")
         sys.exit(1)
     _leave_error(cfg, rank, err.exit_code, str(err))
     if restarts:
-        print(f"ckptrun: rank {rank}: {err}; restarting (--max-restarts)", file=sys.stderr, flush=True)
+        log.info(f"rank {rank}: {err}; restarting (--max-restarts)")
     elif not (cfg and cfg.engine_dir):  # no launcher to report it
-        print(f"ckptrun: error: {err}", file=sys.stderr, flush=True)
+        log.error(f"error: {err}")
     sys.exit(err.exit_code)
 
 
@@ -153,7 +153,7 @@ def main() -> None:
     except StopRun as e:
         stop = e
         if rank == 0:
-            print(f"ckptrun: stopped the script after step {e.step} ({e.reason})", file=sys.stderr, flush=True)
+            log.info(f"stopped the script after step {e.step} ({e.reason})")
     except SystemExit as e:
         if e.code not in (None, 0):  # the script's own choice: its code is the run's, no restart advice
             code = e.code if isinstance(e.code, int) else 1

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -42,6 +41,7 @@ from ..ipc.messages import (
     SlotFree,
 )
 from ..ipc.staging import map_slot
+from ..log import log
 from ..restore import replay
 from ..restore.recovery import finish_state
 from ..storage.layout import ALIGN, Layout, align, view
@@ -212,8 +212,8 @@ class Runtime:
             self.metrics.last_durable_step = max(self.metrics.last_durable_step or 0, msg.step)
         elif isinstance(msg, SaveError):
             self.save_errors.append(f"step {msg.step}: {msg.error}")
-            print(f"ckptrun: rank {self.rank}: checkpoint of step {msg.step} failed: {msg.error}; "
-                  "training goes on, the last committed step stays valid", file=sys.stderr, flush=True)
+            log.warning(f"rank {self.rank}: checkpoint of step {msg.step} failed: {msg.error}; "
+                        "training goes on, the last committed step stays valid")
             self.durable.setdefault(msg.step, threading.Event()).set()
         elif isinstance(msg, FaultKill):
             faults.die()
@@ -276,8 +276,8 @@ class Runtime:
         if self.cfg.on_restart == "fail":
             raise CkptrunError(f"{what} (--on-restart fail); {fix}", exit_code=2)
         if self.rank == 0:
-            print(f"ckptrun: warning: {what}: it will take {self.resume.step} more optimizer steps than an "
-                  f"uninterrupted run; {fix}", file=sys.stderr, flush=True)
+            log.warning(f"warning: {what}: it will take {self.resume.step} more optimizer steps than an "
+                        f"uninterrupted run; {fix}")
 
     def _gradients_final(self, step: int) -> None:
         """The gradients optimizer step `step` consumes are final: the strategy may take them."""
@@ -343,8 +343,8 @@ class Runtime:
             kv = job_store(self.restart_count, "stop")
             self._stop_at = int(kv.compare_set("step", "", str(self.step + 1)).decode())
         if self.step > self._stop_at:
-            print(f"ckptrun: rank {self.rank} is past the agreed stop step {self._stop_at} (it trains without "
-                  f"collectives); stopping after step {self.step}", file=sys.stderr, flush=True)
+            log.info(f"rank {self.rank} is past the agreed stop step {self._stop_at} (it trains without "
+                     f"collectives); stopping after step {self.step}")
         return self.step >= self._stop_at
 
     def due(self, step: int) -> bool:

@@ -10,7 +10,6 @@ it reshuffles the resumed epoch's data from the start and has no RNG state, so i
 from __future__ import annotations
 
 import json
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_same, ckptrun, load, ok, python, restore, run_events
+from conftest import assert_same, ckptrun, load, logged, ok, python, restore, run_events
 
 from ckptrun.storage.store import Store
 from ckptrun.strategies import REGISTRY
@@ -165,10 +164,9 @@ def test_a_callback_state_json_cannot_hold_is_left_out_loudly_once():
     module = SimpleNamespace(call=SimpleNamespace(_call_callbacks_state_dict=lambda trainer: {
         "Scores": {"best": torch.tensor(0.5)}, "Odd": {"handle": object()}}))
     tracker = _Tracker(rt=None, module=module)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with logged() as caught:
         first, second = tracker._callbacks(None), tracker._callbacks(None)
     assert first == second == {"Scores": {"best": {"__tensor__": "AAAAPw==", "dtype": "float32", "shape": []}}}
-    assert [str(w.message) for w in caught] == [
+    assert caught == [
         "ckptrun: the state of Lightning callback Odd holds a value of type object, which ckptrun does not checkpoint; "
         "a resumed run starts that callback afresh"]

@@ -18,7 +18,6 @@ measured costs and is re-tuned as they move.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from statistics import median
 from typing import Any
@@ -27,6 +26,7 @@ import torch
 
 from ...errors import UsageError
 from ...ipc.messages import Durable, Message, SaveError
+from ...log import log
 from ...restore.replay import densify, optimizer_params
 from ...storage.layout import TensorSpec, view
 from ...storage.schema import MAX_DIFF_SPAN
@@ -202,9 +202,8 @@ class LowDiff(Strategy):
             tensors = {k: view(buf, TensorSpec.from_json(k, spec)) for k, spec in reply["tensors"].items()}
             self.compress.load_state_dict(unflatten(reply["skeleton"], tensors))
             return
-        print(f"ckptrun: warning: resumed step {resume.step} without the top-k error-feedback residual (the "
-              "engine that held it is gone); model and optimizer state are exact, the residual restarts at zero",
-              file=sys.stderr, flush=True)
+        log.warning(f"warning: resumed step {resume.step} without the top-k error-feedback residual (the "
+                    "engine that held it is gone); model and optimizer state are exact, the residual restarts at zero")
 
     def before_step(self, step: int) -> None:
         ctx = self.ctx
@@ -252,8 +251,8 @@ class LowDiff(Strategy):
         same step, so a multi-rank run waits for the next regular full checkpoint instead."""
         if self.broken is None or self.ctx.world_size > 1:
             return False
-        print(f"ckptrun: lowdiff: {self.broken} was not saved; starting a new chain with a full checkpoint "
-              f"at step {step}", file=sys.stderr, flush=True)
+        log.info(f"lowdiff: {self.broken} was not saved; starting a new chain with a full checkpoint "
+                 f"at step {step}")
         self.ctx.emit(type="chain_restart", step=step, broken=self.broken)
         return True
 
@@ -335,6 +334,6 @@ class LowDiff(Strategy):
     def _set(self, f: int, b: int, reason: str) -> None:
         self.full_every = f if self.auto_f else self.full_every
         self.batch = min(b, MAX_DIFF_SPAN) if self.auto_b else self.batch
-        print(f"ckptrun: {reason}", file=sys.stderr, flush=True)
+        log.info(reason)
         self.ctx.emit(type="interval", strategy=self.name, full_every=self.full_every, batch=self.batch,
                              reason=reason)

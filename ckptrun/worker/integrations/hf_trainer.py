@@ -28,7 +28,6 @@ import importlib.metadata
 import itertools
 import json
 import os
-import sys
 import tempfile
 import weakref
 from collections.abc import Iterator
@@ -36,6 +35,7 @@ from typing import Any
 
 from transformers.trainer_callback import ExportableState, TrainerCallback, TrainerState
 
+from ...log import log
 from .. import discovery
 from . import LoopPosition, resumed_position
 
@@ -119,8 +119,8 @@ def install(rt: Any, module: Any) -> None:
     version = importlib.metadata.version("transformers")
     if int(version.split(".")[0]) < 5:
         if rt.rank == 0:
-            print(f"ckptrun: warning: transformers {version}: the Trainer integration needs 5.x; a restarted "
-                  "Trainer starts its loop over", file=sys.stderr, flush=True)
+            log.warning(f"warning: transformers {version}: the Trainer integration needs 5.x; a restarted "
+                        "Trainer starts its loop over")
         return
     orig = module.Trainer.train
     names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

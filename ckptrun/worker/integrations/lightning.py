@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import wrapt
 
+from ...log import log
 from . import resumed_position
 from .jsontensors import from_json, to_json
 
@@ -79,8 +80,8 @@ class _Tracker:
             except TypeError as e:  # loud, not fatal: that callback starts afresh on a resume
                 if key not in self.warned:
                     self.warned.add(key)
-                    warnings.warn(f"ckptrun: the state of Lightning callback {key} holds {e}, which ckptrun does "
-                                  "not checkpoint; a resumed run starts that callback afresh", stacklevel=2)
+                    log.warning(f"the state of Lightning callback {key} holds {e}, which ckptrun does "
+                                "not checkpoint; a resumed run starts that callback afresh")
         return out
 
     def setup_data(self, wrapped, fit_loop, args, kwargs):
