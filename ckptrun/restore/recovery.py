@@ -22,7 +22,7 @@ from ..errors import CorruptCheckpoint, StepNotAvailable, UsageError
 from ..log import log
 from ..storage.schema import DiffStep, SavedOptimizer, StateSkeleton, problem, short
 from ..storage.store import Manifest, Store
-from ..storage.tree import TENSOR, orphans_key, unflatten
+from ..storage.tree import ORPHANS, TENSOR, orphans_key, unflatten
 
 
 @dataclass
@@ -286,10 +286,13 @@ def resume_state(store: Store, plan: Plan, rank: int) -> dict:
     """What a resume at `plan.step` starts from: the base's state, with the tracked objects'
     state of `plan.step` itself when that is a diff (recorded there, not rebuilt by replay): an
     object tracked before the optimizer exists, i.e. before replay (a framework's loop position),
-    must get the resumed step's state, not the base's."""
+    must get the resumed step's state, not the base's. Module-less optimized parameters (tracked
+    under `orphans_key`) are the exception: replay rebuilds them from the base's values."""
     state = read_state(store, plan.base, rank)
     if plan.diffs:
-        state["extra"] = read_state(store, plan.diffs[-1], rank)["steps"][str(plan.step)]["extra"]
+        tracked = read_state(store, plan.diffs[-1], rank)["steps"][str(plan.step)]["extra"]
+        replayed = {k: v for k, v in state.get("extra", {}).items() if k.startswith(ORPHANS)}
+        state["extra"] = {**tracked, **replayed}
     return state
 
 

@@ -26,9 +26,12 @@ TAGS = (TENSOR, NDARRAY, FLOAT, TUPLE, ITEMS, DTYPE)
 _NOT_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # no numpy dtype: never an __ndarray__
 
 
+ORPHANS = "ckptrun.orphan_params."
+
+
 def orphans_key(optimizer: str) -> str:
     """Where an optimizer's module-less parameters are tracked (under "extra")."""
-    return f"ckptrun.orphan_params.{optimizer}"
+    return ORPHANS + optimizer
 
 
 def flatten(obj: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:

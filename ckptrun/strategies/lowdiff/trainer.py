@@ -336,4 +336,4 @@ class LowDiff(Strategy):
         self.batch = min(b, MAX_DIFF_SPAN) if self.auto_b else self.batch
         log.info(reason)
         self.ctx.emit(type="interval", strategy=self.name, full_every=self.full_every, batch=self.batch,
-                             reason=reason)
+                      reason=reason)
