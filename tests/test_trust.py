@@ -27,7 +27,7 @@ from conftest import (
 )
 
 from ckptrun.errors import AlreadyCommitted
-from ckptrun.restore.recovery import plans, restorable
+from ckptrun.restore.recovery import find, load_state, optimizer_classes, plans, restorable
 from ckptrun.storage.store import Store, full_name
 from ckptrun.strategies import REGISTRY
 
@@ -61,9 +61,10 @@ def test_rerun_of_a_finished_command_keeps_every_step(strategy, example_truth, t
     ok(ckptrun(tmp_path, "verify", "--dir", ckpt))
     after = {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("step-*/*")}
     assert {k: v for k, v in after.items() if k in before} == before, "a committed record changed"
-    assert restorable(Store(ckpt))[-1] == STEPS
-    for step in restorable(Store(ckpt)):
-        restore(tmp_path, ckpt, step)
+    store, classes = Store(ckpt), optimizer_classes()
+    assert restorable(store)[-1] == STEPS
+    for step in restorable(store):  # in-process: what `restore` assembles (the CLI is run once below)
+        load_state(store, find(store, step, classes), 0, classes)
     assert_training_state(restore(tmp_path, ckpt, STEPS)[0], example_truth(STEPS))
 
 
