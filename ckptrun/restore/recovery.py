@@ -282,29 +282,32 @@ def read_state(store: Store, m: Manifest, rank: int) -> dict:
     return unflatten(index["skeleton"], {k: t.clone() for k, t in tensors.items()})
 
 
-def resume_state(store: Store, plan: Plan, rank: int) -> dict:
-    """What a resume at `plan.step` starts from: the base's state, with the tracked objects'
-    state of `plan.step` itself when that is a diff (recorded there, not rebuilt by replay): an
-    object tracked before the optimizer exists, i.e. before replay (a framework's loop position),
-    must get the resumed step's state, not the base's. Module-less optimized parameters (tracked
-    under `orphans_key`) are the exception: replay rebuilds them from the base's values."""
+def resume_state(store: Store, plan: Plan, rank: int) -> tuple[dict, Iterator[dict] | None]:
+    """What a resume at `plan.step` starts from, and the recorded steps to replay (None without
+    diffs). The state is the base's, with the tracked objects' state of `plan.step` itself when
+    that is a diff (recorded there, not rebuilt by replay): an object tracked before the
+    optimizer exists, i.e. before replay (a framework's loop position), must get the resumed
+    step's state, not the base's. Module-less optimized parameters (tracked under `orphans_key`)
+    are the exception: replay rebuilds them from the base's values. The last diff record is read
+    once, for both."""
     state = read_state(store, plan.base, rank)
-    if plan.diffs:
-        tracked = read_state(store, plan.diffs[-1], rank)["steps"][str(plan.step)]["extra"]
-        replayed = {k: v for k, v in state.get("extra", {}).items() if k.startswith(ORPHANS)}
-        state["extra"] = {**tracked, **replayed}
-    return state
+    if not plan.diffs:
+        return state, None
+    last = read_state(store, plan.diffs[-1], rank)
+    replayed = {k: v for k, v in state.get("extra", {}).items() if k.startswith(ORPHANS)}
+    state["extra"] = {**last["steps"][str(plan.step)]["extra"], **replayed}
+    return state, diff_states(store, plan, rank, last=last)
 
 
-def diff_states(store: Store, plan: Plan, rank: int) -> Iterator[dict]:
+def diff_states(store: Store, plan: Plan, rank: int, *, last: dict | None = None) -> Iterator[dict]:
     """The recorded steps base+1..plan.step in order; the next record is read while the
-    current one is replayed."""
+    current one is replayed. `last`: the last diff record's state, if the caller read it already."""
     q: Queue = Queue(maxsize=1)
 
     def reader() -> None:
         try:
             for m in plan.diffs:
-                q.put(read_state(store, m, rank))
+                q.put(last if last is not None and m is plan.diffs[-1] else read_state(store, m, rank))
         except BaseException as e:  # handed to the consumer, which re-raises it
             q.put(e)
         q.put(None)

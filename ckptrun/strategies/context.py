@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..ipc.messages import Persist
+
 if TYPE_CHECKING:
     import torch
 
-    from ..ipc.messages import Message, Persist
+    from ..ipc.messages import Message
     from ..worker.runtime import ResumeState, Runtime, Snapshot
 
 
@@ -103,12 +105,9 @@ class StrategyContext:
     def seal(self, snap: Snapshot) -> None:
         self._rt.seal(snap)
 
-    def submit(self, snap: Snapshot, message: type[Persist] | None = None, *, wait_durable: bool = False,
+    def submit(self, snap: Snapshot, message: type[Persist] = Persist, *, wait_durable: bool = False,
                **fields: Any) -> None:
-        if message is None:
-            self._rt.submit(snap, wait_durable=wait_durable, **fields)
-        else:
-            self._rt.submit(snap, message, wait_durable=wait_durable, **fields)
+        self._rt.submit(snap, message, wait_durable=wait_durable, **fields)
 
     # ---- engine and metrics -------------------------------------------------------------
     def request(self, msg: Message) -> dict:

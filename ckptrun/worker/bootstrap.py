@@ -19,7 +19,7 @@ from ..ipc.client import EngineLost
 from ..ipc.messages import CommitPending
 from ..ipc.stdio import merge_stderr
 from ..log import log
-from ..restore.recovery import Plan, diff_states, newest_good, plans, resume_state
+from ..restore.recovery import Plan, newest_good, plans, resume_state
 from ..storage.store import Store
 from .jobstore import job_store
 from .runtime import ResumeState, Runtime, StopRun, install
@@ -129,8 +129,8 @@ def main() -> None:
                 raise CheckpointMismatch(
                     f"{cfg.dir} step {plan.step} was written by {plan.base.world_size} ranks, this run has "
                     f"{world_size}; launch {plan.base.world_size} ranks, or export it with `ckptrun restore`")
-            rt.resume = ResumeState(plan.step, plan.base.name, resume_state(store, plan, rank),
-                                    plan.base.world_size, diff_states(store, plan, rank) if plan.diffs else None)
+            state, diffs = resume_state(store, plan, rank)
+            rt.resume = ResumeState(plan.step, plan.base.name, state, plan.base.world_size, diffs)
             rt.step = rt.checkpointed_step = plan.step
         if plan is not None or restart_count > 0:
             rt.recovery_started = t_start

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointMismatch
+from ...storage.layout import dtype_from_name, dtype_name
 
 _TENSOR = "__tensor__"
 
@@ -20,8 +21,7 @@ def to_json(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
-        return {_TENSOR: base64.b64encode(raw).decode(), "dtype": str(t.dtype).removeprefix("torch."),
-                "shape": list(t.shape)}
+        return {_TENSOR: base64.b64encode(raw).decode(), "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
     if isinstance(obj, dict):
         if not all(isinstance(k, str) for k in obj):
             raise TypeError(f"a dict with non-string keys ({[k for k in obj if not isinstance(k, str)][:3]})")
@@ -43,9 +43,10 @@ def from_json(obj: Any) -> Any:
 
 
 def _tensor(spec: dict) -> torch.Tensor:
-    dtype = getattr(torch, str(spec.get("dtype")), None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointMismatch(f"a saved tensor names an unknown dtype {spec.get('dtype')!r}")
+    try:
+        dtype = dtype_from_name(str(spec.get("dtype")))
+    except ValueError:
+        raise CheckpointMismatch(f"a saved tensor names an unknown dtype {spec.get('dtype')!r}") from None
     raw = bytearray(base64.b64decode(spec[_TENSOR], validate=True))
     flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
     return flat.view(dtype).reshape(spec["shape"])
