@@ -305,7 +305,7 @@ def tune(
     from .tuning.report import print_report, to_json, write_recipe
     from .tuning.tune import choose_strategies
     from .tuning.tune import tune as run_tune
-    from .worker.autotune import DEFAULT_MTBF_S
+    from .worker.decisions import DEFAULT_MTBF_S
 
     if mtbf and failure_log:
         raise UsageError("give either --mtbf or --failure-log, not both")

@@ -36,8 +36,8 @@ class RunConfig:
     authkey: str = ""
     metrics_dir: str = ""
     final_checkpoint: bool = True
-    every_auto: bool = False  # --every auto: the interval is chosen online (ckptrun.worker.autotune)
-    mtbf: float = 0.0  # seconds, --mtbf; 0: not given (--every auto then assumes autotune.DEFAULT_MTBF_S)
+    every_auto: bool = False  # --every auto: the interval is chosen online (ckptrun.worker.decisions)
+    mtbf: float = 0.0  # seconds, --mtbf; 0: not given (--every auto then assumes decisions.DEFAULT_MTBF_S)
     max_steps: int = 0  # --max-steps: stop the script cleanly after this many optimizer steps; 0: no limit
     on_restart: str = "resume"  # --on-restart: resume | fresh | fail, for scripts that do not resume themselves
     options: dict = field(default_factory=dict)  # strategy-specific settings

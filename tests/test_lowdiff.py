@@ -17,7 +17,6 @@ import re
 import runpy
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -35,12 +34,11 @@ from conftest import (
 )
 
 from ckptrun.config import RESUME_ENV
-from ckptrun.ipc.messages import Durable
 from ckptrun.restore.export import export
 from ckptrun.storage.store import Store, diff_name, full_name, rank_files
-from ckptrun.strategies.context import StrategyContext
 from ckptrun.strategies.lowdiff.model import LowDiffCosts, optimal_fb
-from ckptrun.strategies.lowdiff.trainer import RETUNE_EVERY, LowDiff
+from ckptrun.strategies.lowdiff.policy import DEFAULT_B, DEFAULT_F, FullEveryBatch
+from ckptrun.worker.decisions import EVAL_EVERY, FIRST_EVAL, Decision, Retuner
 
 SCRIPT = Path(__file__).resolve().parent / "scripts_lowdiff" / "sgd_steplr.py"
 STEPS = 14
@@ -269,45 +267,34 @@ def test_ddp_topk_rank1_killed_resumes_exactly(tmp_path):
 
 
 # ---- (F, B) auto-tuning -----------------------------------------------------------------------
-class FakeMetrics:
-    def __init__(self) -> None:
-        self.events: list[dict] = []
-
-    def emit(self, **event: Any) -> None:
-        self.events.append(event)
-
-
-class FakeWriter:
-    """Stands in for the engine's writers: each record becomes durable at `bandwidth` bytes/s,
-    reported to the strategy as the runtime forwards the engine's `durable` events."""
-
-    def __init__(self, strategy: LowDiff, bandwidth: float) -> None:
-        self.strategy, self.bandwidth = strategy, bandwidth
-
-    def write(self, nbytes: float, times: int = 10) -> None:
-        for _ in range(times):
-            self.strategy.on_event(Durable(step=1, record=full_name(1), nbytes=int(nbytes),
-                                           write_s=nbytes / self.bandwidth))
-
-
 STEP_S, OPT_S, FULL_BYTES, DIFF_BYTES, MTBF_S = 0.1, 0.01, 100e6, 20e6, 1800.0
 
 
-def tuner(**options: str) -> LowDiff:
-    """A LowDiff strategy on a fake runtime with measured step and optimizer times and sizes."""
-    rt = SimpleNamespace(cfg=SimpleNamespace(options={"full_every": "auto", "batch": "auto", "mtbf": MTBF_S,
-                                                      **options}),
-                         metrics=FakeMetrics(), models={}, optimizers=[],
-                         capture=lambda step, background: SimpleNamespace(step=step),
-                         wait_copy=lambda snap: None, add=lambda snap, state, background=False: None)
-    s = LowDiff(StrategyContext(rt))
-    s.costs.update(step=[STEP_S] * 30, opt=[OPT_S] * 30, full_bytes=[FULL_BYTES], diff_bytes=[DIFF_BYTES] * 10)
-    return s
+class Tuned:
+    """lowdiff's (F, B) policy on the worker's re-tuner, fed what the runtime measures: steps of
+    STEP_S with an optimizer step of OPT_S, snapshot sizes, and writes at a given bandwidth."""
 
+    def __init__(self, **options: str) -> None:
+        self.changes: list[tuple[int, Decision]] = []
+        self.retuner = Retuner(MTBF_S, on_change=lambda step, policy, d: self.changes.append((step, d)))
+        self.policy = self.retuner.add(FullEveryBatch(options.get("full_every", "auto"),
+                                                      options.get("batch", "auto")))
+        self.retuner.observe_snapshot("full", int(FULL_BYTES))
+        self.retuner.observe_snapshot("diff", int(DIFF_BYTES))
+        self.step = 0
 
-def emitted(s: LowDiff) -> list[dict]:
-    """The metrics events the strategy emitted (through its context, into the fake runtime)."""
-    return s.ctx._rt.metrics.events
+    def write(self, bandwidth: float, times: int = 10) -> None:
+        for _ in range(times):
+            self.retuner.observe_write(int(FULL_BYTES), FULL_BYTES / bandwidth)
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.step += 1
+            self.retuner.after_step(self.step, {"step_s": STEP_S, "stall_s": {}, "optim_s": OPT_S})
+
+    @property
+    def fb(self) -> tuple[int, int]:
+        return self.policy.full_every, self.policy.batch
 
 
 def expected_fb(bandwidth: float) -> tuple[int, int]:
@@ -316,48 +303,56 @@ def expected_fb(bandwidth: float) -> tuple[int, int]:
                                    diff_replay_time=OPT_S, mtbf=MTBF_S))
 
 
-def test_auto_fb_follows_the_measured_write_bandwidth(capsys):
+def test_auto_fb_follows_the_measured_write_bandwidth():
     chosen = {}
     for bw in (1e9, 1e7):
-        s = tuner()
-        FakeWriter(s, bw).write(FULL_BYTES)
-        s._retune()
-        chosen[bw] = (s.full_every, s.batch)
+        t = Tuned()
+        t.write(bw)
+        t.run(FIRST_EVAL)
+        chosen[bw] = t.fb
         assert chosen[bw] == expected_fb(bw)
-        [event] = emitted(s)
-        assert (event["type"], event["full_every"], event["batch"]) == ("interval", *chosen[bw])
-        assert event["reason"].startswith("LowDiff auto:") and f"W={bw / 1e6:.0f} MB/s" in event["reason"]
-        assert event["reason"] in capsys.readouterr().err
+        [(step, decision)] = t.changes
+        assert step == FIRST_EVAL and decision.settings == {"full_every": chosen[bw][0], "batch": chosen[bw][1]}
+        assert decision.reason.startswith("LowDiff auto:") and f"W={bw / 1e6:.0f} MB/s" in decision.reason
     # Slower writes make full checkpoints dearer: fewer of them, and longer batches between.
     assert chosen[1e7][0] > chosen[1e9][0] and chosen[1e7][1] > chosen[1e9][1]
 
 
-def test_auto_fb_is_retuned_when_the_bandwidth_moves():
-    s = tuner()
-    writer = FakeWriter(s, 1e9)
-    writer.write(FULL_BYTES)
-    s._retune()
-    first = (s.full_every, s.batch)
-    s._retune()  # same inputs: no change, nothing logged
-    assert len(emitted(s)) == 1
-    writer.bandwidth = 1e7  # the storage slows down
-    writer.write(FULL_BYTES)
-    s._retune()
-    assert (s.full_every, s.batch) == expected_fb(1e7) != first
-    event = emitted(s)[-1]
-    assert (event["type"], event["full_every"], event["batch"]) == ("interval", *expected_fb(1e7))
-    assert event["reason"].startswith(f"LowDiff re-tune: full checkpoint every {first[0]}->{s.full_every} steps")
+def test_auto_fb_waits_for_measurements_and_is_retuned_when_the_bandwidth_moves():
+    t = Tuned()
+    t.run(FIRST_EVAL)  # no write timed yet: nothing to decide from
+    assert t.changes == [] and t.fb == (DEFAULT_F, DEFAULT_B)
+    t.write(1e9)
+    t.run(EVAL_EVERY - FIRST_EVAL)
+    first = t.fb
+    assert first == expected_fb(1e9) and len(t.changes) == 1
+    t.run(EVAL_EVERY)  # same inputs: no change, nothing reported
+    assert len(t.changes) == 1
+    t.write(1e7)  # the storage slows down
+    t.run(EVAL_EVERY)
+    assert t.fb == expected_fb(1e7) != first
+    step, decision = t.changes[-1]
+    assert step == 3 * EVAL_EVERY
+    assert decision.reason.startswith(f"LowDiff re-tune: full checkpoint every {first[0]}->{t.fb[0]} steps")
+
+
+def test_auto_fb_follows_rank_zero():
+    """Every rank must take full checkpoints at the same steps: the shared decision wins."""
+    t = Tuned()
+    t.retuner._share = lambda step, mine: [Decision({"full_every": 7, "batch": 2}, "rank 0 says so")]
+    t.write(1e9)
+    t.run(FIRST_EVAL)
+    assert t.fb == (7, 2)
 
 
 def test_fixed_full_every_and_batch_are_kept():
-    s = tuner(full_every="5", batch="3")
-    FakeWriter(s, 1e7).write(FULL_BYTES)
-    s.after_step(RETUNE_EVERY)  # where an auto setting would be re-tuned
-    assert (s.full_every, s.batch) == (5, 3)
-    assert emitted(s) == []
+    t = Tuned(full_every="5", batch="3")
+    t.write(1e7)
+    t.run(2 * EVAL_EVERY)  # where an auto setting would be re-tuned
+    assert t.fb == (5, 3) and t.changes == []
 
-    s = tuner(full_every="5")  # only the batch is free: optimised given F, so never above F
-    FakeWriter(s, 1e7).write(FULL_BYTES)
-    s._retune()
-    assert s.full_every == 5 and 1 <= s.batch <= 5
-    assert all(e["full_every"] == 5 and e["batch"] <= 5 for e in emitted(s))
+    t = Tuned(full_every="5")  # only the batch is free: optimised given F, so never above F
+    t.write(1e7)
+    t.run(2 * EVAL_EVERY)
+    assert t.policy.full_every == 5 and 1 <= t.policy.batch <= 5
+    assert t.changes and all(d.settings["full_every"] == 5 and d.settings["batch"] <= 5 for _, d in t.changes)

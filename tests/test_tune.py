@@ -17,7 +17,7 @@ from ckptrun.launcher import run as launcher
 from ckptrun.storage.store import Store
 from ckptrun.strategies import REGISTRY
 from ckptrun.tuning.intervals import daly_interval, young_interval
-from ckptrun.worker.autotune import FIRST_EVAL, Decision, IntervalPolicy
+from ckptrun.worker.decisions import FIRST_EVAL, DalyInterval, Decision, PersistBound, Retuner
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 SMALL = ["--layers", "1", "--d-model", "32", "--threads", "1"]
@@ -174,56 +174,61 @@ def test_max_steps_stops_after_a_complete_step(tmp_path, example_truth):
 
 
 class Trainer:
-    """Drives a policy as the runtime does: a step takes `step_s` plus `delta_s` when it hands a
-    checkpoint over (the step after its capture)."""
+    """Drives `--every auto` as the runtime does: a step takes `step_s` plus `delta_s` when it
+    hands a checkpoint over (the step after its capture)."""
 
-    def __init__(self, policy: IntervalPolicy) -> None:
-        self.policy, self.step, self.pending = policy, 0, False
+    def __init__(self, retuner: Retuner) -> None:
+        self.retuner, self.policy, self.step, self.pending = retuner, retuner.policies[0], 0, False
 
     def run(self, n: int, step_s: float, delta_s: float) -> None:
         for _ in range(n):
             self.step += 1
             stall = delta_s if self.pending else 0.0
             self.pending = self.policy.due(self.step)
-            self.policy.after_step(self.step, {"step_s": step_s + stall, "stall_s": {"snapshot": stall},
-                                               "last_snapshot_step": self.step if self.pending else None})
+            self.retuner.after_step(self.step, {"step_s": step_s + stall, "stall_s": {"snapshot": stall},
+                                                "last_snapshot_step": self.step if self.pending else None})
 
 
-def policy_with_log(mtbf_s: float = 3600.0) -> tuple[IntervalPolicy, list[tuple[int, Decision]]]:
+def every_auto(mtbf_s: float = 3600.0) -> tuple[Trainer, list[tuple[int, Decision]]]:
     log: list[tuple[int, Decision]] = []
-    return IntervalPolicy(mtbf_s, on_change=lambda step, d: log.append((step, d))), log
+    retuner = Retuner(mtbf_s, on_change=lambda step, policy, d: log.append((step, d)))
+    retuner.add(PersistBound(DalyInterval()))
+    return Trainer(retuner), log
 
 
 def test_every_auto_starts_from_the_first_estimate_and_follows_the_cost():
-    policy, log = policy_with_log()
-    trainer = Trainer(policy)
+    trainer, log = every_auto()
     trainer.run(FIRST_EVAL, 0.1, 0.002)  # δ = 2 ms: Daly ≈ sqrt(2·0.002·3600) = 3.8 s = 38 steps
-    assert policy.every == round(daly_interval(0.002, 3600) / 0.1) == 38
+    assert trainer.policy.every == round(daly_interval(0.002, 3600) / 0.1) == 38
     assert log[0][0] == FIRST_EVAL and "every 1 -> 38 steps" in log[0][1].reason
     trainer.run(200, 0.1, 0.002)
     assert len(log) == 1  # unchanged costs: no flapping
     trainer.run(1000, 0.1, 0.032)  # a 16x costlier checkpoint: the interval grows about 4x
-    assert policy.every == round(daly_interval(0.032, 3600) / 0.1) == 152
+    assert trainer.policy.every == round(daly_interval(0.032, 3600) / 0.1) == 152
     step, decision = log[-1]
     assert f"-> 152 steps at step {step}: " in decision.reason and "checkpoint cost 32ms" in decision.reason
 
 
 def test_every_auto_respects_the_checkfreq_bound_and_ignores_noise():
-    policy, log = policy_with_log()
-    trainer = Trainer(policy)
+    trainer, log = every_auto()
     trainer.run(FIRST_EVAL, 0.1, 0.002)
-    policy.observe_write(9.0)  # persisting takes 9 s: at least 90 steps between checkpoints
+    trainer.retuner.observe_write(10**6, 9.0)  # persisting takes 9 s: at least 90 steps between checkpoints
     trainer.run(50, 0.1, 0.002)
-    assert policy.every == 90 and "CheckFreq bound of 90 steps" in log[-1][1].reason
-    quiet, qlog = policy_with_log()
-    trainer = Trainer(quiet)
+    assert trainer.policy.every == 90 and "CheckFreq bound of 90 steps" in log[-1][1].reason
+    trainer, qlog = every_auto()
     trainer.run(FIRST_EVAL, 0.1, 0.002)
     trainer.run(300, 0.1, 0.0024)  # +20% cost moves Daly's interval by ~10%: kept
-    assert quiet.every == 38 and len(qlog) == 1
+    assert trainer.policy.every == 38 and len(qlog) == 1
 
 
 def test_every_auto_adopts_the_shared_decision_of_rank_zero():
-    decided = Decision(7, "rank 0 says so")
-    policy = IntervalPolicy(3600.0, share=lambda step, mine: decided)
-    Trainer(policy).run(FIRST_EVAL, 0.1, 0.002)
-    assert policy.every == 7
+    trainer, _ = every_auto()
+    trainer.retuner._share = lambda step, mine: [Decision({"every": 7}, "rank 0 says so")]
+    trainer.run(FIRST_EVAL, 0.1, 0.002)
+    assert trainer.policy.every == 7
+
+
+def test_decisions_travel_between_ranks_as_json():
+    """What rank 0 publishes in the job store is what the other ranks adopt."""
+    d = Decision({"full_every": 12, "batch": 3}, "because")
+    assert Decision.from_json(json.loads(json.dumps(d.to_json()))) == d

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..ipc.messages import Message
+    from ..worker.decisions import SavePolicy
     from ..worker.runtime import ResumeState, Runtime, Snapshot
 
 
@@ -88,6 +89,12 @@ class StrategyContext:
     def due(self, step: int) -> bool:
         """Is a checkpoint of `step` due (interval, --every auto, a stop after this step)?"""
         return self._rt.due(step)
+
+    def policy(self, policy: SavePolicy) -> SavePolicy:
+        """Register the strategy's own save decision (ckptrun/worker/decisions.py) with the
+        worker's re-tuner: it is fed the same measurements, re-decided at the same steps and
+        agreed across ranks; changes are logged and recorded. Call from `__init__`."""
+        return self._rt.retuner.add(policy)
 
     # ---- snapshots ----------------------------------------------------------------------
     def capture(self, step: int, *, background: bool) -> Snapshot:

@@ -49,7 +49,7 @@ from ..storage.store import full_name
 from ..storage.tree import flatten, orphans_key
 from ..strategies import REGISTRY
 from ..strategies.context import StrategyContext
-from . import autotune, discovery
+from . import decisions, discovery
 from .metrics import WorkerMetrics
 
 _current: Runtime | None = None
@@ -174,7 +174,7 @@ class Runtime:
         self.optimizer_info: dict[str, dict] = {}
         self.metrics = WorkerMetrics(cfg.metrics_dir, rank)
         self.fault = faults.from_env(rank, restart_count)
-        self.autotune = autotune.for_runtime(self) if cfg.every_auto else None
+        self.retuner, self.interval = decisions.for_runtime(self)
         self._optim_t0 = 0.0
         self.slots = SlotPool()
         self.lost = threading.Event()
@@ -206,8 +206,7 @@ class Runtime:
                 self.client.send(Retire(slots=[msg.slot]))
         elif isinstance(msg, Durable):  # this rank's bytes are on disk; the step counts once committed
             self.durable.setdefault(msg.step, threading.Event()).set()
-            if self.autotune is not None and msg.write_s:
-                self.autotune.observe_write(msg.write_s)
+            self.retuner.observe_write(msg.nbytes, msg.write_s)
         elif isinstance(msg, Committed):
             self.metrics.last_durable_step = max(self.metrics.last_durable_step or 0, msg.step)
         elif isinstance(msg, SaveError):
@@ -324,8 +323,7 @@ class Runtime:
             self.recovery_started = None
         self.metrics.inflight = self.slots.inflight
         record = self.metrics.end_step(self.step)
-        if self.autotune is not None:
-            self.autotune.after_step(self.step, record)
+        self.retuner.after_step(self.step, record)
 
     def _stop_here(self) -> bool:
         """After SIGTERM/SIGINT: is the step just finished the one every rank stops after?
@@ -351,7 +349,7 @@ class Runtime:
         """Is a checkpoint of `step` due? Always for the step the run stops after."""
         if self._stopping is not None:
             return True
-        return self.autotune.due(step) if self.autotune is not None else step % self.cfg.every == 0
+        return self.interval.due(step)
 
     def stall(self, cause: str, since: float) -> None:
         self.metrics.add_stall(cause, time.perf_counter() - since)
@@ -645,6 +643,7 @@ class Runtime:
         self.client.send(message(slot=snap.slot, nbytes=snap.nbytes, spec=spec, **fields))
         self.metrics.bytes += snap.nbytes
         self._sizes[snap.kind] = snap.nbytes
+        self.retuner.observe_snapshot(snap.kind, snap.nbytes)
         if self.fault and self.fault.target == "kill" and self.fault.phase == "write" \
                 and self.fault.step == snap.step and not wait_durable:
             done.wait()  # the engine kills us mid-write (fault_kill) before this returns

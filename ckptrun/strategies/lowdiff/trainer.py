@@ -18,18 +18,15 @@ measured costs and is re-tuned as they move.
 from __future__ import annotations
 
 import math
-import time
-from statistics import median
 from typing import Any
 
 import torch
 
 from ...errors import UsageError
-from ...ipc.messages import Durable, Message, SaveError
+from ...ipc.messages import Message, SaveError
 from ...log import log
 from ...restore.replay import densify, optimizer_params
 from ...storage.layout import TensorSpec, view
-from ...storage.schema import MAX_DIFF_SPAN
 from ...storage.store import full_name
 from ...storage.tree import unflatten
 from ...worker import discovery
@@ -37,11 +34,9 @@ from ...worker.runtime import Snapshot
 from ..base import Strategy
 from ..context import StrategyContext
 from .messages import Diff, Residual
-from .model import LowDiffCosts, optimal_fb_given, retune
+from .policy import FullEveryBatch
 
-DEFAULT_F, DEFAULT_B = 50, 4
 SAMPLE = 10_000  # values sampled to estimate the top-k threshold of a large tensor
-RETUNE_EVERY = 25
 
 
 class TopK:
@@ -153,31 +148,19 @@ class LowDiff(Strategy):
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         opts = ctx.options
-        self.auto_f = opts.get("full_every", "auto") == "auto"
-        self.auto_b = opts.get("batch", "auto") == "auto"
-        self.full_every = DEFAULT_F if self.auto_f else int(opts["full_every"])
-        self.batch = DEFAULT_B if self.auto_b else int(opts["batch"])
-        if self.full_every < 1 or self.batch < 1:
-            raise UsageError("--full-every and --batch must be at least 1 (or auto)")
-        if self.batch > MAX_DIFF_SPAN:  # a reader refuses longer diff records (schema)
-            raise UsageError(f"--batch must be at most {MAX_DIFF_SPAN}")
-        self.mtbf = float(opts.get("mtbf", 3600.0))
+        self.fb = ctx.policy(FullEveryBatch(opts.get("full_every") or "auto", opts.get("batch") or "auto"))
         self.compress = TopK.parse(opts["compress"]) if opts.get("compress") else None
         self.base: str | None = None
         self.pending_full: Snapshot | None = None
         self.pending_diff: Snapshot | None = None
         self.diff_base: str | None = None
         self._buffer_keys: dict[str, list[str]] | None = None
-        self._opt_t0 = 0.0
-        self.costs: dict[str, list[float]] = {"step": [], "opt": [], "full_bytes": [], "diff_bytes": [],
-                                              "bw": []}
-        self._last_post = None
         self.ddp_compressed = False
         self._residual: dict = {}  # the top-k residual as it was right after the pending diff's step
         self.broken: str | None = None  # a record of the current chain that failed to save
 
     def settings(self) -> dict:
-        return {"full_every": self.full_every, "batch": self.batch, "auto": self.auto_f or self.auto_b,
+        return {**self.fb.settings, "auto": self.fb.adjustable,
                 "compress": self.ctx.options.get("compress") or "none"}
 
     # ---- hooks -------------------------------------------------------------------------
@@ -221,28 +204,18 @@ class LowDiff(Strategy):
         self.pending_diff = ctx.begin(step, "diff", prefix=f"s{step}")
         self.diff_base = self.base
         ctx.add(self.pending_diff, diff, background=True)
-        self._opt_t0 = time.perf_counter()
 
     def after_step(self, step: int) -> None:
         ctx = self.ctx
-        now = time.perf_counter()
-        self.costs["opt"].append(now - self._opt_t0)
-        if self._last_post is not None:
-            self.costs["step"].append(now - self._last_post)
-        self._last_post = now
         ctx.wait_copy(self.pending_diff)  # the next backward may overwrite these gradients
         ctx.add(self.pending_diff, self._post_state())
         if self.compress:  # residual tensors are replaced, never modified: references suffice
             self._residual = self.compress.state_dict()
-        if step % self.full_every == 0 or self._restart_chain(step):
+        if self.fb.due(step) or self._restart_chain(step):
             self._take_full(step)
-        if (self.auto_f or self.auto_b) and step % RETUNE_EVERY == 0:
-            self._retune()
 
     def on_event(self, msg: Message) -> None:
-        if isinstance(msg, Durable) and msg.write_s:
-            self.costs["bw"].append(msg.nbytes / max(msg.write_s, 1e-9))
-        elif isinstance(msg, SaveError):
+        if isinstance(msg, SaveError):
             self.broken = msg.record or f"step {msg.step}"
 
     def _restart_chain(self, step: int) -> bool:
@@ -289,51 +262,12 @@ class LowDiff(Strategy):
         if self.pending_full is not None:
             snap, self.pending_full = self.pending_full, None
             ctx.seal(snap)
-            self.costs["full_bytes"].append(snap.nbytes)
             ctx.submit(snap)
         if self.pending_diff is not None:
             snap, self.pending_diff = self.pending_diff, None
             ctx.seal(snap)
             disk = snap.nbytes
-            self.costs["diff_bytes"].append(disk)
             if self.compress:  # the tail of the slot: kept in the engine's memory, not written
                 ctx.add(snap, {"volatile": self._residual})
                 ctx.wait_copy(snap)
-            ctx.submit(snap, Diff, base=self.diff_base, batch=self.batch, disk_nbytes=disk)
-
-    def _retune(self) -> None:
-        c = self.costs
-        if not (c["step"] and c["full_bytes"] and c["bw"] and c["opt"]):
-            return
-        bw = median(c["bw"][-10:])
-        costs = LowDiffCosts(step_time=median(c["step"][-50:]), full_ckpt_bytes=c["full_bytes"][-1],
-                             diff_bytes=median(c["diff_bytes"][-10:]), write_bandwidth=bw,
-                             full_load_time=c["full_bytes"][-1] / bw, diff_replay_time=median(c["opt"][-50:]),
-                             mtbf=self.mtbf)
-        prev = (self.full_every, self.batch)
-        if prev == (DEFAULT_F, DEFAULT_B) and self._first_tune(costs):
-            return
-        (f, b), reason = retune(prev, costs, **self._fixed())
-        if reason:
-            self._set(f, b, reason)
-
-    def _fixed(self) -> dict:
-        """The values the user set: the tuner optimises only the other one."""
-        return {"fixed_f": None if self.auto_f else self.full_every, "fixed_b": None if self.auto_b else self.batch}
-
-    def _first_tune(self, costs: LowDiffCosts) -> bool:
-        fixed = self._fixed()
-        f, b = optimal_fb_given(costs, f=fixed["fixed_f"], b=fixed["fixed_b"])
-        if (f, b) == (self.full_every, self.batch):
-            return False
-        self._set(f, b, f"LowDiff auto: full checkpoint every {f} steps, batch {b} diffs from measured costs "
-                        f"(eq. 10: S={costs.full_ckpt_bytes / 1e6:.1f} MB, W={costs.write_bandwidth / 1e6:.0f} MB/s, "
-                        f"R_D={costs.diff_replay_time * 1e3:.1f} ms, MTBF={costs.mtbf:.0f} s)")
-        return True
-
-    def _set(self, f: int, b: int, reason: str) -> None:
-        self.full_every = f if self.auto_f else self.full_every
-        self.batch = min(b, MAX_DIFF_SPAN) if self.auto_b else self.batch
-        log.info(reason)
-        self.ctx.emit(type="interval", strategy=self.name, full_every=self.full_every, batch=self.batch,
-                      reason=reason)
+            ctx.submit(snap, Diff, base=self.diff_base, batch=self.fb.batch, disk_nbytes=disk)

@@ -1,0 +1,61 @@
+"""LowDiff's save decision: a full checkpoint every F steps, B diffs per written record; an
+`auto` F or B follows eq. (10) (`model.py`) from the re-tuner's measurements and is re-tuned as
+they move (§VII-A)."""
+
+from __future__ import annotations
+
+from ...errors import UsageError
+from ...storage.schema import MAX_DIFF_SPAN
+from ...worker.decisions import Decision, Measured, SavePolicy
+from .model import LowDiffCosts, optimal_fb_given, retune
+
+DEFAULT_F, DEFAULT_B = 50, 4
+
+
+class FullEveryBatch(SavePolicy):
+    def __init__(self, full_every: str | int = "auto", batch: str | int = "auto") -> None:
+        self.auto_f, self.auto_b = full_every == "auto", batch == "auto"
+        self.full_every = DEFAULT_F if self.auto_f else int(full_every)
+        self.batch = DEFAULT_B if self.auto_b else int(batch)
+        if self.full_every < 1 or self.batch < 1:
+            raise UsageError("--full-every and --batch must be at least 1 (or auto)")
+        if self.batch > MAX_DIFF_SPAN:  # a reader refuses longer diff records (schema)
+            raise UsageError(f"--batch must be at most {MAX_DIFF_SPAN}")
+        self.adjustable = self.auto_f or self.auto_b
+        self._tuned = False
+
+    @property
+    def settings(self) -> dict[str, int]:
+        return {"full_every": self.full_every, "batch": self.batch}
+
+    def due(self, step: int) -> bool:
+        """Is a full checkpoint due after `step`?"""
+        return step % self.full_every == 0
+
+    def costs(self, m: Measured) -> LowDiffCosts | None:
+        """Eq. (8)'s inputs, once a full checkpoint and a diff were sized and a write timed."""
+        full, diff = m.sizes.get("full"), m.sizes.get("diff")
+        if not (m.iter_s and full and diff and m.write_bw and m.optim_s):
+            return None
+        return LowDiffCosts(step_time=m.iter_s, full_ckpt_bytes=full, diff_bytes=diff, write_bandwidth=m.write_bw,
+                            full_load_time=full / m.write_bw, diff_replay_time=m.optim_s, mtbf=m.mtbf_s)
+
+    def propose(self, measured: Measured, step: int) -> Decision | None:
+        costs = self.costs(measured)
+        if costs is None:
+            return None
+        fixed = {"fixed_f": None if self.auto_f else self.full_every, "fixed_b": None if self.auto_b else self.batch}
+        if not self._tuned:
+            f, b = optimal_fb_given(costs, f=fixed["fixed_f"], b=fixed["fixed_b"])
+            reason = (f"LowDiff auto: full checkpoint every {f} steps, batch {b} diffs from measured costs "
+                      f"(eq. 10: S={costs.full_ckpt_bytes / 1e6:.1f} MB, W={costs.write_bandwidth / 1e6:.0f} MB/s, "
+                      f"R_D={costs.diff_replay_time * 1e3:.1f} ms, MTBF={costs.mtbf:.0f} s)")
+        else:
+            (f, b), reason = retune((self.full_every, self.batch), costs, **fixed)
+            if reason is None:
+                return None
+        return Decision({"full_every": f, "batch": min(b, MAX_DIFF_SPAN)}, reason)
+
+    def adopt(self, decision: Decision) -> None:
+        self._tuned = True
+        self.full_every, self.batch = decision.settings["full_every"], decision.settings["batch"]
