@@ -47,7 +47,7 @@ def commit(store: Store, step: int, state: dict) -> None:
 
 def stored(store: Store, step: int) -> dict:
     """The state of committed `step`, read through the checksummed path."""
-    index, tensors = store.read_rank(full_name(step), 0)
+    index, tensors = store.read_rank(store.manifest(full_name(step)), 0)
     return unflatten(index["skeleton"], tensors)
 
 

@@ -278,7 +278,7 @@ def _ranges(steps: list[int]) -> str:
 
 def read_state(store: Store, m: Manifest, rank: int) -> dict:
     """The nested state of `rank` in record `m` (tensors are private copies)."""
-    index, tensors = store.read_rank(m.name, rank)
+    index, tensors = store.read_rank(m, rank)
     return unflatten(index["skeleton"], {k: t.clone() for k, t in tensors.items()})
 
 

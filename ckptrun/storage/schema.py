@@ -80,9 +80,13 @@ class Manifest:
     meta: dict[str, Any] = field(default_factory=dict)
     index_checksums: dict[str, Checksum] = field(default_factory=dict)
     committed_at: float = 0.0
+    # Where the ranks' bytes lie: "records" (this record's directory) or "region" (slots of the
+    # per-rank region files, storage/region.py; such manifests are read from the slots, never a file).
+    layout: Literal["records", "region"] = "records"
 
     def to_json(self) -> dict:
         body = asdict(self)
+        del body["layout"]
         body["format"] = FORMAT
         body["checksum"] = checksum(json.dumps(body, sort_keys=True).encode())
         return body

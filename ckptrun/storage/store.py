@@ -1,5 +1,10 @@
 """The checkpoint directory: immutable records, per-rank raw data + JSON index, atomic commit.
 
+Readers (`ls`, `verify`, `restore`, resume, retention) see committed steps as `Manifest`s and
+never learn where the bytes lie: in a record directory (below) or in a slot of the per-rank
+region files (`storage/region.py`, layout "region"). Both give a rank's index (the same checked
+JSON) and a descriptor plus offset of its data (`open_rank`).
+
 A record is a directory (`step-00000010` for a full checkpoint, `diff-00000011-00000015` for a
 differential batch). Each rank publishes `rank-NNNNN.data` (4 KiB-aligned raw tensor bytes) and
 `rank-NNNNN.json` (dtype/shape/offset/xxh3 per tensor and the JSON skeleton of everything
@@ -26,6 +31,7 @@ from pydantic import ValidationError
 from ..errors import AlreadyCommitted, CkptrunError, CorruptCheckpoint
 from ..log import log
 from .fsutil import FaultHook, _no_fault, fsync_dir, publish_bytes, publish_json
+from .region import Regions
 from .schema import (
     FORMAT,
     MAX_METADATA_BYTES,
@@ -85,6 +91,7 @@ class Store:
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
+        self.regions = Regions(self.root)
         self._ranks_ok: set[tuple[str, int]] = set()  # committed records whose rank files match world_size
 
     @classmethod
@@ -267,6 +274,8 @@ class Store:
             raise CorruptCheckpoint(f"{name}: manifest is not valid JSON") from None
         if m.name != name:
             raise CorruptCheckpoint(f"{name}: manifest names another record ({m.name})")
+        if m.layout != "records":
+            raise CorruptCheckpoint(f"{name}: a record directory's manifest claims layout {m.layout}")
         return m
 
     def _records(self) -> list[tuple[str, bool]]:
@@ -278,7 +287,8 @@ class Store:
                           if is_record_name(e.name) and (e.is_symlink() or e.is_dir(follow_symlinks=False)))
 
     def _scan(self) -> tuple[list[Manifest], dict[str, str]]:
-        """(readable manifests oldest first, {record: problem} of records that fail their checks)."""
+        """(readable manifests oldest first, {record: problem} of records that fail their checks).
+        A step held both by a record directory and by region slots is listed once (the directory)."""
         good, bad = [], {}
         for name, real in self._records():
             if not real:
@@ -288,6 +298,10 @@ class Store:
                     good.append(self.manifest(name))
                 except CorruptCheckpoint as e:
                     bad[name] = str(e)
+        in_region, region_bad = self.regions.scan()
+        names = {m.name for m in good} | set(bad)
+        good += [m for m in in_region if m.name not in names]
+        bad.update(region_bad)
         return sorted(good, key=lambda m: (m.step, m.kind != "full")), bad
 
     def manifests(self, *, warn: bool = True) -> list[Manifest]:
@@ -308,7 +322,10 @@ class Store:
         m = manifest or self.manifest(name)
         if not 0 <= rank < m.world_size:
             raise CorruptCheckpoint(f"{name}: has no rank {rank} (world_size {m.world_size})")
-        raw = self._read_metadata(name, rank_files(rank)[1], f"rank {rank} index")
+        if m.layout == "region":
+            raw = self.regions.copy(m, rank).index_raw
+        else:
+            raw = self._read_metadata(name, rank_files(rank)[1], f"rank {rank} index")
         if m.index_checksums.get(str(rank)) != checksum(raw):
             raise CorruptCheckpoint(f"{name}: rank {rank} index checksum mismatch")
         try:
@@ -329,7 +346,7 @@ class Store:
         return body
 
     def _check_ranks(self, m: Manifest) -> None:
-        if (m.name, m.world_size) in self._ranks_ok:
+        if m.layout != "records" or (m.name, m.world_size) in self._ranks_ok:
             return
         present = self.ranks_present(m.name)
         if present != list(range(m.world_size)):
@@ -337,35 +354,42 @@ class Store:
                                     f"{len(present)} rank index file(s)")
         self._ranks_ok.add((m.name, m.world_size))
 
-    def open_rank(self, m: Manifest, rank: int) -> tuple[dict, int]:
-        """(index, open data file) of one rank of committed record `m` after every check that does
-        not read tensor bytes: restore and verify both start here, so they cannot disagree."""
+    def open_rank(self, m: Manifest, rank: int) -> tuple[dict, int, int]:
+        """(index, open data file, offset of the data in it) of one rank of committed record `m`
+        after every check that does not read tensor bytes: restore and verify both start here, so
+        they cannot disagree. Tensor offsets in the index are relative to that offset."""
         self._check_ranks(m)
         index = self.read_index(m.name, rank, m)
+        if m.layout == "region":
+            fd, base = self.regions.open_data(m, rank, index["data_nbytes"])
+            return index, fd, base
         fd = self._open(m.name, index["data"], f"rank {rank} data file")
         size = os.fstat(fd).st_size
         if size != index["data_nbytes"]:
             os.close(fd)
             raise CorruptCheckpoint(f"{m.name}: rank {rank} data file is {size} bytes, its index says "
                                     f"{index['data_nbytes']} (truncated or replaced)")
-        return index, fd
+        return index, fd, 0
 
-    def read_rank(self, name: str, rank: int, *, verify: bool = True) -> tuple[dict, dict]:
+    def read_rank(self, m: Manifest, rank: int, *, verify: bool = True) -> tuple[dict, dict]:
         """(index, tensors) of one rank of a committed record; raises CorruptCheckpoint."""
         import torch
 
         from .layout import TensorSpec, view
 
-        index, fd = self.open_rank(self.manifest(name), rank)
+        name = m.name
+        index, fd, base = self.open_rank(m, rank)
         buf = torch.empty(index["data_nbytes"], dtype=torch.uint8)
-        with os.fdopen(fd, "rb", buffering=0) as f:
+        try:
             raw = memoryview(buf.numpy()) if len(buf) else memoryview(b"")
             done = 0
             while done < len(raw):
-                n = f.readinto(raw[done:])
+                n = os.preadv(fd, [raw[done:]], base + done)
                 if not n:
                     raise CorruptCheckpoint(f"{name}: rank {rank} data file shrank while being read")
                 done += n
+        finally:
+            os.close(fd)
         tensors = {}
         for key, spec in index["tensors"].items():
             if verify and checksum(raw[spec["offset"] : spec["offset"] + spec["nbytes"]]) != spec["xxh3"]:
@@ -382,12 +406,12 @@ class Store:
         total = 0
         for r in range(m.world_size):
             try:
-                index, fd = self.open_rank(m, r)
+                index, fd, base = self.open_rank(m, r)
                 total += index["data_nbytes"]
                 with os.fdopen(fd, "rb", buffering=0):
                     problems += [f"{m.name}: rank {r} tensor {k!r} checksum mismatch"
                                  for k, s in index["tensors"].items()
-                                 if _hash_range(fd, s["offset"], s["nbytes"]) != s["xxh3"]]
+                                 if _hash_range(fd, base + s["offset"], s["nbytes"]) != s["xxh3"]]
             except CorruptCheckpoint as e:
                 return [*problems, str(e)]
             except OSError as e:
@@ -436,8 +460,8 @@ class Store:
             for m in reversed(ms):  # newest first, so chains pull in their whole ancestry
                 if m.name in kept:
                     kept |= set(m.depends_on)
-            for m in ms:
-                if m.name not in kept:
+            for m in ms:  # region slots are reused by their writer, never removed from here
+                if m.name not in kept and m.layout == "records":
                     self.remove(m.name)
                     removed.append(m.name)
         newest = ms[-1].step
