@@ -9,7 +9,6 @@ record is skipped with a warning and the newest good step before it is used.
 from __future__ import annotations
 
 import importlib
-import math
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -165,13 +164,15 @@ def _diff_fits(store: Store, diff: Manifest, rank: int, classes: dict[str, type]
 
 def _grad_fits(grad: Any, shape: list[int], tensors: dict[str, dict]) -> bool:
     """A recorded gradient (replay.decode_grad): a tensor of the parameter's shape, or a sparse
-    {"idx", "val"} pair of tensors with as many indices as values."""
+    {"idx", "val"} pair: as many int32/int64 indices as values, in two 1-D tensors (whether each
+    index lies inside the parameter is a value, checked by replay.densify)."""
     def spec(ref: Any) -> dict | None:
         return tensors[ref[TENSOR]] if isinstance(ref, dict) and TENSOR in ref else None
 
     if isinstance(grad, dict) and set(grad) == {"idx", "val"}:
         idx, val = spec(grad["idx"]), spec(grad["val"])
-        return idx is not None and val is not None and math.prod(idx["shape"]) == math.prod(val["shape"])
+        return idx is not None and val is not None and idx["dtype"] in ("int32", "int64") \
+            and len(idx["shape"]) == 1 and idx["shape"] == val["shape"]
     dense = spec(grad)
     return dense is not None and dense["shape"] == shape
 

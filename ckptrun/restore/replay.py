@@ -17,17 +17,28 @@ SPARSE = "sparse"
 
 
 def densify(idx: torch.Tensor, val: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The dense gradient a sparse (indices, values) pair stands for: zeros, then scatter."""
+    """The dense gradient a sparse (indices, values) pair stands for: zeros, then scatter. A pair
+    training cannot have recorded is refused: indexing would wrap a negative index, truncate a
+    float one and broadcast a single value."""
+    if idx.dtype not in (torch.int32, torch.int64) or idx.dim() != 1 or val.shape != idx.shape:
+        raise ValueError(f"sparse gradient: {idx.dtype} indices of shape {tuple(idx.shape)} for values of shape "
+                         f"{tuple(val.shape)}; expected as many int32/int64 indices as values")
+    if idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < like.numel()):
+        raise ValueError(f"sparse gradient: indices outside a parameter of {like.numel()} elements")
     out = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
     out[idx.to(device=like.device, dtype=torch.long)] = val.to(device=like.device, dtype=like.dtype)
     return out.view_as(like)
 
 
 def decode_grad(recorded: Any, param: torch.Tensor) -> torch.Tensor | None:
+    """A recorded gradient as `param`'s dense gradient; ValueError where it does not fit `param`."""
     if recorded is None:
         return None
     if isinstance(recorded, dict):
         return densify(recorded["idx"], recorded["val"], param)
+    if recorded.shape != param.shape:
+        raise ValueError(f"recorded gradient of shape {tuple(recorded.shape)} for a parameter of shape "
+                         f"{tuple(param.shape)}")
     return recorded.to(device=param.device, dtype=param.dtype)
 
 
@@ -36,12 +47,17 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def apply_diff(optimizer: torch.optim.Optimizer, diff: dict) -> None:
-    """One recorded step: its hyper-parameters, its gradients, then optimizer.step()."""
+    """One recorded step: its hyper-parameters, its gradients, then optimizer.step(). A diff that
+    does not fit the optimizer is refused (ValueError) before anything changes."""
+    params = optimizer_params(optimizer)
+    if len(diff["groups"]) != len(optimizer.param_groups) or len(diff["grads"]) != len(params):
+        raise ValueError(f"diff of {len(diff['grads'])} gradients in {len(diff['groups'])} groups for an optimizer "
+                         f"of {len(params)} parameters in {len(optimizer.param_groups)}")
+    grads = [decode_grad(g, p) for p, g in zip(params, diff["grads"], strict=True)]
     for group, hp in zip(optimizer.param_groups, diff["groups"], strict=True):
         group.update(hp)
-    params = optimizer_params(optimizer)
-    for p, g in zip(params, diff["grads"], strict=True):
-        p.grad = decode_grad(g, p)
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
     with torch.no_grad():
         optimizer.step()
     for p in params:

@@ -1,16 +1,23 @@
 """The strategy registry: name -> where its trainer side (and engine side, if any) lives.
 
 Entries are import paths so that neither the CLI nor the engine imports torch to list them.
+Strategies outside the package register an `Entry` under the entry-point group
+`ckptrun.strategies` (docs/architecture.md, "Adding a strategy").
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 
+from ..log import log
 from . import lowdiff
 from .options import Option
+
+GROUP = "ckptrun.strategies"
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,7 @@ def _attr(path: str):
     return getattr(importlib.import_module(module), name)
 
 
-REGISTRY: dict[str, Entry] = {
+BUILTIN: dict[str, Entry] = {
     "sync": Entry("ckptrun.strategies.sync:Sync",
                   "blocking write on the training path (the torch.save baseline)"),
     "checkfreq": Entry("ckptrun.strategies.checkfreq:CheckFreq",
@@ -51,14 +58,41 @@ REGISTRY: dict[str, Entry] = {
 }
 
 
+@functools.cache
+def registry() -> dict[str, Entry]:
+    """The built-in strategies, then each entry point of GROUP that names an `Entry` (read once per
+    process: the launcher and its workers, on the same path, agree); one that does not load,
+    or takes a name already used, is left out with a warning rather than breaking every command."""
+    found = dict(BUILTIN)
+    for ep in entry_points(group=GROUP):
+        try:
+            entry = ep.load()
+        except Exception as e:  # a third party's module: any error it raises
+            log.warning(f"warning: strategy {ep.name!r} ({ep.value}) left out: {type(e).__name__}: {e}")
+            continue
+        if ep.name in found or not isinstance(entry, Entry):
+            why = "the name is taken" if ep.name in found else f"{ep.value} is not a ckptrun.strategies.Entry"
+            log.warning(f"warning: strategy {ep.name!r} left out: {why}")
+            continue
+        found[ep.name] = entry
+    return found
+
+
+def __getattr__(name: str) -> dict[str, Entry]:
+    """`REGISTRY` is built on first use, not on import: a strategy's entry module imports this package."""
+    if name == "REGISTRY":
+        return registry()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def names() -> list[str]:
-    return list(REGISTRY)
+    return list(registry())
 
 
 def all_options() -> Iterator[tuple[str, Option]]:
     """(strategy, option) for every registered strategy's options; a flag belongs to one strategy."""
     seen: dict[str, str] = {}
-    for name, entry in REGISTRY.items():
+    for name, entry in registry().items():
         for opt in entry.options:
             if opt.name in seen:
                 raise RuntimeError(f"strategy {name} redeclares option {opt.flag} of {seen[opt.name]}")

@@ -13,7 +13,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -152,7 +152,9 @@ class StopRun(BaseException):
 
 
 class Runtime:
-    def __init__(self, cfg: RunConfig, rank: int, local_rank: int, world_size: int, restart_count: int):
+    def __init__(self, cfg: RunConfig, rank: int, local_rank: int, world_size: int, restart_count: int,
+                 connect: Callable[..., EngineClient] = EngineClient):
+        """`connect(address, authkey, on_event)` opens the engine connection (tests pass an in-process fake)."""
         self.cfg, self.rank, self.local_rank = cfg, rank, local_rank
         self.world_size, self.restart_count = world_size, restart_count
         self.step = 0
@@ -187,7 +189,7 @@ class Runtime:
         self._sizes: dict[str, int] = {}  # bytes the last submitted snapshot of each kind took
         self._cuda = torch.cuda.is_available()
         self._stream = None
-        self.client = EngineClient(cfg.engine_address(local_rank), bytes.fromhex(cfg.authkey), self._on_event)
+        self.client = connect(cfg.engine_address(local_rank), bytes.fromhex(cfg.authkey), self._on_event)
         hello = self.client.request(Hello(
             rank=rank, world_size=world_size, restart_count=restart_count, dir=cfg.dir, keep=cfg.keep,
             strategy=cfg.strategy, engine_handler=REGISTRY[cfg.strategy].engine_handler, writers=cfg.writers,
