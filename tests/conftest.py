@@ -216,13 +216,41 @@ def run_events(metrics_dir: Path, rank: int = 0) -> list[dict]:
 
 
 def copy_dir(src: Path, dst: Path, *, up_to: int | None = None) -> Path:
-    """A private copy of a checkpoint dir, optionally without the records after step `up_to`."""
+    """A private copy of a checkpoint dir, optionally without the records after step `up_to`
+    (region slots of later steps are emptied, as if never written)."""
     shutil.copytree(src, dst)
     if up_to is not None:
-        for m in Store(dst).manifests(warn=False):
-            if m.step > up_to:
+        store = Store(dst)
+        for m in store.manifests(warn=False):
+            if m.step > up_to and m.layout == "region":
+                for rank in range(m.world_size):
+                    copy = store.regions.copy(m, rank)
+                    _patch(dst / copy.file, copy.meta_offset, bytes(16))
+            elif m.step > up_to:
                 shutil.rmtree(dst / m.name)
     return dst
+
+
+def _patch(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x01]))
+
+
+def _region_copy(ckpt_dir: Path, record: int | str, rank: int = 0):
+    """Where `record` lies in the region files, if it is a region step (else None)."""
+    name = full_name(record) if isinstance(record, int) else record
+    store = Store(ckpt_dir)
+    m = next((m for m in store.manifests(warn=False) if m.name == name and m.layout == "region"), None)
+    return None if m is None else store.regions.copy(m, rank)
 
 
 def record_dir(ckpt_dir: Path, record: int | str) -> Path:
@@ -236,6 +264,12 @@ def data_file(ckpt_dir: Path, record: int | str, rank: int = 0) -> Path:
 
 def flip_tensor_byte(ckpt_dir: Path, record: int | str, rank: int = 0) -> str:
     """Flip one bit inside the first tensor's bytes (not padding) of a record; returns its key."""
+    region = _region_copy(ckpt_dir, record, rank)
+    if region is not None:
+        index = json.loads(region.index_raw)
+        key, spec = next((k, s) for k, s in index["tensors"].items() if s["nbytes"] > 0)
+        _flip(ckpt_dir / region.file, region.data_offset + spec["offset"] + spec["nbytes"] // 2)
+        return key
     index = json.loads((record_dir(ckpt_dir, record) / rank_files(rank)[1]).read_text())
     key, spec = next((k, s) for k, s in index["tensors"].items() if s["nbytes"] > 0)
     path = data_file(ckpt_dir, record, rank)
@@ -247,7 +281,20 @@ def flip_tensor_byte(ckpt_dir: Path, record: int | str, rank: int = 0) -> str:
 
 def tear(ckpt_dir: Path, record: int | str, how: str) -> None:
     """Damage a record: no manifest (a crash mid-commit), a short data file, or a manifest whose
-    bytes no longer match its checksum."""
+    bytes no longer match its checksum. In a region slot: its metadata gone (a crash before it
+    was durable), the second half of its data zeroed (a torn data write), or a metadata byte flipped."""
+    region = _region_copy(ckpt_dir, record)
+    if region is not None:
+        if how == "no-manifest":
+            _patch(ckpt_dir / region.file, region.meta_offset, bytes(16))
+        elif how == "truncated":
+            half = region.data_nbytes // 2
+            _patch(ckpt_dir / region.file, region.data_offset + half, bytes(region.data_nbytes - half))
+        elif how == "bad-manifest":
+            _flip(ckpt_dir / region.file, region.meta_offset + 40)
+        else:
+            raise ValueError(how)
+        return
     if how == "no-manifest":
         (record_dir(ckpt_dir, record) / MANIFEST).unlink()
     elif how == "truncated":

@@ -9,12 +9,15 @@ else. A handler sees the engine only through its `EngineContext`.
 from __future__ import annotations
 
 import importlib
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..ipc.messages import Message, RecordSpec, SlotFree, StrategyMessage
+from ..ipc.messages import Committed, Durable, Message, RecordSpec, SlotFree, StrategyMessage
 
 if TYPE_CHECKING:
     from ..faults import Fault
+    from ..storage.fsutil import FaultHook
     from .server import Engine
 
 
@@ -25,6 +28,11 @@ class EngineContext:
     `free_slot` at once (the worker reuses the slot; it waits for it under back-pressure), then
     `write` a record (queued on the writer threads; the worker hears `Durable`, then `Committed`
     from the commit protocol, or `SaveError`). A request is answered with `reply`.
+
+    A handler with its own layout (a region of slots) instead runs its jobs with `run` (the
+    engine's flush waits for them), reads the staging slot in place (`slot_view`), and reports
+    `durable`, then `committed` (which also answers a restarted worker's resume question), or
+    `save_error`, itself; `write_now` moves a step into an ordinary record synchronously.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -32,6 +40,55 @@ class EngineContext:
 
     def read_slot(self, slot: int, start: int, stop: int) -> bytes:
         return bytes(self._engine.slots[slot].view[start:stop])
+
+    def slot_view(self, slot: int) -> memoryview:
+        """The staging slot's bytes in place (valid until `free_slot`)."""
+        return self._engine.slots[slot].view
+
+    @property
+    def root(self) -> str:
+        return str(self._engine.store.root)
+
+    @property
+    def rank(self) -> int:
+        return self._engine.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._engine.world_size
+
+    @property
+    def keep(self) -> int:
+        return self._engine.keep
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run a job on the engine's writer threads; `flush` waits for it."""
+        self._engine.submit(fn, *args)
+
+    def write_now(self, spec: RecordSpec, data: memoryview) -> int:
+        """Persist this rank's part of record `spec` in the caller's thread (then committed as any)."""
+        return self._engine.write_record(spec, data)
+
+    def fault_hook(self, step: int) -> FaultHook:
+        """The crash-matrix fault for writes of `step` (call it with "data:written" after the data)."""
+        return self._engine._fault_hook(step)
+
+    def durable(self, step: int, record: str, nbytes: int, write_s: float) -> None:
+        self._engine.log.emit(type="write", rank=self.rank, step=step, bytes=nbytes, write_s=write_s,
+                              queue_depth=len(self._engine.inflight))
+        self._engine.send(Durable(step=step, record=record, nbytes=nbytes, write_s=write_s))
+
+    def committed(self, step: int, record: str, nbytes: int = 0, snapshot_time: float | None = None) -> None:
+        """`step` is committed for the whole run (every rank holds it durably)."""
+        engine = self._engine
+        engine.committed_step = max(engine.committed_step or 0, step)
+        if self.rank == 0:
+            engine.log.emit(type="commit", step=step, bytes=nbytes, kind="full", ranks=self.world_size,
+                            lag_s=time.time() - (snapshot_time or time.time()))
+        engine.send(Committed(step=step, record=record))
+
+    def save_error(self, step: int, record: str, error: str) -> None:
+        self._engine.save_error(step, record, error)
 
     def free_slot(self, slot: int) -> None:
         self._engine.send(SlotFree(slot=slot))
@@ -63,7 +120,11 @@ class EngineHandler:
         raise RuntimeError(f"strategy has no engine-side handler for {type(msg).__name__}")
 
     def flush(self) -> None:
-        """Hand everything held in memory to the writers (before a flush or a new worker)."""
+        """Hand everything held in memory to the writers (before a flush or a new worker); a job
+        waiting for a message that will not come (its worker died) must end here."""
+
+    def tick(self) -> None:
+        """Called every few tens of milliseconds by the engine (e.g. to watch other ranks)."""
 
 
 def engine_handler(spec: str | None, engine: Engine) -> EngineHandler:

@@ -357,6 +357,11 @@ class Engine:
         """Retry pending commits that wait on other ranks' files or on a back-off (rank 0), or
         watch for them (other ranks)."""
         while not self.stopping.wait(0.05):
+            if self.handler is not None and self.store is not None:
+                try:
+                    self.handler.tick()
+                except Exception:  # noqa: BLE001 - a handler's bug must not stop commits
+                    traceback.print_exc()
             if self.pending and self.store is not None:
                 try:
                     self.commit_ready() if self.rank == 0 else self.watch_commits()

@@ -179,6 +179,8 @@ class SlotCopy:
     """Where one rank's part of a committed region step lies."""
 
     file: str
+    slot: int
+    meta_offset: int
     data_offset: int
     data_nbytes: int
     index_raw: bytes
@@ -231,7 +233,8 @@ class Regions:
                     if found is None or ptr.counter == 0 or found[0]["step"] > ptr.step:
                         continue
                     meta, index_raw = found
-                    copy = SlotCopy(name, region.geometry.data_at(slot), meta["data_nbytes"], index_raw)
+                    copy = SlotCopy(name, slot, region.geometry.meta_at(slot), region.geometry.data_at(slot),
+                                    meta["data_nbytes"], index_raw)
                     held = per_rank.setdefault(region.rank, {})
                     if meta["step"] not in held or held[meta["step"]][1]["counter"] < meta["counter"]:
                         held[meta["step"]] = (copy, meta)
@@ -316,6 +319,36 @@ class RegionWriter:
 
         fsync_dir(self.root)
 
+    @classmethod
+    def existing(cls, root: Path, name: str) -> RegionWriter:
+        """Reopen a region file written by an earlier engine of this rank, to retire it: its
+        complete slots and pointer as the file says (nothing new is written into it)."""
+        region = _open_region(root, name)
+        try:
+            self = cls.__new__(cls)
+            self.root, self.rank, self.generation, self.geometry = root, region.rank, region.generation, region.geometry
+            self.path = root / name
+            self._lock = threading.Condition()
+            self.pointer = region.pointer()
+            self.steps = {}
+            for slot in range(region.geometry.nslots):
+                found = region.slot_meta(slot)
+                if found is not None and self.pointer.counter and found[0]["step"] <= self.pointer.step:
+                    self.steps[slot] = found[0]["step"]
+            self.free = []
+            self.fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            return self
+        finally:
+            region.close()
+
+    def read_meta(self, slot: int) -> tuple[dict, bytes] | None:
+        """(metadata, raw index) of a complete slot, read back from the file."""
+        region = RegionFile(os.dup(self.fd), self.path.name)
+        try:
+            return region.slot_meta(slot)
+        finally:
+            region.close()
+
     def fits(self, data_nbytes: int, meta_nbytes: int) -> bool:
         g = self.geometry
         return data_nbytes <= g.slot_bytes and meta_nbytes + _META_HEAD.size + 16 <= g.meta_bytes
@@ -329,10 +362,12 @@ class RegionWriter:
             return self.free.pop(0)
 
     def release(self, slot: int) -> None:
+        """Return a slot to the free queue; a step it held stops being listed (durably) first."""
         with self._lock:
             if self.pointer.counter and slot == self.pointer.slot:
                 raise RuntimeError(f"region slot {slot} holds the latest checkpoint; it is never freed")
-            self.steps.pop(slot, None)
+            if self.steps.pop(slot, None) is not None:
+                self.invalidate(slot)
             if slot not in self.free:
                 self.free.append(slot)
             self._lock.notify_all()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from ..log import log
-from . import lowdiff
+from . import lowdiff, pccheck
 from .options import Option
 
 GROUP = "ckptrun.strategies"
@@ -55,6 +55,10 @@ BUILTIN: dict[str, Entry] = {
                      engine_handler="ckptrun.strategies.lowdiff.engine:LowDiffHandler", options=lowdiff.OPTIONS,
                      short_run_flags=("--full-every", "8", "--batch", "3"),
                      tuning="ckptrun.strategies.lowdiff.tuning:settle"),
+    "pccheck": Entry("ckptrun.strategies.pccheck.trainer:PCcheck",
+                     "N checkpoints in flight, chunks persisted by parallel writers into a slotted region; "
+                     "pointer commit", engine_handler="ckptrun.strategies.pccheck.engine:PCcheckHandler",
+                     options=pccheck.OPTIONS, short_run_flags=("--max-inflight", "3", "--chunk-mb", "1")),
 }
 
 

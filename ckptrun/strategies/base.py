@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+from ..ipc.messages import Persist
+
 if TYPE_CHECKING:
     from ..ipc.messages import Message
     from ..worker.runtime import Snapshot
@@ -77,6 +79,11 @@ class SnapshotStrategy(Strategy):
 
     background: ClassVar[bool] = False
     wait_durable: ClassVar[bool] = False
+    message: ClassVar[type[Persist]] = Persist  # how a sealed snapshot goes to the engine
+
+    def submit_fields(self) -> dict:
+        """The fields of `message` beyond the slot and record (a strategy's own message)."""
+        return {}
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
@@ -93,7 +100,7 @@ class SnapshotStrategy(Strategy):
         if self.pending is not None:
             snap, self.pending = self.pending, None
             self.ctx.seal(snap)
-            self.ctx.submit(snap, wait_durable=self.wait_durable)
+            self.ctx.submit(snap, self.message, wait_durable=self.wait_durable, **self.submit_fields())
 
     def finish(self) -> None:
         ctx = self.ctx

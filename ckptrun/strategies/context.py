@@ -19,6 +19,7 @@ Call order for one checkpoint (see `SnapshotStrategy` for the simplest user):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..ipc.messages import Persist
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..ipc.messages import Message
-    from ..worker.decisions import SavePolicy
+    from ..worker.decisions import IntervalPolicy, SavePolicy
     from ..worker.runtime import ResumeState, Runtime, Snapshot
 
 
@@ -90,6 +91,14 @@ class StrategyContext:
         """Is a checkpoint of `step` due (interval, --every auto, a stop after this step)?"""
         return self._rt.due(step)
 
+    @property
+    def every_auto(self) -> bool:
+        return self._rt.cfg.every_auto
+
+    def use_interval(self, policy: IntervalPolicy) -> None:
+        """Replace the run's `--every auto` rule (Daly's) with the strategy's own."""
+        self._rt.use_interval(policy)
+
     def policy(self, policy: SavePolicy) -> SavePolicy:
         """Register the strategy's own save decision (ckptrun/worker/decisions.py) with the
         worker's re-tuner: it is fed the same measurements, re-decided at the same steps and
@@ -97,8 +106,21 @@ class StrategyContext:
         return self._rt.retuner.add(policy)
 
     # ---- snapshots ----------------------------------------------------------------------
-    def capture(self, step: int, *, background: bool) -> Snapshot:
-        return self._rt.capture(step, background=background)
+    def capture(self, step: int, *, background: bool,
+                stream: Callable[[Snapshot], Callable[[int], None]] | None = None) -> Snapshot:
+        """`stream(snap)`, called once the slot is taken, returns a callback told each time the
+        slot's first N bytes are final (for a handler persisting chunks while the copy runs);
+        such a slot is freed only by the engine."""
+        return self._rt.capture(step, background=background, stream=stream)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of one staging slot (a snapshot never exceeds the slot it is in)."""
+        return self._rt.slots.nbytes
+
+    def index_hint(self) -> int:
+        """About how many bytes the JSON index of a full checkpoint of this run takes."""
+        return self._rt.index_hint()
 
     def begin(self, step: int, kind: str = "full", need: int = 0, prefix: str = "") -> Snapshot:
         return self._rt.begin(step, kind, need, prefix)
@@ -120,6 +142,10 @@ class StrategyContext:
     def request(self, msg: Message) -> dict:
         """Ask this strategy's engine-side handler something; returns the reply's body."""
         return self._rt.client.request(msg)
+
+    def send(self, msg: Message) -> None:
+        """Tell this strategy's engine-side handler something (no reply); any thread."""
+        self._rt.client.send(msg)
 
     def emit(self, **event: Any) -> None:
         """Append an event to this rank's metrics (dashboard, --metrics-file)."""

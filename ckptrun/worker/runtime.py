@@ -9,6 +9,7 @@ buffers, RNG), `seal` (state that settles after the step: schedulers, scaler, tr
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -73,6 +74,8 @@ class Snapshot:
     nbytes: int = 0
     prefix: str = ""  # tensor-key prefix, so several snapshots can share one record
     kind: str = "full"  # snapshots of one kind have about the same size (slot sizing)
+    # Streamed: the engine reads the slot while it fills (`progress`), so only the engine frees it.
+    progress: Callable[[int], None] | None = None
 
 
 @dataclass
@@ -187,6 +190,7 @@ class Runtime:
         self._last_event: Any = None  # its CUDA counterpart
         self._volatile: set[int] = set()
         self._sizes: dict[str, int] = {}  # bytes the last submitted snapshot of each kind took
+        self._index_bytes = 0  # about the JSON index bytes of a full snapshot (the first one's)
         self._cuda = torch.cuda.is_available()
         self._stream = None
         self.client = connect(cfg.engine_address(local_rank), bytes.fromhex(cfg.authkey), self._on_event)
@@ -539,6 +543,16 @@ class Runtime:
         self.stall("backpressure", t0)
         return Snapshot(step, slot, {}, Layout((), 0), time.time(), prefix=prefix, kind=kind)
 
+    def index_hint(self) -> int:
+        """About the bytes of a full checkpoint's JSON index: its tensors' entries and the
+        skeleton of the last full snapshot (sizes a region's metadata area)."""
+        return self._index_bytes or 64 << 10
+
+    def use_interval(self, policy: decisions.IntervalPolicy) -> None:
+        """A strategy's own `--every auto` rule replaces the run's (Daly's)."""
+        self.retuner.policies.remove(self.interval)
+        self.interval = self.retuner.add(policy)
+
     def add(self, snap: Snapshot, state: dict, *, background: bool = False) -> None:
         """Append `state` to the slot. With `background`, tensors other than module buffers
         (which the next forward changes) are copied off the training thread (a side stream on GPU)."""
@@ -553,11 +567,12 @@ class Runtime:
         now = {k: t for k, t in tensors.items() if not background or t.data_ptr() in self._volatile}
         self._copy(buf, layout, now)
         later = {k: t for k, t in tensors.items() if k not in now}
-        if later:
-            if any(t.is_cuda for t in later.values()):
-                snap.event = self._last_event = self._copy_cuda_async(buf, layout, later)
-            else:
-                snap.copy = self._last_copy = self._copier.submit(self._copy, buf, layout, later)
+        if later and any(t.is_cuda for t in later.values()):
+            snap.event = self._last_event = self._copy_cuda_async(buf, layout, later, snap.progress)
+        elif later:
+            snap.copy = self._last_copy = self._copier.submit(self._copy, buf, layout, later, snap.progress)
+        elif snap.progress is not None:
+            snap.progress(layout.nbytes)
         snap.skeleton.update(skeleton)
         snap.layout = snap.layout + layout
         snap.nbytes = snap.layout.nbytes
@@ -571,36 +586,63 @@ class Runtime:
         old = snap.slot
         self.slots.buffers[slot][: snap.layout.nbytes].copy_(self.slots.buffers[old][: snap.layout.nbytes])
         snap.slot = slot
-        if not self.slots.release(old):
+        if snap.progress is None and not self.slots.release(old):
             self.client.send(Retire(slots=[old]))
 
-    def capture(self, step: int, *, background: bool) -> Snapshot:
+    def capture(self, step: int, *, background: bool,
+                stream: Callable[[Snapshot], Callable[[int], None]] | None = None) -> Snapshot:
         """Copy the post-step state of `step` (parameters, optimizer state, buffers, RNG) into a
-        free slot; `seal` adds what settles later."""
+        free slot; `seal` adds what settles later. `stream(snap)` (called once the slot is taken)
+        returns a callback told each time the slot's first N bytes are final, so the engine can
+        persist them while the rest is still being copied (a chunked pipeline)."""
         skeleton, tensors = flatten(self.early_state())
         snap = self.begin(step, "full", Layout.of(tensors).nbytes)
+        if stream is not None:
+            snap.progress = stream(snap)
         self._append(snap, skeleton, tensors, background=background)
         self.metrics.last_snapshot_step = self.checkpointed_step = step
         return snap
 
     @staticmethod
-    def _copy(buf: torch.Tensor, layout: Layout, tensors: dict[str, torch.Tensor]) -> None:
+    def _copy(buf: torch.Tensor, layout: Layout, tensors: dict[str, torch.Tensor],
+              progress: Callable[[int], None] | None = None) -> None:
+        """Copy `tensors` into their places; `progress(end)` after each one (layout order: with
+        the tensors copied earlier, everything before `end` is then in the slot)."""
         with torch.no_grad():
             for spec in layout.specs:
                 if spec.key in tensors:
                     view(buf, spec).copy_(tensors[spec.key])
+                    if progress is not None:
+                        progress(spec.offset + spec.nbytes)
+        if progress is not None:
+            progress(layout.nbytes)
 
-    def _copy_cuda_async(self, buf: torch.Tensor, layout: Layout, tensors: dict[str, torch.Tensor]):
-        """Device-to-host copies on a side stream into the pinned slot; returns their event."""
+    def _copy_cuda_async(self, buf: torch.Tensor, layout: Layout, tensors: dict[str, torch.Tensor],
+                         progress: Callable[[int], None] | None = None):
+        """Device-to-host copies on a side stream into the pinned slot; returns their event. With
+        `progress`, an event per tensor is waited on by the copier thread, which reports each."""
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         self._stream.wait_stream(torch.cuda.current_stream())
+        marks = []
         with torch.no_grad(), torch.cuda.stream(self._stream):
             for spec in layout.specs:
                 if spec.key in tensors:
                     view(buf, spec).copy_(tensors[spec.key], non_blocking=True)
+                    if progress is not None:
+                        marks.append((torch.cuda.Event(), spec.offset + spec.nbytes))
+                        marks[-1][0].record(self._stream)
             event = torch.cuda.Event()
             event.record(self._stream)
+        if progress is not None:
+            def report() -> None:
+                for mark, end in marks:
+                    mark.synchronize()
+                    progress(end)
+                event.synchronize()
+                progress(layout.nbytes)
+
+            self._last_copy = self._copier.submit(report)
         return event
 
     def wait_copies(self) -> None:
@@ -645,6 +687,8 @@ class Runtime:
         self.client.send(message(slot=snap.slot, nbytes=snap.nbytes, spec=spec, **fields))
         self.metrics.bytes += snap.nbytes
         self._sizes[snap.kind] = snap.nbytes
+        if snap.kind == "full" and not self._index_bytes:
+            self._index_bytes = 200 * len(snap.layout.specs) + len(json.dumps(snap.skeleton, default=str))
         self.retuner.observe_snapshot(snap.kind, snap.nbytes)
         if self.fault and self.fault.target == "kill" and self.fault.phase == "write" \
                 and self.fault.step == snap.step and not wait_durable:

@@ -1,0 +1,211 @@
+"""`--strategy pccheck` beyond the registry's contract tests: the slotted region's persist order
+(a crash at any point leaves the newest fully durable step and never a half-written slot), the
+pointer only moving forward, the latest slot never reused, a slow rank holding the commit back,
+chunks persisted before the checkpoint is sealed, and `--keep K` holding exactly K steps in the
+region, each restoring exactly, damaged slots falling back."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import EXAMPLE, TINY, assert_training_state, ckptrun, copy_dir, ok, restore, tear
+
+from ckptrun.ipc.messages import RecordSpec
+from ckptrun.storage.region import Geometry, Regions, RegionWriter
+from ckptrun.storage.schema import full_name
+from ckptrun.storage.store import Store
+from ckptrun.strategies.pccheck.engine import PCcheckHandler
+from ckptrun.strategies.pccheck.messages import Begin, Ready, Seal
+
+GEOMETRY = Geometry(nslots=4, slot_bytes=8192, meta_bytes=8192)
+
+
+def committed(root: Path) -> list[int]:
+    return [m.step for m in Regions(root).scan()[0]]
+
+
+def index(step: int, rank: int, nbytes: int) -> bytes:
+    return (b'{"format": 1, "record": "%s", "rank": %d, "data": "rank-%05d.data", "data_nbytes": %d, '
+            b'"tensors": {}, "skeleton": {}, "meta": {}}') % (full_name(step).encode(), rank, rank, nbytes)
+
+
+def persist(w: RegionWriter, counter: int, step: int, *, upto: str = "pointer") -> int:
+    """One checkpoint through the persist order, stopping (a crash) after stage `upto`."""
+    slot = w.acquire(timeout=1)
+    w.invalidate(slot)
+    w.write(slot, 0, memoryview(bytes([step % 256]) * 4096))
+    if upto == "data":
+        return slot
+    w.sync()
+    w.write_meta(slot, counter=counter, step=step, world_size=1, data_nbytes=4096,
+                 index_raw=index(step, w.rank, 4096), meta={}, written_at=time.time())
+    if upto == "meta":
+        return slot
+    w.publish(counter, slot, step)
+    return slot
+
+
+@pytest.mark.parametrize("upto", ["data", "meta", "pointer"])
+def test_a_crash_anywhere_in_the_persist_order_keeps_the_newest_durable_step(tmp_path, upto):
+    w = RegionWriter(tmp_path, 0, 0, GEOMETRY)
+    persist(w, 1, 10)
+    persist(w, 2, 20, upto=upto)  # the process dies here
+    assert committed(tmp_path) == ([10, 20] if upto == "pointer" else [10])
+
+
+def test_a_torn_pointer_write_leaves_the_previous_pointer(tmp_path):
+    w = RegionWriter(tmp_path, 0, 0, GEOMETRY)
+    persist(w, 1, 10)
+    persist(w, 2, 20)
+    with open(w.path, "r+b") as f:  # counter 2 went to the first copy (even counters): tear it
+        f.seek(4096 + 10)
+        f.write(b"\xff\xff")
+    assert committed(tmp_path) == [10]
+
+
+def test_the_pointer_only_moves_forward_and_its_slot_is_never_reused(tmp_path):
+    w = RegionWriter(tmp_path, 0, 0, GEOMETRY)
+    newer = persist(w, 3, 30)
+    older = persist(w, 2, 20, upto="meta")  # finished after a newer checkpoint did
+    moved, before = w.publish(2, older, 20)
+    assert not moved and before.step == 30 and w.pointer.step == 30
+    with pytest.raises(RuntimeError, match="latest checkpoint"):
+        w.release(newer)
+    w.release(older)
+    taken = [w.acquire(timeout=0.01) for _ in range(GEOMETRY.nslots)]
+    assert newer not in taken and taken[-1] is None  # the free queue never holds the pointer's slot
+    assert committed(tmp_path) == [30]
+
+
+class FakeEngine:
+    """The EngineContext surface the pccheck handler uses, for one rank, in-process."""
+
+    def __init__(self, root: Path, rank: int, world_size: int, keep: int = 1) -> None:
+        self.root, self.rank, self.world_size, self.keep = str(root), rank, world_size, keep
+        self.staging = {0: bytearray(8192), 1: bytearray(8192), 2: bytearray(8192)}
+        self.events: list[tuple] = []
+        self.threads: list[threading.Thread] = []
+
+    def run(self, fn, *args) -> None:
+        t = threading.Thread(target=fn, args=args)
+        t.start()
+        self.threads.append(t)
+
+    def slot_view(self, slot: int) -> memoryview:
+        return memoryview(self.staging[slot])
+
+    def free_slot(self, slot: int) -> None:
+        self.events.append(("free", slot))
+
+    def fault_hook(self, step: int):
+        return lambda point: None
+
+    def durable(self, step: int, record: str, nbytes: int, write_s: float) -> None:
+        self.events.append(("durable", step))
+
+    def committed(self, step: int, record: str, nbytes: int = 0, snapshot_time: float | None = None) -> None:
+        self.events.append(("committed", step))
+
+    def save_error(self, step: int, record: str, error: str) -> None:
+        raise AssertionError(error)
+
+    def write_now(self, spec: RecordSpec, data: memoryview) -> int:
+        raise AssertionError("nothing outgrows the region here")
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(10)
+
+    def of(self, kind: str) -> list[int]:
+        return [v for k, v in self.events if k == kind]
+
+
+def checkpoint(handler: PCcheckHandler, step: int, slot: int, *, seal: bool = True) -> None:
+    ctx = handler.ctx
+    ctx.staging[slot][:4096] = bytes([step]) * 4096
+    handler.handle(Begin(step=step, slot=slot, capacity=8192, meta_hint=1024, chunk=4096, writers=2, inflight=2))
+    handler.handle(Ready(step=step, upto=4096))
+    if seal:
+        handler.handle(Seal(slot=slot, nbytes=4096, chunk=4096, writers=2, inflight=2,
+                            spec=RecordSpec(record=full_name(step), kind="full", step=step, skeleton={},
+                                            tensors={}, meta={})))
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_chunks_persist_before_the_seal_and_a_slow_rank_holds_the_commit_back(tmp_path):
+    ranks = [PCcheckHandler(FakeEngine(tmp_path, r, 2)) for r in range(2)]
+    for h in ranks:
+        checkpoint(h, 1, 0)
+    for h in ranks:
+        h.ctx.join()
+    for h in ranks:
+        h.tick()
+        assert h.ctx.of("committed") == [1]
+    fast, slow = ranks
+    checkpoint(fast, 2, 1)
+    checkpoint(slow, 2, 1, seal=False)  # rank 1 copies step 2 but has not sealed it yet
+    wait_for(lambda: slow.writer is not None and len(slow.writer.steps) == 1
+             and open(slow.writer.path, "rb").read()[slow.writer.geometry.data_at(1):][:1] == b"\x02")
+    fast.ctx.join()
+    fast.tick()
+    # Rank 0 has step 2 durable, rank 1 only its first chunk: the run's newest step stays 1,
+    # and rank 0 keeps step 1's slot, since it is still the only step every rank holds.
+    assert committed(tmp_path) == [1] and fast.ctx.of("committed") == [1] and fast.ctx.of("durable") == [1, 2]
+    assert sorted(fast.writer.steps.values()) == [1, 2]
+    slow.handle(Seal(slot=1, nbytes=4096, chunk=4096, writers=2, inflight=2,
+                     spec=RecordSpec(record=full_name(2), kind="full", step=2, skeleton={}, tensors={}, meta={})))
+    slow.ctx.join()
+    for h in ranks:
+        h.tick()
+        assert h.ctx.of("committed") == [1, 2]
+        assert sorted(h.writer.steps.values()) == [2]  # --keep 1: step 1's slot is free again
+    assert committed(tmp_path) == [2]
+
+
+def test_an_unsealed_checkpoint_of_a_dead_worker_is_dropped(tmp_path):
+    h = PCcheckHandler(FakeEngine(tmp_path, 0, 1))
+    checkpoint(h, 1, 0)
+    checkpoint(h, 2, 1, seal=False)
+    wait_for(lambda: h.writer is not None and 2 not in h.jobs or h.jobs[2].ready)
+    h.flush()  # a new worker connects
+    h.ctx.join()
+    assert h.ctx.of("free") == [0]  # the unsealed job's staging slot belongs to the new worker
+    assert committed(tmp_path) == [1]
+
+
+@pytest.fixture(scope="module")
+def keep3(tmp_path_factory) -> Path:
+    cwd = tmp_path_factory.mktemp("keep3")
+    ok(ckptrun(cwd, "--strategy", "pccheck", "--max-inflight", "3", "--chunk-mb", "1", "--keep", "3",
+               "--dir", "ckpts", EXAMPLE, *TINY))
+    return cwd / "ckpts"
+
+
+def test_keep_holds_that_many_steps_in_the_region_each_exact(keep3, example_truth, tmp_path):
+    steps = int(TINY[TINY.index("--steps") + 1])
+    manifests = Store(keep3).manifests()
+    assert [(m.step, m.layout) for m in manifests] == [(s, "region") for s in range(steps - 2, steps + 1)]
+    assert sorted(p.name for p in keep3.iterdir() if p.name.startswith(("step-", "region-"))) == \
+        ["region-r00000-g0000.ckpt"]
+    for step in (steps - 2, steps):
+        state, _ = restore(tmp_path, keep3, step)
+        assert_training_state(state, example_truth(step))
+
+
+@pytest.mark.parametrize("how", ["no-manifest", "truncated", "bad-manifest"])
+def test_a_damaged_newest_slot_falls_back_to_the_previous_step(keep3, example_truth, tmp_path, how):
+    ckpt = copy_dir(keep3, tmp_path / "ckpts")
+    newest = Store(ckpt).manifests()[-1].step
+    tear(ckpt, newest, how)
+    state, _ = restore(tmp_path, ckpt, "latest")
+    assert state["step"] == newest - 1
+    assert_training_state(state, example_truth(newest - 1))
