@@ -8,6 +8,7 @@ N in an uninterrupted run; what ckptrun restores or resumes must equal it bit fo
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import math
@@ -149,10 +150,18 @@ def load(path: Path) -> dict:
 
 
 def restore(cwd: Path, ckpt_dir: Path, step: int | str, rank: int = 0) -> tuple[dict, str]:
-    """`ckptrun restore` of one step into a file; returns (the loaded state, stderr)."""
+    """`ckptrun restore` of one step into a file, through the CLI's entry point in this process
+    (a subprocess per call costs seconds of imports; the subprocess path is what `error_line`
+    tests use); returns (the loaded state, stderr)."""
+    from ckptrun import cli
+
     out = cwd / f"restored-{step}-{rank}.pt"
-    proc = ok(ckptrun(cwd, "restore", "--dir", ckpt_dir, "--step", step, "--rank", rank, "--out", out))
-    return load(out), proc.stderr
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), contextlib.chdir(cwd):
+        code = cli.main(["restore", "--dir", str(ckpt_dir), "--step", str(step), "--rank", str(rank),
+                         "--out", str(out)])
+    assert code == 0, f"exit {code}\n{stdout.getvalue()[-2000:]}\n{stderr.getvalue()[-4000:]}"
+    return load(out), stderr.getvalue()
 
 
 def assert_same(a: Any, b: Any, path: str = "state") -> None:

@@ -6,12 +6,23 @@ region, each restoring exactly, damaged slots falling back."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE, TINY, assert_training_state, ckptrun, copy_dir, ok, restore, tear
+from conftest import (
+    EXAMPLE,
+    TINY,
+    assert_training_state,
+    ckptrun,
+    copy_dir,
+    flip_tensor_byte,
+    ok,
+    restore,
+    tear,
+)
 
 from ckptrun.ipc.messages import RecordSpec
 from ckptrun.storage.region import Geometry, Regions, RegionWriter
@@ -209,3 +220,15 @@ def test_a_damaged_newest_slot_falls_back_to_the_previous_step(keep3, example_tr
     state, _ = restore(tmp_path, ckpt, "latest")
     assert state["step"] == newest - 1
     assert_training_state(state, example_truth(newest - 1))
+
+
+def test_verify_reports_a_flipped_byte_in_a_slot(keep3, tmp_path):
+    ckpt = copy_dir(keep3, tmp_path / "ckpts")
+    newest = Store(ckpt).manifests()[-1]
+    key = flip_tensor_byte(ckpt, newest.step)
+    proc = ckptrun(tmp_path, "verify", "--dir", ckpt)
+    assert proc.returncode == 1
+    bad = [line for line in proc.stdout.splitlines() if line.startswith("BAD")]
+    assert len(bad) == 1 and newest.name in bad[0] and key in bad[0], proc.stdout
+    listing = ok(ckptrun(tmp_path, "ls", "--dir", ckpt, "--json"))
+    assert {row["layout"] for row in json.loads(listing.stdout)} == {"region"}
