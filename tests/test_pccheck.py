@@ -71,8 +71,20 @@ def test_a_torn_pointer_write_leaves_the_previous_pointer(tmp_path):
     w = RegionWriter(tmp_path, 0, 0, GEOMETRY)
     persist(w, 1, 10)
     persist(w, 2, 20)
-    with open(w.path, "r+b") as f:  # counter 2 went to the first copy (even counters): tear it
-        f.seek(4096 + 10)
+    with open(w.path, "r+b") as f:  # the second publish went to the second copy: tear it
+        f.seek(4096 + 512 + 10)
+        f.write(b"\xff\xff")
+    assert committed(tmp_path) == [10]
+
+
+def test_a_torn_pointer_write_never_takes_the_current_pointer_with_it(tmp_path):
+    """Counters have gaps (a cancelled or failed checkpoint took one): the write still goes to
+    the copy that does not hold the current pointer."""
+    w = RegionWriter(tmp_path, 0, 0, GEOMETRY)
+    persist(w, 1, 10)
+    persist(w, 3, 30)
+    with open(w.path, "r+b") as f:  # counter 1 went to the first copy, counter 3 to the second: tear it
+        f.seek(4096 + 512 + 10)
         f.write(b"\xff\xff")
     assert committed(tmp_path) == [10]
 

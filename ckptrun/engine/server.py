@@ -172,7 +172,10 @@ class Engine:
         self.reply(msg, committed_step=self.committed_step)
 
     def op_bye(self, msg: Message) -> None:
-        """A worker's clean goodbye; its writes go on as queued."""
+        """A worker's clean goodbye; its writes go on as queued, and events about them (a late
+        commit, a step moved out of a region) are no longer sent: the worker is closing."""
+        with self._send_lock:
+            self.conn = None
 
     def op_persist(self, msg: Persist) -> None:
         self.submit(self._persist, msg)

@@ -144,9 +144,14 @@ class RegionFile:
 
     def pointer(self) -> Pointer:
         """The valid pointer copy with the larger counter (NO_POINTER if neither is valid)."""
+        return self.pointer_copy()[0]
+
+    def pointer_copy(self) -> tuple[Pointer, int]:
+        """(pointer, index of the copy holding it; -1 if none)."""
         raw = _pread_exact(self.fd, 2 * POINTER_BYTES, POINTER_AT)
-        copies = [_decode_pointer(raw[i * POINTER_BYTES :], self.geometry) for i in (0, 1)]
-        return max((p for p in copies if p is not None), key=lambda p: p.counter, default=NO_POINTER)
+        copies = [(_decode_pointer(raw[i * POINTER_BYTES :], self.geometry), i) for i in (0, 1)]
+        return max(((p, i) for p, i in copies if p is not None), key=lambda c: c[0].counter,
+                   default=(NO_POINTER, -1))
 
     def slot_meta(self, slot: int) -> tuple[dict, bytes] | None:
         """(metadata, raw index JSON) of a complete slot; None for a free, torn or foreign one."""
@@ -162,11 +167,12 @@ class RegionFile:
         try:
             meta = json.loads(body)
             index_raw = meta["index"].encode()
+            float(meta.get("written_at", 0.0))
             ok = (meta["state"] == "complete" and meta["slot"] == slot and isinstance(meta["step"], int)
                   and 0 <= meta["step"] < MAX_STEP and isinstance(meta["world_size"], int)
                   and 1 <= meta["world_size"] <= MAX_WORLD_SIZE and isinstance(meta["data_nbytes"], int)
                   and 0 <= meta["data_nbytes"] <= g.slot_bytes and isinstance(meta["counter"], int))
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError):
             return None
         return (meta, index_raw) if ok else None
 
@@ -236,8 +242,9 @@ class Regions:
                     copy = SlotCopy(name, slot, region.geometry.meta_at(slot), region.geometry.data_at(slot),
                                     meta["data_nbytes"], index_raw)
                     held = per_rank.setdefault(region.rank, {})
-                    if meta["step"] not in held or held[meta["step"]][1]["counter"] < meta["counter"]:
-                        held[meta["step"]] = (copy, meta)
+                    order = (region.generation, meta["counter"])  # counters restart in each generation
+                    if meta["step"] not in held or held[meta["step"]][1]["_order"] < order:
+                        held[meta["step"]] = (copy, {**meta, "_order": order})
             except CorruptCheckpoint as e:
                 bad[name] = str(e)
             finally:
@@ -253,7 +260,7 @@ class Regions:
                 m = Manifest(full_name(step), "full", step, step, ws, sum(c.data_nbytes for c, _ in copies.values()),
                              [], meta0.get("meta", {}), {str(r): checksum(c.index_raw) for r, (c, _) in copies.items()},
                              float(meta0.get("written_at", 0.0)), layout="region")
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError, OverflowError) as e:
                 bad[full_name(step)] = f"region step {step}: {e}"
                 continue
             manifests.append(m)
@@ -287,15 +294,21 @@ class RegionWriter:
         self.root, self.rank, self.generation, self.geometry = root, rank, generation, geometry.check()
         self.path = root / region_name(rank, generation)
         self._lock = threading.Condition()
-        self.pointer = NO_POINTER
+        self.pointer, self._copy = NO_POINTER, -1  # the pointer and the copy holding it
         self.steps: dict[int, int] = {}  # slot -> step it holds complete (committed or not)
         self.free: list[int] = list(range(geometry.nslots))
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self.users = 0  # jobs writing into this file (its owner retires it only at zero)
+        tmp = root / f".{self.path.name}.tmp-{os.getpid()}"
+        self.fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
             self._create()
+            os.rename(tmp, self.path)  # whole and durable, or absent
+            from .fsutil import fsync_dir
+
+            fsync_dir(root)
         except BaseException:
             os.close(self.fd)
-            self.path.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise
 
     def _create(self) -> None:
@@ -315,9 +328,6 @@ class RegionWriter:
         for slot in range(g.nslots):
             _pwrite_all(self.fd, bytes(_META_HEAD.size), g.meta_at(slot))
         os.fsync(self.fd)
-        from .fsutil import fsync_dir
-
-        fsync_dir(self.root)
 
     @classmethod
     def existing(cls, root: Path, name: str) -> RegionWriter:
@@ -329,7 +339,8 @@ class RegionWriter:
             self.root, self.rank, self.generation, self.geometry = root, region.rank, region.generation, region.geometry
             self.path = root / name
             self._lock = threading.Condition()
-            self.pointer = region.pointer()
+            self.pointer, self._copy = region.pointer_copy()
+            self.users = 0
             self.steps = {}
             for slot in range(region.geometry.nslots):
                 found = region.slot_meta(slot)
@@ -343,7 +354,12 @@ class RegionWriter:
 
     def read_meta(self, slot: int) -> tuple[dict, bytes] | None:
         """(metadata, raw index) of a complete slot, read back from the file."""
-        region = RegionFile(os.dup(self.fd), self.path.name)
+        fd = os.dup(self.fd)
+        try:
+            region = RegionFile(fd, self.path.name)
+        except BaseException:
+            os.close(fd)
+            raise
         try:
             return region.slot_meta(slot)
         finally:
@@ -362,7 +378,8 @@ class RegionWriter:
             return self.free.pop(0)
 
     def release(self, slot: int) -> None:
-        """Return a slot to the free queue; a step it held stops being listed (durably) first."""
+        """Return a slot to the free queue; a step it held stops being listed (durably) first.
+        Never the pointer's slot (the latest checkpoint)."""
         with self._lock:
             if self.pointer.counter and slot == self.pointer.slot:
                 raise RuntimeError(f"region slot {slot} holds the latest checkpoint; it is never freed")
@@ -406,9 +423,10 @@ class RegionWriter:
             if counter <= before.counter:
                 return False, before
             new = Pointer(counter, slot, step)
-            _pwrite_all(self.fd, _encode_pointer(new), POINTER_AT + (counter % 2) * POINTER_BYTES)
+            target = 1 - self._copy if self._copy >= 0 else 0  # never the copy holding the pointer
+            _pwrite_all(self.fd, _encode_pointer(new), POINTER_AT + target * POINTER_BYTES)
             os.fdatasync(self.fd)
-            self.pointer = new
+            self.pointer, self._copy = new, target
             return True, before
 
     def close(self) -> None:

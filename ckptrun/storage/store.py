@@ -299,7 +299,7 @@ class Store:
                 except CorruptCheckpoint as e:
                     bad[name] = str(e)
         in_region, region_bad = self.regions.scan()
-        names = {m.name for m in good} | set(bad)
+        names = {m.name for m in good}  # (a damaged directory does not hide a good region copy)
         good += [m for m in in_region if m.name not in names]
         bad.update(region_bad)
         return sorted(good, key=lambda m: (m.step, m.kind != "full")), bad

@@ -689,7 +689,7 @@ class Runtime:
         self._sizes[snap.kind] = snap.nbytes
         if snap.kind == "full" and not self._index_bytes:
             self._index_bytes = 200 * len(snap.layout.specs) + len(json.dumps(snap.skeleton, default=str))
-        self.retuner.observe_snapshot(snap.kind, snap.nbytes)
+        self.retuner.observe_snapshot(snap.kind, fields.get("disk_nbytes", snap.nbytes))  # what is written
         if self.fault and self.fault.target == "kill" and self.fault.phase == "write" \
                 and self.fault.step == snap.step and not wait_durable:
             done.wait()  # the engine kills us mid-write (fault_kill) before this returns

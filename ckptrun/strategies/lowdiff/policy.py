@@ -45,8 +45,11 @@ class FullEveryBatch(SavePolicy):
         if costs is None:
             return None
         fixed = {"fixed_f": None if self.auto_f else self.full_every, "fixed_b": None if self.auto_b else self.batch}
-        if not self._tuned:
+        if not self._tuned:  # the first estimate: the optimum itself; later ones move only if it pays
+            self._tuned = True
             f, b = optimal_fb_given(costs, f=fixed["fixed_f"], b=fixed["fixed_b"])
+            if (f, min(b, MAX_DIFF_SPAN)) == (self.full_every, self.batch):
+                return None
             reason = (f"LowDiff auto: full checkpoint every {f} steps, batch {b} diffs from measured costs "
                       f"(eq. 10: S={costs.full_ckpt_bytes / 1e6:.1f} MB, W={costs.write_bandwidth / 1e6:.0f} MB/s, "
                       f"R_D={costs.diff_replay_time * 1e3:.1f} ms, MTBF={costs.mtbf:.0f} s)")
@@ -57,5 +60,5 @@ class FullEveryBatch(SavePolicy):
         return Decision({"full_every": f, "batch": min(b, MAX_DIFF_SPAN)}, reason)
 
     def adopt(self, decision: Decision) -> None:
-        self._tuned = True
+        self._tuned = True  # (a rank other than 0 adopts rank 0's first decision)
         self.full_every, self.batch = decision.settings["full_every"], decision.settings["batch"]

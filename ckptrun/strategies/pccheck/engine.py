@@ -27,15 +27,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...engine.handlers import EngineContext, EngineHandler
+from ...errors import CkptrunError
 from ...ipc.messages import RecordSpec, StrategyMessage
 from ...log import log
 from ...storage.layout import align
 from ...storage.region import REGION_FILE, Geometry, Regions, RegionWriter
 from ...storage.schema import FORMAT, checksum, full_name, rank_files
+from ...storage.store import Store
 from .messages import Begin, Ready, Seal
 
 MAX_JOBS = 64
 META_MIN = 256 << 10
+MOVE_RETRY_S = 5.0  # a move-out whose record did not commit is tried again after this
 
 
 @dataclass
@@ -51,6 +54,7 @@ class Job:
     ready: int = 0
     seal: Seal | None = None
     cancelled: bool = False
+    freed: bool = False  # its (sealed) staging slot was handed back
 
 
 class PCcheckHandler(EngineHandler):
@@ -63,7 +67,11 @@ class PCcheckHandler(EngineHandler):
         self.counter = 0
         self.io = ThreadPoolExecutor(MAX_JOBS, thread_name_prefix="pccheck-io")
         self.awaiting: dict[int, tuple[int, float]] = {}  # step -> (bytes, snapshot time): durable here only
-        self.moving: set[tuple[str, int]] = set()  # (file, slot) being moved out into a record
+        self.moving: set[tuple[str, int, int]] = set()  # (file, slot, step) being moved out into a record
+        # (file, slot, step) -> when its move-out may be tried again (if this rank's part did not land)
+        self.retry_at: dict[tuple[str, int, int], float] = {}
+        self.movers = ThreadPoolExecutor(1, thread_name_prefix="pccheck-move")  # never blocked by slot waits
+        self.adopted = False  # earlier generations of this rank looked for (once)
 
     # ---- messages (the engine's connection thread) -------------------------------------
     def handle(self, msg: StrategyMessage) -> None:
@@ -97,18 +105,25 @@ class PCcheckHandler(EngineHandler):
             self.cond.notify_all()
 
     def tick(self) -> None:
-        if self.awaiting or self.old:
+        if self._work_left():
             self._settle()
+
+    def _work_left(self) -> bool:
+        """Steps waiting to be committed, old generations, or more complete slots than kept."""
+        w = self.writer
+        return bool(self.awaiting or self.old or (w is not None and len(w.steps) > max(self.ctx.keep, 1)))
 
     # ---- one checkpoint (a writer thread) ----------------------------------------------
     def _persist(self, job: Job) -> None:
         ctx, name = self.ctx, full_name(job.step)
-        writer = slot = None
+        writer = slot = used = None
+        failed = False
         try:
             taken = self._take_slot(job)
             if taken is None:  # cancelled while waiting for a region slot
                 return
             writer, slot, counter = taken
+            used = writer
             writer.invalidate(slot)
             written, pending = 0, []
             while True:
@@ -145,7 +160,7 @@ class PCcheckHandler(EngineHandler):
                 writer = slot = None
                 self._outgrown(job, seal, index_raw)
                 return
-            ctx.free_slot(job.slot)
+            self._free(job)
             writer.write_meta(slot, counter=counter, step=job.step, world_size=ctx.world_size,
                               data_nbytes=seal.nbytes, index_raw=index_raw, meta=spec.meta, written_at=time.time())
             writer.publish(counter, slot, job.step)
@@ -153,16 +168,26 @@ class PCcheckHandler(EngineHandler):
             with self.cond:
                 self.awaiting[job.step] = (seal.nbytes, spec.meta.get("snapshot_time", job.t0))
         except Exception as e:  # noqa: BLE001 - any failure is a save error: reported, never a hang
-            if writer is not None and slot is not None:
+            failed = True
+            if writer is not None and slot is not None and writer.steps.get(slot) is None:
                 writer.release(slot)
             ctx.save_error(job.step, name, f"write: {e}")
-            if job.seal is not None:
-                ctx.free_slot(job.slot)
         finally:
             with self.cond:
-                self.jobs.pop(job.step, None)
+                self.jobs.pop(job.step, None)  # a Seal arriving later starts a job of its own
+                if used is not None:
+                    used.users -= 1
                 self.cond.notify_all()
+            if failed and job.seal is not None:
+                self._free(job)
         self._settle()
+
+    def _free(self, job: Job) -> None:
+        with self.cond:
+            if job.freed:
+                return
+            job.freed = True
+        self.ctx.free_slot(job.slot)
 
     def _write(self, writer: RegionWriter, slot: int, job: Job, start: int, end: int) -> list[Future]:
         """Bytes [start, end) of the staging slot, cut into `writers` ranges written in parallel."""
@@ -183,7 +208,8 @@ class PCcheckHandler(EngineHandler):
         small for it (the staging slots grew) or none exists yet. None if cancelled meanwhile."""
         with self.cond:
             w = self.writer
-            if w is None:
+            if not self.adopted:
+                self.adopted = True
                 self.old += self._earlier_generations()
             if w is None or not w.fits(job.capacity, job.meta_hint):
                 self.writer = self._new_generation(job)
@@ -191,6 +217,7 @@ class PCcheckHandler(EngineHandler):
                     self.old.append(w)
             self.counter += 1
             writer, counter = self.writer, self.counter
+            writer.users += 1
         slot = None
         while slot is None:
             if job.cancelled:
@@ -210,7 +237,7 @@ class PCcheckHandler(EngineHandler):
         for name in self._own_files():
             try:
                 found.append(RegionWriter.existing(Path(self.ctx.root), name))
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, CkptrunError) as e:
                 log.warning(f"warning: pccheck: region file {name} left as it is ({e})")
         return found
 
@@ -245,42 +272,67 @@ class PCcheckHandler(EngineHandler):
     def _settle(self) -> None:
         """Report steps every rank holds as committed; give slots back beyond retention."""
         with self.cond:
-            if not self.awaiting and not self.old:
+            if not self._work_left():
                 return
             committed = sorted(m.step for m in Regions(Path(self.ctx.root)).scan()[0])
-            done = [s for s in self.awaiting if s in set(committed)]
-            for step in done:
-                nbytes, snap_t = self.awaiting.pop(step)
-                self.ctx.committed(step, full_name(step), nbytes, snap_t)
+            newest = committed[-1] if committed else -1
+            for step in sorted(self.awaiting):
+                if step in committed:
+                    nbytes, snap_t = self.awaiting.pop(step)
+                    self.ctx.committed(step, full_name(step), nbytes, snap_t)
+                elif step < newest:  # another rank never saved it: it will not commit
+                    del self.awaiting[step]
             self._retain(committed)
 
     def _retain(self, committed: list[int]) -> None:
         """Free region slots beyond retention (caller holds the lock): the pointer's slot, slots
         of steps newer than the newest committed one (in flight or waiting for other ranks) and
-        the newest `--keep` committed steps stay; under `--keep 0` a step leaves only once moved
-        into an ordinary record."""
+        the newest `--keep` committed steps stay; under `--keep 0` a step leaves only once its
+        ordinary record is committed. An earlier generation is deleted once no job uses it and
+        it holds nothing kept."""
         newest = committed[-1] if committed else -1
         kept = set(committed[-max(self.ctx.keep, 1):])
-        for writer in [*self.old, *([self.writer] if self.writer else [])]:
-            for slot, step in list(writer.steps.items()):
-                if step > newest or step in kept or (writer.pointer.counter and slot == writer.pointer.slot):
+        store = Store(Path(self.ctx.root))
+        w = self.writer
+        if w is not None:
+            for slot, step in list(w.steps.items()):
+                if step > newest or step in kept or (w.pointer.counter and slot == w.pointer.slot):
                     continue
-                if self.ctx.keep == 0 and step in committed:
-                    if (writer.path.name, slot) not in self.moving:
-                        self.moving.add((writer.path.name, slot))
-                        self.ctx.run(self._move_out, writer, slot, step)
+                if self.ctx.keep == 0 and not self._moved_out(store, w, slot, step, committed):
                     continue
-                writer.release(slot)
-        for writer in list(self.old):
-            if kept and self.writer is not None and kept <= set(self.writer.steps.values()) \
-                    and not any(name == writer.path.name for name, _ in self.moving) \
-                    and (self.ctx.keep > 0 or all(s not in committed for s in writer.steps.values())):
-                self.old.remove(writer)
-                writer.close()
-                writer.path.unlink(missing_ok=True)
+                w.release(slot)
+        for old in list(self.old):
+            held = [(slot, step) for slot, step in old.steps.items() if step <= newest]
+            if old.users or any(step in kept for _, step in held):
+                continue
+            if self.ctx.keep == 0 and not all([self._moved_out(store, old, slot, step, committed)
+                                               for slot, step in held]):
+                continue
+            self.old.remove(old)
+            old.close()
+            old.path.unlink(missing_ok=True)
+
+    def _moved_out(self, store: Store, writer: RegionWriter, slot: int, step: int, committed: list[int]) -> bool:
+        """`--keep 0`: may this slot's step leave the region? Yes once its ordinary record is
+        committed, or if no rank ever committed it; otherwise its move-out is started (again)."""
+        name = full_name(step)
+        if store.is_committed(name):
+            return True
+        present = store.ranks_present(name)
+        if step not in committed and not present:
+            return True  # not every rank saved it and nobody is moving it out: nothing to keep
+        if self.ctx.rank in present:
+            return False  # this rank's part is out; the other ranks' parts are on their way
+        key = (writer.path.name, slot, step)
+        if key not in self.moving and time.time() >= self.retry_at.get(key, 0.0):
+            self.moving.add(key)
+            self.movers.submit(self._move_out, writer, slot, step)
+        return False
 
     def _move_out(self, writer: RegionWriter, slot: int, step: int) -> None:
-        """`--keep 0`: copy a committed step out of its slot into an ordinary record, then free the slot."""
+        """Copy this rank's part of a committed step out of its slot into an ordinary record (the
+        engine's commit protocol then commits it; the slot is freed by `_retain` after that)."""
+        key = (writer.path.name, slot, step)
         try:
             found = writer.read_meta(slot)
             if found is not None and found[0]["step"] == step:
@@ -289,11 +341,13 @@ class PCcheckHandler(EngineHandler):
                 spec = RecordSpec(record=full_name(step), kind="full", step=step, skeleton=index["skeleton"],
                                   tensors=index["tensors"], meta=index["meta"])
                 self.ctx.write_now(spec, memoryview(data))
-            with self.cond:
-                writer.release(slot)
+        except Exception as e:  # noqa: BLE001 - reported; the step stays in the region
+            self.ctx.save_error(step, full_name(step), f"moving out of the region: {e}")
         finally:
             with self.cond:
-                self.moving.discard((writer.path.name, slot))
+                self.moving.discard(key)
+                self.retry_at = {k: t for k, t in self.retry_at.items() if t > time.time()}
+                self.retry_at[key] = time.time() + MOVE_RETRY_S
 
 
 def _index(name: str, rank: int, data: memoryview, spec: RecordSpec) -> bytes:
