@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from ..errors import CorruptCheckpoint
 
 CHUNK = 16 << 20
 
@@ -73,3 +77,27 @@ def publish_json(path: Path, obj: object, *, fault: FaultHook = _no_fault, name:
     data = json.dumps(obj, indent=1).encode()
     publish_bytes(path, data, fault=fault, name=name)
     return data
+
+
+# ---- reading untrusted files (DESIGN invariant 7) ---------------------------------------
+_WHY = {errno.ELOOP: "is a symbolic link (not followed)", errno.ENOTDIR: "is not a directory",
+        errno.ENOENT: "is missing", errno.EMLINK: "is a symbolic link (not followed)"}
+
+
+def why_unopened(e: OSError) -> str:
+    return _WHY.get(e.errno, f"cannot be opened ({e.strerror})")
+
+
+def open_regular(path: str | os.PathLike, what: str, dir_fd: int | None = None) -> int:
+    """A read-only descriptor of a regular file, or CorruptCheckpoint naming `what`: a symbolic
+    link is not followed, and a FIFO or device is never waited on (opened non-blocking, then
+    rejected by fstat)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        raise CorruptCheckpoint(f"{what} {why_unopened(e)}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpoint(f"{what} is not a regular file")
+    os.set_blocking(fd, True)
+    return fd

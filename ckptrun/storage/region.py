@@ -27,13 +27,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CorruptCheckpoint
+from .fsutil import open_regular
 from .layout import ALIGN, align
 from .schema import FORMAT, MAX_METADATA_BYTES, MAX_STEP, MAX_WORLD_SIZE, Manifest, checksum, full_name
 
@@ -193,14 +193,7 @@ class SlotCopy:
 
 
 def _open_region(root: Path, name: str) -> RegionFile:
-    try:
-        fd = os.open(root / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise CorruptCheckpoint(f"{name}: cannot be opened ({e.strerror})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CorruptCheckpoint(f"{name}: is not a regular file")
-    os.set_blocking(fd, True)
+    fd = open_regular(root / name, f"{name}:")
     try:
         return RegionFile(fd, name)
     except CorruptCheckpoint:

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from pydantic import ValidationError
 
 from ..errors import AlreadyCommitted, CkptrunError, CorruptCheckpoint
 from ..log import log
-from .fsutil import FaultHook, _no_fault, fsync_dir, publish_bytes, publish_json
+from .fsutil import FaultHook, _no_fault, fsync_dir, open_regular, publish_bytes, publish_json, why_unopened
 from .region import Regions
 from .schema import (
     FORMAT,
@@ -52,29 +51,6 @@ MARKER = "ckptrun.json"
 CHUNK = 1 << 20  # verify hashes data files in pieces of this size (bounded memory)
 _RANK_INDEX = re.compile(r"rank-([0-9]{5})\.json")
 _RANK_FAILED = re.compile(r"rank-([0-9]{5})\.failed")
-
-
-_WHY = {errno.ELOOP: "is a symbolic link (not followed)", errno.ENOTDIR: "is not a directory",
-        errno.ENOENT: "is missing", errno.EMLINK: "is a symbolic link (not followed)"}
-
-
-def _why(e: OSError) -> str:
-    return _WHY.get(e.errno, f"cannot be opened ({e.strerror})")
-
-
-def _open_regular(path: str | os.PathLike, what: str, dir_fd: int | None = None) -> int:
-    """A read-only descriptor of a regular file, or CorruptCheckpoint naming `what`: a symbolic
-    link is not followed, and a FIFO or device is never waited on (opened non-blocking, then
-    rejected by fstat)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError as e:
-        raise CorruptCheckpoint(f"{what} {_why(e)}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CorruptCheckpoint(f"{what} is not a regular file")
-    os.set_blocking(fd, True)
-    return fd
 
 
 def _read_small(fd: int, what: str) -> bytes:
@@ -119,7 +95,7 @@ class Store:
                 exit_code=2,
             ) from None
         try:
-            body = json.loads(_read_small(_open_regular(self.root / MARKER, MARKER), MARKER))
+            body = json.loads(_read_small(open_regular(self.root / MARKER, MARKER), MARKER))
         except (CorruptCheckpoint, ValueError, RecursionError) as e:
             raise CkptrunError(f"{self.root} is not a ckptrun checkpoint directory ({MARKER}: "
                                f"{e if isinstance(e, CorruptCheckpoint) else 'not JSON'})", exit_code=2) from None
@@ -256,9 +232,9 @@ class Store:
         try:
             dfd = os.open(self.root / name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
-            raise CorruptCheckpoint(f"{name}: record directory {_why(e)}") from None
+            raise CorruptCheckpoint(f"{name}: record directory {why_unopened(e)}") from None
         try:
-            return _open_regular(file, f"{name}: {what}", dfd)
+            return open_regular(file, f"{name}: {what}", dfd)
         finally:
             os.close(dfd)
 
