@@ -9,11 +9,10 @@ else. A handler sees the engine only through its `EngineContext`.
 from __future__ import annotations
 
 import importlib
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..ipc.messages import Committed, Durable, Message, RecordSpec, SlotFree, StrategyMessage
+from ..ipc.messages import Message, RecordSpec, SlotFree, StrategyMessage
 
 if TYPE_CHECKING:
     from ..faults import Fault
@@ -74,18 +73,11 @@ class EngineContext:
         return self._engine._fault_hook(step)
 
     def durable(self, step: int, record: str, nbytes: int, write_s: float) -> None:
-        self._engine.log.emit(type="write", rank=self.rank, step=step, bytes=nbytes, write_s=write_s,
-                              queue_depth=len(self._engine.inflight))
-        self._engine.send(Durable(step=step, record=record, nbytes=nbytes, write_s=write_s))
+        self._engine.durable(step, record, nbytes, write_s)
 
     def committed(self, step: int, record: str, nbytes: int = 0, snapshot_time: float | None = None) -> None:
         """`step` is committed for the whole run (every rank holds it durably)."""
-        engine = self._engine
-        engine.committed_step = max(engine.committed_step or 0, step)
-        if self.rank == 0:
-            engine.log.emit(type="commit", step=step, bytes=nbytes, kind="full", ranks=self.world_size,
-                            lag_s=time.time() - (snapshot_time or time.time()))
-        engine.send(Committed(step=step, record=record))
+        self._engine.committed(step, record, nbytes=nbytes, kind="full", snapshot_time=snapshot_time)
 
     def save_error(self, step: int, record: str, error: str) -> None:
         self._engine.save_error(step, record, error)

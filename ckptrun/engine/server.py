@@ -243,15 +243,26 @@ class Engine:
                 self.store.mark_failed(name, self.rank)
             self.save_error(step, name, f"write: {e}")
             return 0
-        write_s = time.time() - t0
-        self.log.emit(type="write", rank=self.rank, step=step, bytes=n, write_s=write_s,
-                      queue_depth=len(self.inflight))
-        self.send(Durable(step=step, record=name, nbytes=n, write_s=write_s))
+        self.durable(step, name, n, time.time() - t0)
         with self._pending_lock:
             self.pending[name] = spec
         if self.rank == 0:
             self.commit_ready()
         return n
+
+    def durable(self, step: int, record: str, nbytes: int, write_s: float) -> None:
+        """This rank's part of `record` is on disk: logged, and the worker told."""
+        self.log.emit(type="write", rank=self.rank, step=step, bytes=nbytes, write_s=write_s,
+                      queue_depth=len(self.inflight))
+        self.send(Durable(step=step, record=record, nbytes=nbytes, write_s=write_s))
+
+    def committed(self, step: int, record: str, *, nbytes: int, kind: str, snapshot_time: float | None) -> None:
+        """`record` is committed for the whole run: logged (by global rank 0) and the worker told."""
+        self.committed_step = max(self.committed_step or 0, step)
+        if self.rank == 0:
+            self.log.emit(type="commit", step=step, bytes=nbytes, kind=kind, ranks=self.world_size,
+                          lag_s=time.time() - (snapshot_time or time.time()))
+        self.send(Committed(step=step, record=record))
 
     def save_error(self, step: int, record: str, error: str) -> None:
         """Report a failed save to the log and to the worker (dashboard, --on-save-error)."""
@@ -295,10 +306,8 @@ class Engine:
                 del self.pending[name]
                 self._retries.pop(name, None)
                 committed.add(m.name)
-                self.committed_step = max(self.committed_step or 0, m.step)
-                self.log.emit(type="commit", step=m.step, bytes=m.bytes, kind=m.kind, ranks=m.world_size,
-                              lag_s=time.time() - spec.meta.get("snapshot_time", time.time()))
-                self.send(Committed(step=m.step, record=m.name))
+                self.committed(m.step, m.name, nbytes=m.bytes, kind=m.kind,
+                               snapshot_time=spec.meta.get("snapshot_time"))
             if todo and self.keep >= 0:
                 try:
                     self.store.prune(self.keep)

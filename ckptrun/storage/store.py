@@ -130,10 +130,7 @@ class Store:
         rdir.mkdir(exist_ok=True)
         self.discard_rank(name, rank, keep_dir=True)  # a stale part of an earlier attempt must not commit
         data_file, index_file = rank_files(rank)
-        sums = {k: {**spec, "xxh3": checksum(data[spec["offset"] : spec["offset"] + spec["nbytes"]])}
-                for k, spec in tensors.items()}
-        index = {"format": FORMAT, "record": name, "rank": rank, "data": data_file,
-                 "data_nbytes": len(data), "tensors": sums, "skeleton": skeleton, "meta": meta}
+        index = rank_index(name, rank, data, tensors, skeleton, meta)
         try:
             publish_bytes(rdir / data_file, data, fault=fault, name="data", threads=threads)
             publish_json(rdir / index_file, index, fault=fault, name="index")
@@ -448,6 +445,16 @@ class Store:
                 shutil.rmtree(rdir, ignore_errors=True)
                 removed.append(name)
         return removed
+
+
+def rank_index(name: str, rank: int, data: memoryview, tensors: dict[str, dict], skeleton: Any,
+               meta: dict[str, Any]) -> dict:
+    """One rank's index of record `name` (rank-NNNNN.json, or a region slot's): each tensor's
+    place with the xxh3 of its bytes in `data`, the skeleton and the metadata."""
+    sums = {k: {**spec, "xxh3": checksum(data[spec["offset"] : spec["offset"] + spec["nbytes"]])}
+            for k, spec in tensors.items()}
+    return {"format": FORMAT, "record": name, "rank": rank, "data": rank_files(rank)[0],
+            "data_nbytes": len(data), "tensors": sums, "skeleton": skeleton, "meta": meta}
 
 
 def _hash_range(fd: int, offset: int, nbytes: int) -> str:

@@ -32,8 +32,8 @@ from ...ipc.messages import RecordSpec, StrategyMessage
 from ...log import log
 from ...storage.layout import align
 from ...storage.region import REGION_FILE, Geometry, Regions, RegionWriter
-from ...storage.schema import FORMAT, checksum, full_name, rank_files
-from ...storage.store import Store
+from ...storage.schema import full_name
+from ...storage.store import Store, rank_index
 from .messages import Begin, Ready, Seal
 
 MAX_JOBS = 64
@@ -154,7 +154,9 @@ class PCcheckHandler(EngineHandler):
             ctx.fault_hook(job.step)("data:written")
             writer.sync()
             spec = seal.spec
-            index_raw = _index(name, ctx.rank, ctx.slot_view(job.slot)[: seal.nbytes], spec)
+            index = rank_index(name, ctx.rank, ctx.slot_view(job.slot)[: seal.nbytes], spec.tensors, spec.skeleton,
+                               spec.meta)
+            index_raw = json.dumps(index, indent=1).encode()  # as a record directory's index file
             if not writer.fits(seal.nbytes, len(index_raw)):
                 writer.release(slot)
                 writer = slot = None
@@ -348,12 +350,3 @@ class PCcheckHandler(EngineHandler):
                 self.moving.discard(key)
                 self.retry_at = {k: t for k, t in self.retry_at.items() if t > time.time()}
                 self.retry_at[key] = time.time() + MOVE_RETRY_S
-
-
-def _index(name: str, rank: int, data: memoryview, spec: RecordSpec) -> bytes:
-    """The rank index of the slot (the same JSON as a record directory's), with checksums."""
-    tensors = {k: {**t, "xxh3": checksum(data[t["offset"] : t["offset"] + t["nbytes"]])}
-               for k, t in spec.tensors.items()}
-    return json.dumps({"format": FORMAT, "record": name, "rank": rank, "data": rank_files(rank)[0],
-                       "data_nbytes": len(data), "tensors": tensors, "skeleton": spec.skeleton,
-                       "meta": spec.meta}, indent=1).encode()
