@@ -55,6 +55,7 @@ class Job:
     seal: Seal | None = None
     cancelled: bool = False
     freed: bool = False  # its (sealed) staging slot was handed back
+    counter: int = 0  # taken when the checkpoint is announced, so counters follow step order
 
 
 class PCcheckHandler(EngineHandler):
@@ -78,6 +79,8 @@ class PCcheckHandler(EngineHandler):
         with self.cond:
             if isinstance(msg, Begin):
                 job = Job(msg.step, msg.slot, msg.capacity, msg.meta_hint, msg.chunk, msg.writers, msg.inflight)
+                self.counter += 1
+                job.counter = self.counter
                 self.jobs[msg.step] = job
                 self.ctx.run(self._persist, job)
             elif isinstance(msg, Ready):
@@ -88,6 +91,8 @@ class PCcheckHandler(EngineHandler):
                 job = self.jobs.get(msg.spec.step)
                 if job is None:  # sealed at once (the final checkpoint): the whole slot is ready
                     job = Job(msg.spec.step, msg.slot, msg.nbytes, 0, msg.chunk, msg.writers, msg.inflight)
+                    self.counter += 1
+                    job.counter = self.counter
                     self.jobs[job.step] = job
                     self.ctx.run(self._persist, job)
                 job.seal = msg
@@ -217,8 +222,7 @@ class PCcheckHandler(EngineHandler):
                 self.writer = self._new_generation(job)
                 if w is not None:
                     self.old.append(w)
-            self.counter += 1
-            writer, counter = self.writer, self.counter
+            writer, counter = self.writer, job.counter  # (jobs may start out of step order)
             writer.users += 1
         slot = None
         while slot is None:
