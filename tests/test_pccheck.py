@@ -244,3 +244,16 @@ def test_verify_reports_a_flipped_byte_in_a_slot(keep3, tmp_path):
     assert len(bad) == 1 and newest.name in bad[0] and key in bad[0], proc.stdout
     listing = ok(ckptrun(tmp_path, "ls", "--dir", ckpt, "--json"))
     assert {row["layout"] for row in json.loads(listing.stdout)} == {"region"}
+
+
+def test_a_newer_step_finishing_first_keeps_the_pointer_on_it(tmp_path):
+    """Counters follow the order checkpoints are announced in, not the order their jobs finish."""
+    h = PCcheckHandler(FakeEngine(tmp_path, 0, 1, keep=2))
+    checkpoint(h, 1, 0, seal=False)
+    checkpoint(h, 2, 1)
+    wait_for(lambda: 2 in h.ctx.of("durable"))
+    h.handle(Seal(slot=0, nbytes=4096, chunk=4096, writers=2, inflight=2,
+                  spec=RecordSpec(record=full_name(1), kind="full", step=1, skeleton={}, tensors={}, meta={})))
+    h.ctx.join()
+    h.tick()
+    assert h.writer.pointer.step == 2 and committed(tmp_path) == [1, 2]
