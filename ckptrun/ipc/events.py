@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-STALL_CAUSES: tuple[str, ...] = ("snapshot", "backpressure", "sync_write")  # what blocks the trainer
+# What blocks the trainer; a strategy may add its own cause (lightcheck: layer_wait).
+STALL_CAUSES: tuple[str, ...] = ("snapshot", "backpressure", "sync_write")
 
 
 class EventLog:

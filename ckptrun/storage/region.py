@@ -25,6 +25,7 @@ the run when every rank holds it (`Regions`).
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import struct
@@ -291,6 +292,7 @@ class RegionWriter:
         self.steps: dict[int, int] = {}  # slot -> step it holds complete (committed or not)
         self.free: list[int] = list(range(geometry.nslots))
         self.users = 0  # jobs writing into this file (its owner retires it only at zero)
+        self._map: mmap.mmap | None = None
         tmp = root / f".{self.path.name}.tmp-{os.getpid()}"
         self.fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
@@ -334,6 +336,7 @@ class RegionWriter:
             self._lock = threading.Condition()
             self.pointer, self._copy = region.pointer_copy()
             self.users = 0
+            self._map = None
             self.steps = {}
             for slot in range(region.geometry.nslots):
                 found = region.slot_meta(slot)
@@ -344,6 +347,14 @@ class RegionWriter:
             return self
         finally:
             region.close()
+
+    def view(self, slot: int) -> memoryview:
+        """The slot's data bytes, mapped read-only (for slots filled through another mapping of
+        this file, e.g. a trainer copying straight into it)."""
+        if self._map is None:
+            self._map = mmap.mmap(self.fd, self.geometry.file_bytes, prot=mmap.PROT_READ)
+        at = self.geometry.data_at(slot)
+        return memoryview(self._map)[at : at + self.geometry.slot_bytes]
 
     def read_meta(self, slot: int) -> tuple[dict, bytes] | None:
         """(metadata, raw index) of a complete slot, read back from the file."""
@@ -423,4 +434,9 @@ class RegionWriter:
             return True, before
 
     def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view is still held somewhere: the mapping goes with it
+                pass
         os.close(self.fd)

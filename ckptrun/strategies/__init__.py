@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from ..log import log
-from . import lowdiff, pccheck
+from . import lightcheck, lowdiff, pccheck
 from .options import Option
 
 GROUP = "ckptrun.strategies"
@@ -59,6 +59,11 @@ BUILTIN: dict[str, Entry] = {
                      "N checkpoints in flight, chunks persisted by parallel writers into a slotted region; "
                      "pointer commit", engine_handler="ckptrun.strategies.pccheck.engine:PCcheckHandler",
                      options=pccheck.OPTIONS, short_run_flags=("--max-inflight", "3", "--chunk-mb", "1")),
+    "lightcheck": Entry("ckptrun.strategies.lightcheck.trainer:LightCheck",
+                        "layer-wise copies into a mapped region file overlapped with the next step; each layer's "
+                        "update waits only for its own copy; slot commit",
+                        engine_handler="ckptrun.strategies.lightcheck.engine:LightCheckHandler",
+                        options=lightcheck.OPTIONS),
 }
 
 

@@ -57,6 +57,11 @@ class StrategyContext:
         return self._rt.cfg.options
 
     @property
+    def dir(self) -> str:
+        """The checkpoint directory (--dir)."""
+        return self._rt.cfg.dir
+
+    @property
     def every(self) -> int:
         return self._rt.cfg.every
 
@@ -107,11 +112,16 @@ class StrategyContext:
 
     # ---- snapshots ----------------------------------------------------------------------
     def capture(self, step: int, *, background: bool,
-                stream: Callable[[Snapshot], Callable[[int], None]] | None = None) -> Snapshot:
+                stream: Callable[[Snapshot], Callable[[int], None]] | None = None,
+                into: Callable[[int], torch.Tensor | None] | None = None,
+                order: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> Snapshot:
         """`stream(snap)`, called once the slot is taken, returns a callback told each time the
         slot's first N bytes are final (for a handler persisting chunks while the copy runs);
-        such a slot is freed only by the engine."""
-        return self._rt.capture(step, background=background, stream=stream)
+        such a slot is freed only by the engine. `order(tensors)` returns them in the order to
+        lay out and copy (e.g. the order the next update needs them); `into(nbytes)` returns the
+        buffer to copy into instead of a staging slot (a mapped region slot), or None. A
+        snapshot that outgrows that buffer moves to a staging slot (`snap.buf` is None then)."""
+        return self._rt.capture(step, background=background, stream=stream, into=into, order=order)
 
     @property
     def staging_bytes(self) -> int:
@@ -131,8 +141,10 @@ class StrategyContext:
     def wait_copy(self, snap: Snapshot) -> None:
         self._rt.wait_copy(snap)
 
-    def seal(self, snap: Snapshot) -> None:
-        self._rt.seal(snap)
+    def seal(self, snap: Snapshot, *, wait: bool = True) -> None:
+        """`wait=False`: do not wait for the copies still running (the `stream` callback reports
+        their end, `snap.nbytes` once this returns)."""
+        self._rt.seal(snap, wait=wait)
 
     def submit(self, snap: Snapshot, message: type[Persist] = Persist, *, wait_durable: bool = False,
                **fields: Any) -> None:
@@ -146,6 +158,15 @@ class StrategyContext:
     def send(self, msg: Message) -> None:
         """Tell this strategy's engine-side handler something (no reply); any thread."""
         self._rt.client.send(msg)
+
+    def stall(self, cause: str, seconds: float) -> None:
+        """Count `seconds` the trainer was blocked in a hook as stall of `cause` (ipc/events.py)."""
+        self._rt.metrics.add_stall(cause, seconds)
+
+    def update_ran(self, seconds: float) -> None:
+        """A hook spent `seconds` running the optimizer's own update (split in parts): not
+        stall, and counted as the update's time."""
+        self._rt.update_s += seconds
 
     def emit(self, **event: Any) -> None:
         """Append an event to this rank's metrics (dashboard, --metrics-file)."""

@@ -38,7 +38,7 @@ class WorkerMetrics:
         """Close the books on one optimizer step (called after its post-step work); returns its record."""
         now = time.perf_counter()
         record = dict(type="step", step=step, step_s=now - self._last_step_t,
-                      stall_s={c: self.stall.get(c, 0.0) for c in STALL_CAUSES}, bytes=self.bytes,
+                      stall_s={**dict.fromkeys(STALL_CAUSES, 0.0), **self.stall}, bytes=self.bytes,
                       inflight=self.inflight, last_snapshot_step=self.last_snapshot_step,
                       last_durable_step=self.last_durable_step, optim_s=self.optim_s)
         self.emit(**record)

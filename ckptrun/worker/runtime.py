@@ -76,6 +76,7 @@ class Snapshot:
     kind: str = "full"  # snapshots of one kind have about the same size (slot sizing)
     # Streamed: the engine reads the slot while it fills (`progress`), so only the engine frees it.
     progress: Callable[[int], None] | None = None
+    buf: Any = None  # where it is copied when not a staging slot (`capture(into=...)`; slot is then -1)
 
 
 @dataclass
@@ -181,6 +182,7 @@ class Runtime:
         self.fault = faults.from_env(rank, restart_count)
         self.retuner, self.interval = decisions.for_runtime(self)
         self._optim_t0 = 0.0
+        self.update_s = 0.0  # this step's update time a strategy hook spent (split updates)
         self.slots = SlotPool()
         self.lost = threading.Event()
         self.durable: dict[int, threading.Event] = {}
@@ -314,7 +316,8 @@ class Runtime:
     def post_step_hook(self, optimizer, args, kwargs) -> None:
         if optimizer is not self.primary or self.replaying:
             return
-        self.metrics.optim_s = time.perf_counter() - self._optim_t0
+        self.metrics.optim_s = time.perf_counter() - self._optim_t0 + self.update_s
+        self.update_s = 0.0
         self.step += 1
         self._generators = {n: o.get_state() for n, o in self.tracked.items() if isinstance(o, torch.Generator)}
         if self.cfg.max_steps and self.step >= self.cfg.max_steps:
@@ -363,10 +366,10 @@ class Runtime:
     def _timed(self, hook, step: int) -> None:
         """Run a strategy hook; all the time it blocks training is stall. Whatever the inner timers
         (back-pressure, sync write) did not claim is the snapshot's (state building, copies, sends)."""
-        claimed = sum(self.metrics.stall.values())
+        claimed, update = sum(self.metrics.stall.values()), self.update_s
         t0 = time.perf_counter()
         hook(step)
-        spent = time.perf_counter() - t0
+        spent = time.perf_counter() - t0 - (self.update_s - update)
         self.metrics.add_stall("snapshot", max(0.0, spent - (sum(self.metrics.stall.values()) - claimed)))
 
     # ---- registration and restore ------------------------------------------------------
@@ -558,12 +561,20 @@ class Runtime:
         (which the next forward changes) are copied off the training thread (a side stream on GPU)."""
         self._append(snap, *flatten(state, snap.prefix), background=background)
 
+    def _buffer(self, snap: Snapshot) -> torch.Tensor:
+        return snap.buf if snap.buf is not None else self.slots.buffers[snap.slot]
+
     def _append(self, snap: Snapshot, skeleton: Any, tensors: dict[str, torch.Tensor], *, background: bool) -> None:
-        self.wait_copy(snap)
+        """Lay `tensors` out after what the snapshot holds and copy them. A background append
+        queues behind the snapshot's earlier copies (one FIFO copier: progress stays in order);
+        a synchronous one waits for them first."""
         layout = Layout.of(tensors, start=snap.layout.nbytes)
-        if layout.nbytes > self.slots.buffers[snap.slot].numel():
+        if layout.nbytes > self._buffer(snap).numel():
+            self.wait_copy(snap)
             self._move_to_larger_slot(snap, layout.nbytes)
-        buf = self.slots.buffers[snap.slot]
+        elif not background:
+            self.wait_copy(snap)
+        buf = self._buffer(snap)
         now = {k: t for k, t in tensors.items() if not background or t.data_ptr() in self._volatile}
         self._copy(buf, layout, now)
         later = {k: t for k, t in tensors.items() if k not in now}
@@ -571,6 +582,8 @@ class Runtime:
             snap.event = self._last_event = self._copy_cuda_async(buf, layout, later, snap.progress)
         elif later:
             snap.copy = self._last_copy = self._copier.submit(self._copy, buf, layout, later, snap.progress)
+        elif snap.progress is not None and background:  # after the copies still queued
+            snap.copy = self._last_copy = self._copier.submit(snap.progress, layout.nbytes)
         elif snap.progress is not None:
             snap.progress(layout.nbytes)
         snap.skeleton.update(skeleton)
@@ -578,25 +591,39 @@ class Runtime:
         snap.nbytes = snap.layout.nbytes
 
     def _move_to_larger_slot(self, snap: Snapshot, need: int) -> None:
-        """The state outgrew its slot mid-snapshot: carry what is written into a bigger one."""
+        """The state outgrew its slot (or the strategy's buffer) mid-snapshot: carry what is
+        written into a bigger staging slot."""
         self._ensure_slots(need)
         t0 = time.perf_counter()
         slot = self.slots.acquire(self.lost)
         self.stall("backpressure", t0)
-        old = snap.slot
-        self.slots.buffers[slot][: snap.layout.nbytes].copy_(self.slots.buffers[old][: snap.layout.nbytes])
-        snap.slot = slot
-        if snap.progress is None and not self.slots.release(old):
+        old, old_buf = snap.slot, self._buffer(snap)
+        self.slots.buffers[slot][: snap.layout.nbytes].copy_(old_buf[: snap.layout.nbytes])
+        snap.slot, snap.buf = slot, None
+        if old >= 0 and old_buf is not None and snap.progress is None and not self.slots.release(old):
             self.client.send(Retire(slots=[old]))
 
     def capture(self, step: int, *, background: bool,
-                stream: Callable[[Snapshot], Callable[[int], None]] | None = None) -> Snapshot:
+                stream: Callable[[Snapshot], Callable[[int], None]] | None = None,
+                into: Callable[[int], torch.Tensor | None] | None = None,
+                order: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> Snapshot:
         """Copy the post-step state of `step` (parameters, optimizer state, buffers, RNG) into a
         free slot; `seal` adds what settles later. `stream(snap)` (called once the slot is taken)
         returns a callback told each time the slot's first N bytes are final, so the engine can
-        persist them while the rest is still being copied (a chunked pipeline)."""
+        persist them while the rest is still being copied (a chunked pipeline). `order` puts the
+        tensors in the order they are laid out and copied; `into(nbytes)` gives the buffer to
+        copy them into instead of a staging slot (None: a staging slot after all)."""
         skeleton, tensors = flatten(self.early_state())
-        snap = self.begin(step, "full", Layout.of(tensors).nbytes)
+        if order is not None:
+            tensors = order(tensors)
+        need = Layout.of(tensors).nbytes
+        t0 = time.perf_counter()
+        buf = into(need) if into is not None else None
+        if buf is not None:
+            self.stall("backpressure", t0)
+            snap = Snapshot(step, -1, {}, Layout((), 0), time.time(), kind="full", buf=buf)
+        else:
+            snap = self.begin(step, "full", need)
         if stream is not None:
             snap.progress = stream(snap)
         self._append(snap, skeleton, tensors, background=background)
@@ -662,11 +689,17 @@ class Runtime:
             snap.event.synchronize()
             snap.event = None
 
-    def seal(self, snap: Snapshot) -> None:
+    def seal(self, snap: Snapshot, *, wait: bool = True) -> None:
         """Add the state that settles after the step: schedulers, scaler, tracked objects, and
-        the optimizer's param_groups (a scheduler has set their lr by now)."""
-        self.add(snap, self.late_state())
-        self.wait_copy(snap)
+        the optimizer's param_groups (a scheduler has set their lr by now); then wait for the
+        copies, unless `wait` is False (the late tensors are cloned now and copied after the
+        snapshot's earlier copies; the strategy then learns of the end through `progress`)."""
+        if wait:
+            self.add(snap, self.late_state())
+            self.wait_copy(snap)
+        else:
+            skeleton, tensors = flatten(self.late_state(), snap.prefix)
+            self._append(snap, skeleton, {k: t.detach().clone() for k, t in tensors.items()}, background=True)
         if "optimizers" in snap.skeleton:
             for name, groups in snap.skeleton.pop("param_groups").items():
                 snap.skeleton["optimizers"][name]["param_groups"] = groups

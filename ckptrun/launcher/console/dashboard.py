@@ -25,7 +25,8 @@ from ckptrun.launcher.console.metrics_feed import MetricsFileWriter, MetricsStat
 from ckptrun.launcher.console.worker_logs import at_line_start
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
-_CAUSE_LABELS = {"snapshot": "snapshot", "backpressure": "backpressure", "sync_write": "sync write"}
+_CAUSE_LABELS = {"snapshot": "snapshot", "layer_wait": "layer wait", "backpressure": "backpressure",
+                 "sync_write": "sync write"}
 MAX_REFRESH_PER_S = 4.0
 
 

@@ -18,27 +18,19 @@ under `--keep 0`).
 
 from __future__ import annotations
 
-import json
-import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from ...engine.handlers import EngineContext, EngineHandler
-from ...errors import CkptrunError
-from ...ipc.messages import RecordSpec, StrategyMessage
+from ...engine.handlers import EngineContext
+from ...engine.region_handler import RegionHandler
+from ...ipc.messages import StrategyMessage
 from ...log import log
-from ...storage.layout import align
-from ...storage.region import REGION_FILE, Geometry, Regions, RegionWriter
+from ...storage.region import RegionWriter
 from ...storage.schema import full_name
-from ...storage.store import Store, rank_index
 from .messages import Begin, Ready, Seal
 
 MAX_JOBS = 64
-META_MIN = 256 << 10
-MOVE_RETRY_S = 5.0  # a move-out whose record did not commit is tried again after this
 
 
 @dataclass
@@ -58,31 +50,18 @@ class Job:
     counter: int = 0  # taken when the checkpoint is announced, so counters follow step order
 
 
-class PCcheckHandler(EngineHandler):
+class PCcheckHandler(RegionHandler):
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
-        self.cond = threading.Condition()
         self.jobs: dict[int, Job] = {}
-        self.writer: RegionWriter | None = None
-        self.old: list[RegionWriter] = []  # earlier generations still holding steps
-        self.counter = 0
         self.io = ThreadPoolExecutor(MAX_JOBS, thread_name_prefix="pccheck-io")
-        self.awaiting: dict[int, tuple[int, float]] = {}  # step -> (bytes, snapshot time): durable here only
-        self.moving: set[tuple[str, int, int]] = set()  # (file, slot, step) being moved out into a record
-        # (file, slot, step) -> when its move-out may be tried again (if this rank's part did not land)
-        self.retry_at: dict[tuple[str, int, int], float] = {}
-        self.movers = ThreadPoolExecutor(1, thread_name_prefix="pccheck-move")  # never blocked by slot waits
-        self.adopted = False  # earlier generations of this rank looked for (once)
 
     # ---- messages (the engine's connection thread) -------------------------------------
     def handle(self, msg: StrategyMessage) -> None:
         with self.cond:
             if isinstance(msg, Begin):
                 job = Job(msg.step, msg.slot, msg.capacity, msg.meta_hint, msg.chunk, msg.writers, msg.inflight)
-                self.counter += 1
-                job.counter = self.counter
-                self.jobs[msg.step] = job
-                self.ctx.run(self._persist, job)
+                self._start(job)
             elif isinstance(msg, Ready):
                 job = self.jobs.get(msg.step)
                 if job is not None:
@@ -91,14 +70,16 @@ class PCcheckHandler(EngineHandler):
                 job = self.jobs.get(msg.spec.step)
                 if job is None:  # sealed at once (the final checkpoint): the whole slot is ready
                     job = Job(msg.spec.step, msg.slot, msg.nbytes, 0, msg.chunk, msg.writers, msg.inflight)
-                    self.counter += 1
-                    job.counter = self.counter
-                    self.jobs[job.step] = job
-                    self.ctx.run(self._persist, job)
+                    self._start(job)
                 job.seal = msg
             else:
                 super().handle(msg)
             self.cond.notify_all()
+
+    def _start(self, job: Job) -> None:
+        job.counter = self.next_counter()
+        self.jobs[job.step] = job
+        self.ctx.run(self._persist, job)
 
     def flush(self) -> None:
         """Before a new worker (or at the end): a job whose worker died before sealing it will
@@ -109,25 +90,16 @@ class PCcheckHandler(EngineHandler):
                     job.cancelled = True
             self.cond.notify_all()
 
-    def tick(self) -> None:
-        if self._work_left():
-            self._settle()
-
-    def _work_left(self) -> bool:
-        """Steps waiting to be committed, old generations, or more complete slots than kept."""
-        w = self.writer
-        return bool(self.awaiting or self.old or (w is not None and len(w.steps) > max(self.ctx.keep, 1)))
-
     # ---- one checkpoint (a writer thread) ----------------------------------------------
     def _persist(self, job: Job) -> None:
-        ctx, name = self.ctx, full_name(job.step)
+        ctx = self.ctx
         writer = slot = used = None
         failed = False
         try:
             taken = self._take_slot(job)
             if taken is None:  # cancelled while waiting for a region slot
                 return
-            writer, slot, counter = taken
+            writer, slot = taken
             used = writer
             writer.invalidate(slot)
             written, pending = 0, []
@@ -156,29 +128,16 @@ class PCcheckHandler(EngineHandler):
                 if seal is not None:
                     break
             self._drain(pending)
-            ctx.fault_hook(job.step)("data:written")
-            writer.sync()
-            spec = seal.spec
-            index = rank_index(name, ctx.rank, ctx.slot_view(job.slot)[: seal.nbytes], spec.tensors, spec.skeleton,
-                               spec.meta)
-            index_raw = json.dumps(index, indent=1).encode()  # as a record directory's index file
-            if not writer.fits(seal.nbytes, len(index_raw)):
+            data = ctx.slot_view(job.slot)[: seal.nbytes]
+            if not self.commit_slot(writer, slot, job.counter, seal.spec, data, job.t0, lambda: self._free(job)):
                 writer.release(slot)
                 writer = slot = None
-                self._outgrown(job, seal, index_raw)
-                return
-            self._free(job)
-            writer.write_meta(slot, counter=counter, step=job.step, world_size=ctx.world_size,
-                              data_nbytes=seal.nbytes, index_raw=index_raw, meta=spec.meta, written_at=time.time())
-            writer.publish(counter, slot, job.step)
-            ctx.durable(job.step, name, seal.nbytes, time.time() - job.t0)
-            with self.cond:
-                self.awaiting[job.step] = (seal.nbytes, spec.meta.get("snapshot_time", job.t0))
+                self._outgrown(job, seal)
         except Exception as e:  # noqa: BLE001 - any failure is a save error: reported, never a hang
             failed = True
             if writer is not None and slot is not None and writer.steps.get(slot) is None:
                 writer.release(slot)
-            ctx.save_error(job.step, name, f"write: {e}")
+            ctx.save_error(job.step, full_name(job.step), f"write: {e}")
         finally:
             with self.cond:
                 self.jobs.pop(job.step, None)  # a Seal arriving later starts a job of its own
@@ -187,7 +146,7 @@ class PCcheckHandler(EngineHandler):
                 self.cond.notify_all()
             if failed and job.seal is not None:
                 self._free(job)
-        self._settle()
+        self.settle()
 
     def _free(self, job: Job) -> None:
         with self.cond:
@@ -210,19 +169,12 @@ class PCcheckHandler(EngineHandler):
             f.result()
         pending.clear()
 
-    def _take_slot(self, job: Job) -> tuple[RegionWriter, int, int] | None:
-        """(writer, free region slot, counter) for `job`; a new generation if the slots are too
-        small for it (the staging slots grew) or none exists yet. None if cancelled meanwhile."""
+    def _take_slot(self, job: Job) -> tuple[RegionWriter, int] | None:
+        """(writer, free region slot) for `job`: slots for N checkpoints in flight plus the
+        `--keep` newest committed ones (one more while a new one commits); a new generation if
+        they are too small for it (the staging slots grew). None if cancelled meanwhile."""
         with self.cond:
-            w = self.writer
-            if not self.adopted:
-                self.adopted = True
-                self.old += self._earlier_generations()
-            if w is None or not w.fits(job.capacity, job.meta_hint):
-                self.writer = self._new_generation(job)
-                if w is not None:
-                    self.old.append(w)
-            writer, counter = self.writer, job.counter  # (jobs may start out of step order)
+            writer = self.writer_for(job.capacity, job.meta_hint, job.inflight + max(self.ctx.keep, 1) + 1)
             writer.users += 1
         slot = None
         while slot is None:
@@ -230,127 +182,23 @@ class PCcheckHandler(EngineHandler):
                 return None
             slot = writer.acquire(timeout=0.1)
             if slot is None:
-                self._settle()  # a step may have become committed elsewhere: retention frees slots
-        return writer, slot, counter
+                self.settle()  # a step may have become committed elsewhere: retention frees slots
+        return writer, slot
 
-    def _own_files(self) -> list[str]:
-        return [p for p in Regions(Path(self.ctx.root)).files() if int(REGION_FILE.fullmatch(p)[1]) == self.ctx.rank]
-
-    def _earlier_generations(self) -> list[RegionWriter]:
-        """This rank's region files left by an earlier engine (it died, or an earlier run): their
-        committed steps stay readable until the new generation holds `--keep` of its own."""
-        found = []
-        for name in self._own_files():
-            try:
-                found.append(RegionWriter.existing(Path(self.ctx.root), name))
-            except (OSError, ValueError, CkptrunError) as e:
-                log.warning(f"warning: pccheck: region file {name} left as it is ({e})")
-        return found
-
-    def _new_generation(self, job: Job) -> RegionWriter:
-        """Slots for N checkpoints in flight plus the `--keep` newest committed ones (one more
-        while a new one commits)."""
-        gens = [int(REGION_FILE.fullmatch(p)[2]) for p in self._own_files()]
-        nslots = job.inflight + max(self.ctx.keep, 1) + 1
-        geometry = Geometry(nslots, align(job.capacity), align(max(META_MIN, 4 * job.meta_hint)))
-        return RegionWriter(Path(self.ctx.root), self.ctx.rank, max(gens, default=-1) + 1, geometry)
-
-    def _outgrown(self, job: Job, seal: Seal | None, index_raw: bytes | None = None) -> None:
+    def _outgrown(self, job: Job, seal: Seal | None) -> None:
         """The checkpoint does not fit the region's slots: the next one gets a larger generation;
         this one is written as an ordinary record (nothing is lost)."""
-        with self.cond:
-            job.capacity = max(job.capacity, seal.nbytes if seal else 0)
-            job.meta_hint = max(job.meta_hint, len(index_raw or b""))
-            if self.writer is not None and not self.writer.fits(job.capacity, job.meta_hint):
-                self.old.append(self.writer)
-                self.writer = None
+        job.capacity = max(job.capacity, seal.nbytes if seal else 0)
+        self.retire_current(job.capacity, job.meta_hint)
         while seal is None:
             with self.cond:
                 self.cond.wait_for(lambda: job.seal is not None or job.cancelled)
                 if job.cancelled:
                     return
                 seal = job.seal
+        if seal.slot != job.slot:  # the snapshot moved to a larger staging slot
+            self.ctx.free_slot(job.slot)
+            job.slot = seal.slot
         log.info(f"pccheck: step {job.step} outgrew the region's slots; written as an ordinary record")
         self.ctx.write_now(seal.spec, self.ctx.slot_view(seal.slot)[: seal.nbytes])
-        self.ctx.free_slot(seal.slot)
-
-    # ---- commit and retention ----------------------------------------------------------
-    def _settle(self) -> None:
-        """Report steps every rank holds as committed; give slots back beyond retention."""
-        with self.cond:
-            if not self._work_left():
-                return
-            committed = sorted(m.step for m in Regions(Path(self.ctx.root)).scan()[0])
-            newest = committed[-1] if committed else -1
-            for step in sorted(self.awaiting):
-                if step in committed:
-                    nbytes, snap_t = self.awaiting.pop(step)
-                    self.ctx.committed(step, full_name(step), nbytes, snap_t)
-                elif step < newest:  # another rank never saved it: it will not commit
-                    del self.awaiting[step]
-            self._retain(committed)
-
-    def _retain(self, committed: list[int]) -> None:
-        """Free region slots beyond retention (caller holds the lock): the pointer's slot, slots
-        of steps newer than the newest committed one (in flight or waiting for other ranks) and
-        the newest `--keep` committed steps stay; under `--keep 0` a step leaves only once its
-        ordinary record is committed. An earlier generation is deleted once no job uses it and
-        it holds nothing kept."""
-        newest = committed[-1] if committed else -1
-        kept = set(committed[-max(self.ctx.keep, 1):])
-        store = Store(Path(self.ctx.root))
-        w = self.writer
-        if w is not None:
-            for slot, step in list(w.steps.items()):
-                if step > newest or step in kept or (w.pointer.counter and slot == w.pointer.slot):
-                    continue
-                if self.ctx.keep == 0 and not self._moved_out(store, w, slot, step, committed):
-                    continue
-                w.release(slot)
-        for old in list(self.old):
-            held = [(slot, step) for slot, step in old.steps.items() if step <= newest]
-            if old.users or any(step in kept for _, step in held):
-                continue
-            if self.ctx.keep == 0 and not all([self._moved_out(store, old, slot, step, committed)
-                                               for slot, step in held]):
-                continue
-            self.old.remove(old)
-            old.close()
-            old.path.unlink(missing_ok=True)
-
-    def _moved_out(self, store: Store, writer: RegionWriter, slot: int, step: int, committed: list[int]) -> bool:
-        """`--keep 0`: may this slot's step leave the region? Yes once its ordinary record is
-        committed, or if no rank ever committed it; otherwise its move-out is started (again)."""
-        name = full_name(step)
-        if store.is_committed(name):
-            return True
-        present = store.ranks_present(name)
-        if step not in committed and not present:
-            return True  # not every rank saved it and nobody is moving it out: nothing to keep
-        if self.ctx.rank in present:
-            return False  # this rank's part is out; the other ranks' parts are on their way
-        key = (writer.path.name, slot, step)
-        if key not in self.moving and time.time() >= self.retry_at.get(key, 0.0):
-            self.moving.add(key)
-            self.movers.submit(self._move_out, writer, slot, step)
-        return False
-
-    def _move_out(self, writer: RegionWriter, slot: int, step: int) -> None:
-        """Copy this rank's part of a committed step out of its slot into an ordinary record (the
-        engine's commit protocol then commits it; the slot is freed by `_retain` after that)."""
-        key = (writer.path.name, slot, step)
-        try:
-            found = writer.read_meta(slot)
-            if found is not None and found[0]["step"] == step:
-                index = json.loads(found[1])
-                data = os.pread(writer.fd, index["data_nbytes"], writer.geometry.data_at(slot))
-                spec = RecordSpec(record=full_name(step), kind="full", step=step, skeleton=index["skeleton"],
-                                  tensors=index["tensors"], meta=index["meta"])
-                self.ctx.write_now(spec, memoryview(data))
-        except Exception as e:  # noqa: BLE001 - reported; the step stays in the region
-            self.ctx.save_error(step, full_name(step), f"moving out of the region: {e}")
-        finally:
-            with self.cond:
-                self.moving.discard(key)
-                self.retry_at = {k: t for k, t in self.retry_at.items() if t > time.time()}
-                self.retry_at[key] = time.time() + MOVE_RETRY_S
+        self._free(job)
