@@ -2,7 +2,7 @@
 is bit-identical to one step; the update of a layer never runs before that layer's copy of the
 previous step is complete, while earlier layers' updates do overlap a slow later copy; a crash at
 each stage of a slot's write leaves the other slot's step committed and intact; `--layer-wait
-whole` and `layer` checkpoint the same states."""
+whole` and `--copy-to host` checkpoint the same states as the default."""
 
 from __future__ import annotations
 
@@ -260,13 +260,18 @@ def test_crash_at_each_stage_of_a_slot_write_keeps_the_other_slot(stage, tmp_pat
         wait_for(lambda: handler.ctx.of("committed") == [1, 3])
 
 
-def test_layer_wait_whole_and_layer_save_the_same_states(tmp_path):
-    for mode in ("layer", "whole"):
-        ok(ckptrun(tmp_path, "--strategy", "lightcheck", "--layer-wait", mode, "--dir", f"ck-{mode}", "--keep", "0",
+MODES = {"layer": ["--layer-wait", "layer"], "whole": ["--layer-wait", "whole"], "host": ["--copy-to", "host"]}
+
+
+def test_modes_save_the_same_states(tmp_path):
+    """--layer-wait whole and --copy-to host checkpoint exactly what the default does."""
+    for mode, flags in MODES.items():
+        ok(ckptrun(tmp_path, "--strategy", "lightcheck", *flags, "--dir", f"ck-{mode}", "--keep", "0",
                    "--no-dashboard", EXAMPLE, *TINY))
     for step in (3, 6, 12):
-        layer, whole = (restore(tmp_path, tmp_path / f"ck-{m}", step)[0] for m in ("layer", "whole"))
-        assert list(layer) == list(whole) and "model" in str(list(layer))
-        for key in layer:  # python's RNG is seeded per process by the example; the rest is exact
-            if key != "rng":
-                assert_same(layer[key], whole[key], key)
+        states = {m: restore(tmp_path, tmp_path / f"ck-{m}", step)[0] for m in MODES}
+        for mode in ("whole", "host"):
+            assert list(states[mode]) == list(states["layer"]) and "model" in str(list(states[mode]))
+            for key in states[mode]:  # python's RNG is seeded per process by the example; the rest is exact
+                if key != "rng":
+                    assert_same(states[mode][key], states["layer"][key], f"{mode} {key}")

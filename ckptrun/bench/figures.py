@@ -18,8 +18,8 @@ from ..errors import CkptrunError
 from ..launcher.console.metrics_feed import MetricsTailer
 
 # Per-run figures, in report order (the summary's `median_step_s` is the median of `step_s`).
-FIGURES = ("step_s", "stall_ms_per_step", "bytes_per_step", "write_MBps", "peak_rss_MB", "committed",
-           "recovery_s")
+FIGURES = ("step_s", "stall_ms_per_step", "layer_wait_ms_per_step", "bytes_per_step", "write_MBps", "peak_rss_MB",
+           "committed", "recovery_s")
 
 
 @dataclass
@@ -31,6 +31,8 @@ class RunFigures:
     peak_rss_MB: float
     committed: int
     recovery_s: float | None = None  # None: nothing to recover from (no checkpoint)
+    # The part of the stall that updates waited for their own layer's copy (lightcheck); None: no such cause
+    layer_wait_ms_per_step: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,7 +100,8 @@ def ckptrun_figures(timing: Attempt, metrics_dir: Path, warmup: int, peak_rss_MB
     last timed step: the restarted worker's own are not counted)."""
     timed, first, last = timing.window(warmup)
     events = MetricsTailer(metrics_dir).poll()
-    stall = {e["step"]: sum(e["stall_s"].values()) for e in events if e.get("type") == "step"}
+    steps = {e["step"]: e["stall_s"] for e in events if e.get("type") == "step"}
+    stall = {step: sum(causes.values()) for step, causes in steps.items()}
     missing = [s["step"] for s in timed if s["step"] not in stall]
     if missing:
         raise CkptrunError(f"ckptrun's worker metrics in {metrics_dir} lack steps {missing[:5]}")
@@ -107,7 +110,9 @@ def ckptrun_figures(timing: Attempt, metrics_dir: Path, warmup: int, peak_rss_MB
     return RunFigures(step_s=fmean(s["wall_s"] for s in timed),
                       stall_ms_per_step=1e3 * fmean(stall[s["step"]] for s in timed),
                       bytes_per_step=nbytes / len(timed), write_MBps=mbps, peak_rss_MB=peak_rss_MB,
-                      committed=sum(1 for e in events if e.get("type") == "commit" and e["step"] <= last))
+                      committed=sum(1 for e in events if e.get("type") == "commit" and e["step"] <= last),
+                      layer_wait_ms_per_step=(1e3 * fmean(steps[s["step"]].get("layer_wait", 0.0) for s in timed)
+                                              if any("layer_wait" in c for c in steps.values()) else None))
 
 
 def ckptrun_recovery(metrics_dir: Path) -> float:

@@ -76,7 +76,9 @@ def parse_every(text: str) -> list[int]:
 
 
 # Strategy settings worth a bar of their own: name -> (strategy, its run options).
-VARIANTS = {"lowdiff+topk": ("lowdiff", ("--compress", "topk:0.01"))}
+VARIANTS = {"lowdiff+topk": ("lowdiff", ("--compress", "topk:0.01")),
+            "lightcheck-whole": ("lightcheck", ("--layer-wait", "whole")),
+            "lightcheck-host": ("lightcheck", ("--copy-to", "host"))}
 
 
 def configurations(methods: str, every: str) -> list[Configuration]:

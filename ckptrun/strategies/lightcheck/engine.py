@@ -105,7 +105,16 @@ class LightCheckHandler(RegionHandler):
         ctx, seal = self.ctx, job.seal
         committed = False
         try:
-            if seal.slot >= 0:  # outgrew the region slot mid-snapshot: its bytes are in a staging slot
+            if seal.slot >= 0 and seal.nbytes <= job.writer.geometry.slot_bytes:  # --copy-to host
+                staged = ctx.slot_view(seal.slot)[: seal.nbytes]
+                job.writer.write(job.slot, 0, staged)
+                committed = self.commit_slot(job.writer, job.slot, job.counter, seal.spec, staged, job.t0,
+                                             lambda: ctx.free_slot(seal.slot))
+                if not committed:
+                    ctx.write_now(seal.spec, staged)
+                    ctx.free_slot(seal.slot)
+                del staged
+            elif seal.slot >= 0:  # outgrew the region slot mid-snapshot: its bytes are in a staging slot
                 log.info(f"lightcheck: step {job.step} outgrew the region's slots; written as an ordinary record")
                 self.retire_current(seal.nbytes, 0)
                 ctx.write_now(seal.spec, ctx.slot_view(seal.slot)[: seal.nbytes])

@@ -31,6 +31,6 @@ class Ready(StrategyMessage):
 @dataclass(kw_only=True)
 class Seal(Persist):
     """`slot` is -1 (the bytes are in the region slot taken for the step), or the staging slot
-    the snapshot moved to when it outgrew the region's slot."""
+    holding them (--copy-to host, or a snapshot that outgrew the region's slot)."""
 
     op: ClassVar[Op] = Op.STRATEGY

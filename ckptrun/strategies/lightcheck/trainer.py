@@ -52,11 +52,21 @@ class Copied:
             self.sent = True
             self.ctx.send(Ready(step=self.step))
 
-    def wait(self, upto: int) -> int:
-        """Block until the first `upto` bytes are copied; returns how many are."""
+    def wait(self, upto: int, snap: Snapshot) -> int:
+        """Block until the first `upto` bytes are copied; returns how many are. A copy that
+        failed raises its error here."""
         with self.cond:
-            self.cond.wait_for(lambda: self.upto >= upto)
+            while not self.cond.wait_for(lambda: self.upto >= upto, timeout=0.5):
+                if snap.copy is not None and snap.copy.done() and snap.copy.exception() is not None:
+                    raise snap.copy.exception()
             return self.upto
+
+
+def _choice(ctx: StrategyContext, name: str, allowed: tuple[str, ...]) -> str:
+    value = ctx.options.get(name) or allowed[0]
+    if value not in allowed:
+        raise UsageError(f"--{name.replace('_', '-')} is {' or '.join(allowed)} (got {value!r})")
+    return value
 
 
 class LightCheck(SnapshotStrategy):
@@ -66,9 +76,8 @@ class LightCheck(SnapshotStrategy):
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
-        self.whole = (ctx.options.get("layer_wait") or "layer") == "whole"
-        if (ctx.options.get("layer_wait") or "layer") not in ("layer", "whole"):
-            raise UsageError(f"--layer-wait is layer or whole (got {ctx.options.get('layer_wait')!r})")
+        self.whole = _choice(ctx, "layer_wait", ("layer", "whole")) == "whole"
+        self.direct = _choice(ctx, "copy_to", ("region", "host")) == "region"
         self.maps: dict[str, torch.Tensor] = {}  # region file -> the trainer's mapping of it
         self.copied: Copied | None = None
         self.ends: list[int] = []  # per layer: the slot offset its copy ends at
@@ -76,7 +85,8 @@ class LightCheck(SnapshotStrategy):
         self.split = False  # this step's update ran layer by layer (gradients set aside)
 
     def settings(self) -> dict:
-        return {**super().settings(), "layer_wait": "whole" if self.whole else "layer"}
+        return {**super().settings(), "layer_wait": "whole" if self.whole else "layer",
+                "copy_to": "region" if self.direct else "host"}
 
     def on_ready(self, step: int) -> None:
         opt = self.ctx.primary
@@ -101,8 +111,11 @@ class LightCheck(SnapshotStrategy):
                                 into=lambda need: self._take(step, need),
                                 order=lambda tensors: self._order(tensors, groups))
         ends = {s.key: s.offset + s.nbytes for s in snap.layout.specs}
-        first = max([ends[k] for k in groups[0]], default=0) if groups else 0  # what no layer owns
-        self.ends = [max([ends[k] for k in keys], default=first) for keys in groups[1:]]
+        upto = max([ends[k] for k in groups[0]], default=0) if groups else 0  # what no layer owns
+        self.ends = []
+        for keys in groups[1:]:
+            upto = max([upto, *(ends[k] for k in keys)])
+            self.ends.append(upto)
         self.pending, self.copied = snap, copied
 
     def _order(self, tensors: dict[str, torch.Tensor], groups: list[list[str]]) -> dict[str, torch.Tensor]:
@@ -121,13 +134,16 @@ class LightCheck(SnapshotStrategy):
             groups[owner.get(t.data_ptr(), -1) + 1 if t.numel() else 0].append(key)
         return {k: tensors[k] for keys in groups for k in keys}
 
-    def _take(self, step: int, need: int) -> torch.Tensor:
-        """A region slot for `step` (waits while every slot is in flight or kept), mapped here."""
+    def _take(self, step: int, need: int) -> torch.Tensor | None:
+        """A region slot for `step` (waits while every slot is in flight or kept), mapped here;
+        with --copy-to host the snapshot goes to a staging slot instead (None)."""
         ctx = self.ctx
         capacity = align(int(need * 1.25) + 256 * ALIGN)  # room for the late state and some growth
         r = ctx.request(Take(step=step, capacity=capacity, meta_hint=ctx.index_hint(), inflight=ctx.max_inflight))
         if REGION_FILE.fullmatch(r["file"]) is None:
             raise RuntimeError(f"engine named region file {r['file']!r}")
+        if not self.direct:
+            return None
         mapping = self.maps.get(r["file"])
         if mapping is None:
             self.maps = {r["file"]: self._map(Path(ctx.dir) / r["file"], r["file_bytes"], r["data_at0"])}
@@ -154,7 +170,7 @@ class LightCheck(SnapshotStrategy):
         self.pending = self.copied = None
         self._seal(snap, copied)
         if self.layers is None or self.whole or len(self.ends) != len(self.layers.params):
-            copied.wait(snap.nbytes)  # stall: "snapshot"
+            copied.wait(snap.nbytes, snap)  # stall: "snapshot"
             return
         if copied.upto >= self.ends[-1]:
             return  # copied already: the whole step runs as usual
@@ -163,7 +179,7 @@ class LightCheck(SnapshotStrategy):
         def ready(i: int) -> int:
             nonlocal waited
             w0 = time.perf_counter()
-            upto = copied.wait(self.ends[i])
+            upto = copied.wait(self.ends[i], snap)
             waited += time.perf_counter() - w0
             j = i + 1
             while j < len(self.ends) and self.ends[j] <= upto:
