@@ -78,13 +78,18 @@ def _chosen_options(ctx: typer.Context, strategy: str, given: dict[str, str | No
     """The chosen strategy's option values; an option of another strategy typed on the command
     line is an error (it would be silently ignored)."""
     from .strategies import REGISTRY, all_options
+    from .strategies.options import choice_value
 
     for owner, opt in all_options():
         if owner != strategy and getattr(ctx.get_parameter_source(opt.name), "name", "") == "COMMANDLINE":
             raise UsageError(f"{opt.flag} is an option of --strategy {owner}, not of {strategy}; drop it or "
                              f"pass --strategy {owner}")
     entry = REGISTRY.get(strategy)
-    return {opt.name: given[opt.name] for opt in entry.options} if entry else {}
+    chosen = {opt.name: given[opt.name] for opt in entry.options} if entry else {}
+    for opt in entry.options if entry else ():
+        if opt.choices:
+            choice_value(chosen, opt.name, opt.choices)
+    return chosen
 
 
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})

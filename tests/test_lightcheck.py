@@ -275,3 +275,10 @@ def test_modes_save_the_same_states(tmp_path):
             for key in states[mode]:  # python's RNG is seeded per process by the example; the rest is exact
                 if key != "rng":
                     assert_same(states[mode][key], states["layer"][key], f"{mode} {key}")
+
+
+def test_a_bad_mode_is_refused_before_anything_starts(tmp_path):
+    proc = ckptrun(tmp_path, "--strategy", "lightcheck", "--copy-to", "disk", "--dir", "ckpts", EXAMPLE, *TINY)
+    assert proc.returncode == 2
+    assert "--copy-to is region or host (got 'disk')" in proc.stderr
+    assert not (tmp_path / "ckpts").exists()

@@ -8,6 +8,9 @@ strings (as typed, or `auto`): the strategy parses them and names the flag in it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from ..errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -15,7 +18,34 @@ class Option:
     name: str  # a Python identifier; the flag is --name-with-dashes
     default: str | None
     help: str
+    choices: tuple[str, ...] = ()  # the allowed values, checked by the launcher before anything starts
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return _flag(self.name)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def int_value(options: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
+    """Option `name` as an integer in [lo, hi]; None when not given or `auto`."""
+    raw = options.get(name)
+    if raw in (None, "auto"):
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = lo - 1
+    if not lo <= value <= hi:
+        raise UsageError(f"{_flag(name)} must be an integer in [{lo}, {hi}] (got {raw!r})")
+    return value
+
+
+def choice_value(options: dict[str, Any], name: str, allowed: tuple[str, ...]) -> str:
+    """Option `name`, one of `allowed` (the first when not given)."""
+    value = options.get(name) or allowed[0]
+    if value not in allowed:
+        raise UsageError(f"{_flag(name)} is {' or '.join(allowed)} (got {value!r})")
+    return value

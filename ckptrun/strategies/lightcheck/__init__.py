@@ -9,11 +9,10 @@ Torch-free: the registry imports this package for its options.
 
 from ..options import Option
 
-OPTIONS = (
-    Option("layer_wait", "layer",
-           "layer: the next update of a layer waits only for that layer's copy (LightCheck); whole: the next "
-           "update waits for the whole copy (CheckFreq's wait, for comparison)."),
-    Option("copy_to", "region",
-           "region: copy straight into the mapped region file (LightCheck-D); host: into a shared-memory staging "
-           "slot, which the engine then writes into the region (LightCheck-C)."),
-)
+LAYER_WAIT = Option("layer_wait", "layer",
+                    "layer: the next update of a layer waits only for that layer's copy (LightCheck); whole: the next "
+                    "update waits for the whole copy (CheckFreq's wait, for comparison).", choices=("layer", "whole"))
+COPY_TO = Option("copy_to", "region",
+                 "region: copy straight into the mapped region file (LightCheck-D); host: into a shared-memory staging "
+                 "slot, which the engine then writes into the region (LightCheck-C).", choices=("region", "host"))
+OPTIONS = (LAYER_WAIT, COPY_TO)

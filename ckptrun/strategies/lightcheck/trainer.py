@@ -15,13 +15,14 @@ from pathlib import Path
 
 import torch
 
-from ...errors import UsageError
 from ...log import log
 from ...storage.layout import ALIGN, align
 from ...storage.region import REGION_FILE
 from ...worker.runtime import Snapshot
 from ..base import SnapshotStrategy
 from ..context import StrategyContext
+from ..options import choice_value
+from . import COPY_TO, LAYER_WAIT
 from .layers import LayerSteps, why_not
 from .messages import Ready, Seal, Take
 
@@ -62,13 +63,6 @@ class Copied:
             return self.upto
 
 
-def _choice(ctx: StrategyContext, name: str, allowed: tuple[str, ...]) -> str:
-    value = ctx.options.get(name) or allowed[0]
-    if value not in allowed:
-        raise UsageError(f"--{name.replace('_', '-')} is {' or '.join(allowed)} (got {value!r})")
-    return value
-
-
 class LightCheck(SnapshotStrategy):
     name = "lightcheck"
     background = True
@@ -76,8 +70,8 @@ class LightCheck(SnapshotStrategy):
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
-        self.whole = _choice(ctx, "layer_wait", ("layer", "whole")) == "whole"
-        self.direct = _choice(ctx, "copy_to", ("region", "host")) == "region"
+        self.whole = choice_value(ctx.options, "layer_wait", LAYER_WAIT.choices) == "whole"
+        self.direct = choice_value(ctx.options, "copy_to", COPY_TO.choices) == "region"
         self.maps: dict[str, torch.Tensor] = {}  # region file -> the trainer's mapping of it
         self.copied: Copied | None = None
         self.ends: list[int] = []  # per layer: the slot offset its copy ends at

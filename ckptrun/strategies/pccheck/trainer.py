@@ -12,23 +12,11 @@ from ...errors import UsageError
 from ...worker.runtime import Snapshot
 from ..base import SnapshotStrategy
 from ..context import StrategyContext
+from ..options import int_value
 from .messages import Begin, Ready, Seal
 from .policy import ConcurrentInterval
 
 MIN_CHUNK, MAX_CHUNK = 1 << 20, 256 << 20
-
-
-def _int_option(ctx: StrategyContext, name: str, lo: int, hi: int) -> int | None:
-    raw = ctx.options.get(name)
-    if raw in (None, "auto"):
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = lo - 1
-    if not lo <= value <= hi:
-        raise UsageError(f"--{name.replace('_', '-')} must be an integer in [{lo}, {hi}] (got {raw!r})")
-    return value
 
 
 class PCcheck(SnapshotStrategy):
@@ -38,8 +26,8 @@ class PCcheck(SnapshotStrategy):
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
-        self.writers = _int_option(ctx, "ckpt_writers", 1, 32) or 2
-        chunk_mb = _int_option(ctx, "chunk_mb", 1, 4096)
+        self.writers = int_value(ctx.options, "ckpt_writers", 1, 32) or 2
+        chunk_mb = int_value(ctx.options, "chunk_mb", 1, 4096)
         self.chunk = chunk_mb << 20 if chunk_mb else None
         try:
             q = float(ctx.options.get("max_slowdown") or "1.05")
