@@ -107,25 +107,26 @@ class RegionHandler(EngineHandler):
     def commit_slot(self, writer: RegionWriter, slot: int, counter: int, spec: RecordSpec, data: memoryview,
                     t0: float, indexed: Callable[[], None] | None = None) -> bool:
         """Make the filled `slot` (its bytes `data`, already written into the file) this rank's
-        durable copy of `spec`'s step; `indexed()` once `data` is no longer read. False if its
-        index does not fit the slot's metadata area: the next checkpoint gets a new generation;
-        the caller writes this one as an ordinary record, then releases the slot."""
-        ctx, name = self.ctx, full_name(spec.step)
+        durable copy of `spec`'s step; `indexed()` once `data` is no longer read (it is released
+        first). False if its index does not fit the slot's metadata area: the next checkpoint gets
+        a new generation; the caller writes this one as an ordinary record, then releases the slot."""
+        ctx, name, nbytes = self.ctx, full_name(spec.step), len(data)
         ctx.fault_hook(spec.step)("data:written")
         writer.sync()
         index = rank_index(name, ctx.rank, data, spec.tensors, spec.skeleton, spec.meta)
         index_raw = json.dumps(index, indent=1).encode()  # as a record directory's index file
-        if not writer.fits(len(data), len(index_raw)):
-            self.retire_current(len(data), len(index_raw))
+        if not writer.fits(nbytes, len(index_raw)):
+            self.retire_current(nbytes, len(index_raw))
             return False
-        if indexed is not None:
+        if indexed is not None:  # `data` may be a staging slot the worker reuses (and may retire) once told
+            data.release()
             indexed()
-        writer.write_meta(slot, counter=counter, step=spec.step, world_size=ctx.world_size, data_nbytes=len(data),
+        writer.write_meta(slot, counter=counter, step=spec.step, world_size=ctx.world_size, data_nbytes=nbytes,
                           index_raw=index_raw, meta=spec.meta, written_at=time.time())
         writer.publish(counter, slot, spec.step)
-        ctx.durable(spec.step, name, len(data), time.time() - t0)
+        ctx.durable(spec.step, name, nbytes, time.time() - t0)
         with self.cond:
-            self.awaiting[spec.step] = (len(data), spec.meta.get("snapshot_time", t0))
+            self.awaiting[spec.step] = (nbytes, spec.meta.get("snapshot_time", t0))
         return True
 
     # ---- commit and retention ----------------------------------------------------------
