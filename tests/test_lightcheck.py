@@ -2,7 +2,8 @@
 is bit-identical to one step; the update of a layer never runs before that layer's copy of the
 previous step is complete, while earlier layers' updates do overlap a slow later copy; a crash at
 each stage of a slot's write leaves the other slot's step committed and intact; `--layer-wait
-whole` and `--copy-to host` checkpoint the same states as the default."""
+whole` and `--copy-to host` checkpoint the same states as `--copy-to region`; a mid-write kill
+with host copies resumes exactly."""
 
 from __future__ import annotations
 
@@ -15,7 +16,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import EXAMPLE, TINY, assert_same, ckptrun, ok, pack, restore, unpack
+from conftest import (
+    EXAMPLE,
+    STEPS,
+    TINY,
+    assert_same,
+    assert_training_state,
+    ckptrun,
+    load,
+    ok,
+    pack,
+    restore,
+    run_events,
+    unpack,
+)
+from test_crash_matrix import assert_clean_and_final, resume_run
 from test_pccheck import FakeEngine, committed, wait_for
 from torch import nn
 
@@ -159,7 +174,8 @@ def test_update_of_a_layer_waits_for_its_own_copy_only(tmp_path, monkeypatch):
     updates: list[tuple[int, list[str], float]] = []  # (steps done, keys updated, when)
     slow_copier(monkeypatch, SLOW, 0.3, copies)
     engine = RegionEngine(tmp_path / "ckpts")
-    cfg = RunConfig(strategy="lightcheck", dir=str(tmp_path / "ckpts"), every=1, max_inflight=1, keep=1)
+    cfg = RunConfig(strategy="lightcheck", dir=str(tmp_path / "ckpts"), every=1, max_inflight=1, keep=1,
+                    options={"copy_to": "region"})
     rt = Runtime(cfg, 0, 0, 1, 0, connect=engine.connect)
     model, data = model_and_data()
     keys = {id(p): f"models/model/{name}" for name, p in model.named_parameters()}
@@ -260,7 +276,8 @@ def test_crash_at_each_stage_of_a_slot_write_keeps_the_other_slot(stage, tmp_pat
         wait_for(lambda: handler.ctx.of("committed") == [1, 3])
 
 
-MODES = {"layer": ["--layer-wait", "layer"], "whole": ["--layer-wait", "whole"], "host": ["--copy-to", "host"]}
+MODES = {"layer": ["--copy-to", "region"], "whole": ["--copy-to", "region", "--layer-wait", "whole"],
+         "host": ["--copy-to", "host"]}
 
 
 def test_modes_save_the_same_states(tmp_path):
@@ -280,5 +297,15 @@ def test_modes_save_the_same_states(tmp_path):
 def test_a_bad_mode_is_refused_before_anything_starts(tmp_path):
     proc = ckptrun(tmp_path, "--strategy", "lightcheck", "--copy-to", "disk", "--dir", "ckpts", EXAMPLE, *TINY)
     assert proc.returncode == 2
-    assert "--copy-to is region or host (got 'disk')" in proc.stderr
+    assert "--copy-to is auto, region or host (got 'disk')" in proc.stderr
     assert not (tmp_path / "ckpts").exists()
+
+
+def test_a_killed_run_with_host_copies_finishes_exactly(example_truth, tmp_path):
+    """The contract suite runs the mapped-region path (the registry's short-run flags); this is
+    the crash matrix's mid-write kill for --copy-to host (the CPU default)."""
+    resume_run(tmp_path, "lightcheck", tmp_path / "ckpts", "--copy-to", "host", "--max-restarts", "1",
+               fault="kill:step=7:phase=write")
+    assert [e["restart_count"] for e in run_events(tmp_path / "metrics")] == [0, 1], "the fault did not fire"
+    assert_training_state(load(tmp_path / "final.pt"), example_truth(STEPS))
+    assert_clean_and_final(tmp_path / "ckpts", example_truth(STEPS))

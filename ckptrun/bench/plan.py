@@ -78,6 +78,7 @@ def parse_every(text: str) -> list[int]:
 # Strategy settings worth a bar of their own: name -> (strategy, its run options).
 VARIANTS = {"lowdiff+topk": ("lowdiff", ("--compress", "topk:0.01")),
             "lightcheck-whole": ("lightcheck", ("--layer-wait", "whole")),
+            "lightcheck-region": ("lightcheck", ("--copy-to", "region")),
             "lightcheck-host": ("lightcheck", ("--copy-to", "host"))}
 
 

@@ -63,7 +63,7 @@ BUILTIN: dict[str, Entry] = {
                         "layer-wise copies into a mapped region file overlapped with the next step; each layer's "
                         "update waits only for its own copy; slot commit",
                         engine_handler="ckptrun.strategies.lightcheck.engine:LightCheckHandler",
-                        options=lightcheck.OPTIONS),
+                        options=lightcheck.OPTIONS, short_run_flags=("--copy-to", "region")),
 }
 
 

@@ -47,5 +47,5 @@ def choice_value(options: dict[str, Any], name: str, allowed: tuple[str, ...]) -
     """Option `name`, one of `allowed` (the first when not given)."""
     value = options.get(name) or allowed[0]
     if value not in allowed:
-        raise UsageError(f"{_flag(name)} is {' or '.join(allowed)} (got {value!r})")
+        raise UsageError(f"{_flag(name)} is {', '.join(allowed[:-1])} or {allowed[-1]} (got {value!r})")
     return value

@@ -71,7 +71,8 @@ class LightCheck(SnapshotStrategy):
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         self.whole = choice_value(ctx.options, "layer_wait", LAYER_WAIT.choices) == "whole"
-        self.direct = choice_value(ctx.options, "copy_to", COPY_TO.choices) == "region"
+        copy_to = choice_value(ctx.options, "copy_to", COPY_TO.choices)
+        self.direct = copy_to == "region" or (copy_to == "auto" and torch.cuda.is_available())
         self.maps: dict[str, torch.Tensor] = {}  # region file -> the trainer's mapping of it
         self.copied: Copied | None = None
         self.ends: list[int] = []  # per layer: the slot offset its copy ends at
