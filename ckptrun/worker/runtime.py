@@ -600,7 +600,7 @@ class Runtime:
         old, old_buf = snap.slot, self._buffer(snap)
         self.slots.buffers[slot][: snap.layout.nbytes].copy_(old_buf[: snap.layout.nbytes])
         snap.slot, snap.buf = slot, None
-        if old >= 0 and old_buf is not None and snap.progress is None and not self.slots.release(old):
+        if old >= 0 and snap.progress is None and not self.slots.release(old):
             self.client.send(Retire(slots=[old]))
 
     def capture(self, step: int, *, background: bool,
