@@ -78,7 +78,6 @@ def _chosen_options(ctx: typer.Context, strategy: str, given: dict[str, str | No
     """The chosen strategy's option values; an option of another strategy typed on the command
     line is an error (it would be silently ignored)."""
     from .strategies import REGISTRY, all_options
-    from .strategies.options import choice_value
 
     for owner, opt in all_options():
         if owner != strategy and getattr(ctx.get_parameter_source(opt.name), "name", "") == "COMMANDLINE":
@@ -88,7 +87,7 @@ def _chosen_options(ctx: typer.Context, strategy: str, given: dict[str, str | No
     chosen = {opt.name: given[opt.name] for opt in entry.options} if entry else {}
     for opt in entry.options if entry else ():
         if opt.choices:
-            choice_value(chosen, opt.name, opt.choices)
+            opt.choice(chosen)
     return chosen
 
 

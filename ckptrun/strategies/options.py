@@ -24,6 +24,14 @@ class Option:
     def flag(self) -> str:
         return _flag(self.name)
 
+    def choice(self, options: dict[str, Any]) -> str:
+        """This option's value in `options` (its default when not given), one of `choices`."""
+        value = options.get(self.name) or self.default
+        if value not in self.choices:
+            *rest, last = self.choices
+            raise UsageError(f"{self.flag} is {', '.join(rest)} or {last} (got {value!r})")
+        return value
+
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
@@ -42,10 +50,3 @@ def int_value(options: dict[str, Any], name: str, lo: int, hi: int) -> int | Non
         raise UsageError(f"{_flag(name)} must be an integer in [{lo}, {hi}] (got {raw!r})")
     return value
 
-
-def choice_value(options: dict[str, Any], name: str, allowed: tuple[str, ...]) -> str:
-    """Option `name`, one of `allowed` (the first when not given)."""
-    value = options.get(name) or allowed[0]
-    if value not in allowed:
-        raise UsageError(f"{_flag(name)} is {', '.join(allowed[:-1])} or {allowed[-1]} (got {value!r})")
-    return value

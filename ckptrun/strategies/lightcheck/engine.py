@@ -102,29 +102,26 @@ class LightCheckHandler(RegionHandler):
 
     # ---- one checkpoint (a writer thread) ----------------------------------------------
     def _persist(self, job: Job) -> None:
-        ctx, seal = self.ctx, job.seal
+        """Commit the job's region slot; bytes in a staging slot (--copy-to host) are written into
+        it first. A checkpoint that does not fit the slot becomes an ordinary record."""
+        ctx, seal, writer = self.ctx, job.seal, job.writer
+        staged = seal.slot >= 0
+        free = (lambda: ctx.free_slot(seal.slot)) if staged else None
         committed = False
         try:
-            if seal.slot >= 0 and seal.nbytes <= job.writer.geometry.slot_bytes:  # --copy-to host
-                staged = ctx.slot_view(seal.slot)[: seal.nbytes]
-                job.writer.write(job.slot, 0, staged)
-                committed = self.commit_slot(job.writer, job.slot, job.counter, seal.spec, staged, job.t0,
-                                             lambda: ctx.free_slot(seal.slot))
-                if not committed:
-                    ctx.write_now(seal.spec, staged)
-                    ctx.free_slot(seal.slot)
-                del staged
-            elif seal.slot >= 0:  # outgrew the region slot mid-snapshot: its bytes are in a staging slot
-                log.info(f"lightcheck: step {job.step} outgrew the region's slots; written as an ordinary record")
+            data = ctx.slot_view(seal.slot)[: seal.nbytes] if staged else writer.view(job.slot)[: seal.nbytes]
+            if seal.nbytes <= writer.geometry.slot_bytes:
+                if staged:
+                    writer.write(job.slot, 0, data)
+                committed = self.commit_slot(writer, job.slot, job.counter, seal.spec, data, job.t0, free)
+            else:  # outgrew the region slot mid-snapshot (the runtime moved it to a staging slot)
                 self.retire_current(seal.nbytes, 0)
-                ctx.write_now(seal.spec, ctx.slot_view(seal.slot)[: seal.nbytes])
-                ctx.free_slot(seal.slot)
-            else:
-                data = job.writer.view(job.slot)[: seal.nbytes]
-                committed = self.commit_slot(job.writer, job.slot, job.counter, seal.spec, data, job.t0)
-                if not committed:
-                    ctx.write_now(seal.spec, data)
-                del data
+            if not committed:
+                log.info(f"lightcheck: step {job.step} did not fit the region's slots; written as an ordinary record")
+                ctx.write_now(seal.spec, data)
+                if free is not None:
+                    free()
+            del data
         except Exception as e:  # noqa: BLE001 - any failure is a save error: reported, never a hang
             ctx.save_error(job.step, full_name(job.step), f"write: {e}")
         finally:

@@ -21,7 +21,6 @@ from ...storage.region import REGION_FILE
 from ...worker.runtime import Snapshot
 from ..base import SnapshotStrategy
 from ..context import StrategyContext
-from ..options import choice_value
 from . import COPY_TO, LAYER_WAIT
 from .layers import LayerSteps, why_not
 from .messages import Ready, Seal, Take
@@ -70,14 +69,13 @@ class LightCheck(SnapshotStrategy):
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
-        self.whole = choice_value(ctx.options, "layer_wait", LAYER_WAIT.choices) == "whole"
-        copy_to = choice_value(ctx.options, "copy_to", COPY_TO.choices)
+        self.whole = LAYER_WAIT.choice(ctx.options) == "whole"
+        copy_to = COPY_TO.choice(ctx.options)
         self.direct = copy_to == "region" or (copy_to == "auto" and torch.cuda.is_available())
         self.maps: dict[str, torch.Tensor] = {}  # region file -> the trainer's mapping of it
         self.copied: Copied | None = None
         self.ends: list[int] = []  # per layer: the slot offset its copy ends at
         self.layers: LayerSteps | None = None
-        self.split = False  # this step's update ran layer by layer (gradients set aside)
 
     def settings(self) -> dict:
         return {**super().settings(), "layer_wait": "whole" if self.whole else "layer",
@@ -93,9 +91,8 @@ class LightCheck(SnapshotStrategy):
 
     # ---- capture (after step t) --------------------------------------------------------
     def after_step(self, step: int) -> None:
-        if self.split:
-            self.layers.restore()
-            self.split = False
+        if self.layers is not None:
+            self.layers.restore()  # the gradients a split update set aside (nothing otherwise)
         if self.ctx.due(step):
             self._capture(step, background=True)
 
@@ -183,7 +180,6 @@ class LightCheck(SnapshotStrategy):
 
         t0 = time.perf_counter()
         self.layers.run(ready)
-        self.split = True
         self.ctx.stall("layer_wait", waited)
         self.ctx.update_ran(time.perf_counter() - t0 - waited)
 
