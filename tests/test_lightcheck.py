@@ -142,6 +142,9 @@ class RegionContext(FakeEngine):
     def reply(self, request: Message, **body) -> None:
         self.replies[request.id] = body
 
+    def save_error(self, step: int, record: str, error: str) -> None:
+        self.events.append(("save_error", error))
+
 
 def slow_copier(monkeypatch: pytest.MonkeyPatch, slow_key: str, delay_s: float, copies: dict) -> None:
     """The runtime's copier, but the copy of `slow_key` takes `delay_s` longer; the end of each
@@ -309,3 +312,24 @@ def test_a_killed_run_with_host_copies_finishes_exactly(example_truth, tmp_path)
     assert [e["restart_count"] for e in run_events(tmp_path / "metrics")] == [0, 1], "the fault did not fire"
     assert_training_state(load(tmp_path / "final.pt"), example_truth(STEPS))
     assert_clean_and_final(tmp_path / "ckpts", example_truth(STEPS))
+
+
+def test_a_failed_write_of_host_copies_gives_the_staging_slot_back(tmp_path, monkeypatch):
+    """--copy-to host: if writing the staging slot into the region fails, the error is reported and
+    the staging slot still goes back to the worker (which would otherwise wait for it forever)."""
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    handler = LightCheckHandler(RegionContext(root))
+
+    def failing_write(self, slot, offset, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(RegionWriter, "write", failing_write)
+    handler.handle(Take(step=1, capacity=8192, meta_hint=1024, inflight=1, id=1))
+    handler.handle(Seal(slot=0, nbytes=4096, spec=RecordSpec(record=full_name(1), kind="full", step=1,
+                                                            skeleton={}, tensors={}, meta={})))
+    handler.handle(Ready(step=1))
+    handler.ctx.join()
+    assert handler.ctx.of("free") == [0]
+    assert [e for k, e in handler.ctx.events if k == "save_error"] == ["write: [Errno 28] No space left on device"]
+    assert committed(root) == []

@@ -106,24 +106,34 @@ class LightCheckHandler(RegionHandler):
         it first. A checkpoint that does not fit the slot becomes an ordinary record."""
         ctx, seal, writer = self.ctx, job.seal, job.writer
         staged = seal.slot >= 0
-        free = (lambda: ctx.free_slot(seal.slot)) if staged else None
-        committed = False
+        freed = not staged  # the staging slot goes back to the worker once, whatever happens
+
+        def free() -> None:
+            nonlocal freed
+            if not freed:
+                freed = True
+                ctx.free_slot(seal.slot)
+
+        committed, data = False, None
         try:
             data = ctx.slot_view(seal.slot)[: seal.nbytes] if staged else writer.view(job.slot)[: seal.nbytes]
             if seal.nbytes <= writer.geometry.slot_bytes:
                 if staged:
                     writer.write(job.slot, 0, data)
-                committed = self.commit_slot(writer, job.slot, job.counter, seal.spec, data, job.t0, free)
+                committed = self.commit_slot(writer, job.slot, job.counter, seal.spec, data, job.t0,
+                                             free if staged else None)
             else:  # outgrew the region slot mid-snapshot (the runtime moved it to a staging slot)
                 self.retire_current(seal.nbytes, 0)
             if not committed:
                 log.info(f"lightcheck: step {job.step} did not fit the region's slots; written as an ordinary record")
                 ctx.write_now(seal.spec, data)
-                if free is not None:
-                    free()
-            del data
+            data.release()
+            free()
         except Exception as e:  # noqa: BLE001 - any failure is a save error: reported, never a hang
             ctx.save_error(job.step, full_name(job.step), f"write: {e}")
+            if data is not None:
+                data.release()  # before the worker may retire the staging slot
+            free()  # else the worker would wait for that staging slot forever
         finally:
             with self.cond:
                 self.jobs.pop(job.step, None)
