@@ -12,10 +12,9 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..ipc.messages import Message, RecordSpec, SlotFree, StrategyMessage
+from ..ipc.messages import InMemory, Message, RecordSpec, SlotFree, StrategyMessage
 
 if TYPE_CHECKING:
-    from ..faults import Fault
     from ..storage.fsutil import FaultHook
     from .server import Engine
 
@@ -82,6 +81,17 @@ class EngineContext:
     def save_error(self, step: int, record: str, error: str) -> None:
         self._engine.save_error(step, record, error)
 
+    def in_memory(self, step: int) -> None:
+        """The handler's memory holds the full state of `step` (the worker's metrics show it)."""
+        self._engine.send(InMemory(step=step))
+
+    def write_fault_due(self, step: int) -> bool:
+        """Is the crash-matrix fault a write-phase fault at `step`? A handler that writes only
+        some steps must then write that one now: the fault fires inside its write, and a worker
+        killed "while step K is written" waits for that write."""
+        fault = self._engine.fault
+        return fault is not None and fault.phase == "write" and fault.step == step
+
     def free_slot(self, slot: int) -> None:
         self._engine.send(SlotFree(slot=slot))
 
@@ -96,10 +106,6 @@ class EngineContext:
         """Append an event to the engine's metrics log."""
         self._engine.log.emit(**event)
 
-    @property
-    def fault(self) -> Fault | None:
-        """The injected fault of the crash-matrix tests, if any."""
-        return self._engine.fault
 
 
 class EngineHandler:
@@ -117,6 +123,16 @@ class EngineHandler:
 
     def tick(self) -> None:
         """Called every few tens of milliseconds by the engine (e.g. to watch other ranks)."""
+
+    def held(self) -> tuple[int, int] | None:
+        """(step, bytes) of the full state this handler holds in memory (a CPU replica), if any:
+        a restarted worker may resume from it without reading the disk (`fetch`)."""
+        return None
+
+    def fetch(self, slot: int) -> dict:
+        """Copy the held state into staging slot `slot`; returns {"step", "skeleton", "tensors",
+        "meta"} (tensors: key -> TensorSpec JSON, offsets into the slot)."""
+        raise RuntimeError("this strategy holds no state in memory")
 
 
 def engine_handler(spec: str | None, engine: Engine) -> EngineHandler:

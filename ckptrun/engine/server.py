@@ -26,6 +26,7 @@ from ..ipc.messages import (
     Committed,
     Durable,
     FaultKill,
+    FetchHeld,
     Hello,
     Message,
     Persist,
@@ -169,7 +170,15 @@ class Engine:
     def op_commit_pending(self, msg: Message) -> None:
         self.flush()
         self.commit_ready()
-        self.reply(msg, committed_step=self.committed_step)
+        held = self.handler.held() if self.handler is not None else None
+        self.reply(msg, committed_step=self.committed_step, held_step=held and held[0], held_nbytes=held and held[1])
+
+    def op_fetch_held(self, msg: FetchHeld) -> None:
+        """A restarted worker resumes from the state the handler holds (no disk read)."""
+        try:
+            self.reply(msg, **self.handler.fetch(msg.slot))
+        except Exception as e:  # any failure: the worker falls back to the committed records
+            self.reply(msg, error=f"{type(e).__name__}: {e}")
 
     def op_bye(self, msg: Message) -> None:
         """A worker's clean goodbye; its writes go on as queued, and events about them (a late

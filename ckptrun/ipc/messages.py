@@ -5,12 +5,15 @@ of one run (never read from a checkpoint directory). A worker `request`s (and wa
 `Reply` carrying its `id`) or `send`s; the engine pushes events back.
 
 Call order, worker to engine: `Hello` (reply: pid, slots, committed_step) first on every
-connection; `CommitPending` (reply: committed_step) before the resume decision; `Alloc` (reply:
+connection; `CommitPending` (reply: committed_step, held_step) before the resume decision, then
+`FetchHeld` (reply: the spec of the state copied into the slot) if it resumes from the state
+the engine holds in memory; `Alloc` (reply:
 slots) whenever the slots are too small; per checkpoint a `Persist`, or a strategy's own message
 (a `StrategyMessage` subclass, handed to the strategy's engine-side handler); `Retire` for slots
 of an older generation once they are free; `Flush` (reply) and `Bye` at the end. Engine to
 worker: `SlotFree` once a slot's bytes are taken, `Durable` once this rank's files are on disk,
-`Committed` once the record is committed, `SaveError` for any failure, `FaultKill` (fault
+`Committed` once the record is committed, `InMemory` once the engine's memory holds a step's
+full state (a strategy keeping a replica), `SaveError` for any failure, `FaultKill` (fault
 injection). The client reports a dropped connection as `ConnectionLost`; the launcher sends
 `Shutdown`.
 """
@@ -39,6 +42,8 @@ class Op(str, Enum):
     SAVE_ERROR = "save_error"
     FAULT_KILL = "fault_kill"
     ENGINE_LOST = "engine_lost"
+    FETCH_HELD = "fetch_held"
+    IN_MEMORY = "in_memory"
 
 
 @dataclass(kw_only=True)
@@ -108,6 +113,14 @@ class StrategyMessage(Message):
 
 
 @dataclass(kw_only=True)
+class FetchHeld(Message):
+    """Copy the state the engine holds in memory (of `CommitPending`'s held_step) into `slot`."""
+
+    op: ClassVar[Op] = Op.FETCH_HELD
+    slot: int
+
+
+@dataclass(kw_only=True)
 class Retire(Message):
     op: ClassVar[Op] = Op.RETIRE
     slots: list[int]
@@ -155,6 +168,14 @@ class Committed(Message):
     op: ClassVar[Op] = Op.COMMITTED
     step: int
     record: str
+
+
+@dataclass(kw_only=True)
+class InMemory(Message):
+    """The engine's memory holds the full state of `step` (it survives a worker crash, not the engine's)."""
+
+    op: ClassVar[Op] = Op.IN_MEMORY
+    step: int
 
 
 @dataclass(kw_only=True)

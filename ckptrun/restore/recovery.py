@@ -349,11 +349,10 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:200]
 
 
-def _replay_offline(store: Store, plan: Plan, rank: int, state: dict, classes: dict[str, type]) -> dict:
-    """Rebuild the optimizer from the base's metadata and replay (no training script needed)."""
-    from .replay import replay
-
-    cls, info = _optimizer(store.read_index(plan.base.name, rank, plan.base), plan.base, rank, classes)
+def build_optimizer(cls: type, info: dict, state: dict) -> tuple[Any, list]:
+    """An optimizer of class `cls` over the parameters of a full `state` (the tensors
+    themselves, not copies; `info` says which model entries they are, as `Runtime._describe`
+    recorded), with the state's optimizer state loaded: what replay steps forward."""
     orphans = state.get("extra", {}).get(orphans_key("optimizer"), {})
     params = [state["models"][a[0][0]][a[0][1]] if a else orphans[str(i)] for i, a in enumerate(info["params"])]
     saved = state["optimizers"]["optimizer"]
@@ -361,6 +360,16 @@ def _replay_offline(store: Store, plan: Plan, rank: int, state: dict, classes: d
               for g in saved["param_groups"]]
     opt = cls(groups)
     opt.load_state_dict(saved)
+    return opt, params
+
+
+def _replay_offline(store: Store, plan: Plan, rank: int, state: dict, classes: dict[str, type]) -> dict:
+    """Rebuild the optimizer from the base's metadata and replay (no training script needed)."""
+    from .replay import replay
+
+    cls, info = _optimizer(store.read_index(plan.base.name, rank, plan.base), plan.base, rank, classes)
+    opt, params = build_optimizer(cls, info, state)
+    orphans = state.get("extra", {}).get(orphans_key("optimizer"), {})
     last = replay(opt, diff_states(store, plan, rank))
     for p, aliases in zip(params, info["params"], strict=True):
         for model, key in aliases:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from ..log import log
-from . import lightcheck, lowdiff, pccheck
+from . import lightcheck, lowdiff, lowdiff_plus, pccheck
 from .options import Option
 
 GROUP = "ckptrun.strategies"
@@ -55,6 +55,11 @@ BUILTIN: dict[str, Entry] = {
                      engine_handler="ckptrun.strategies.lowdiff.engine:LowDiffHandler", options=lowdiff.OPTIONS,
                      short_run_flags=("--full-every", "8", "--batch", "3"),
                      tuning="ckptrun.strategies.lowdiff.tuning:settle"),
+    "lowdiff+": Entry("ckptrun.strategies.lowdiff_plus.trainer:LowDiffPlus",
+                      "gradients copied layer-wise during backward update a CPU replica in the engine; a worker "
+                      "crash resumes from it (no disk read); the replica is persisted every P steps",
+                      engine_handler="ckptrun.strategies.lowdiff_plus.engine:LowDiffPlusHandler",
+                      options=lowdiff_plus.OPTIONS, short_run_flags=("--persist-every", "1")),
     "pccheck": Entry("ckptrun.strategies.pccheck.trainer:PCcheck",
                      "N checkpoints in flight, chunks persisted by parallel writers into a slotted region; "
                      "pointer commit", engine_handler="ckptrun.strategies.pccheck.engine:PCcheckHandler",

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..ipc.messages import Message
+    from ..storage.layout import TensorSpec
     from ..worker.decisions import IntervalPolicy, SavePolicy
     from ..worker.runtime import ResumeState, Runtime, Snapshot
 
@@ -137,6 +138,20 @@ class StrategyContext:
 
     def add(self, snap: Snapshot, state: dict, *, background: bool = False) -> None:
         self._rt.add(snap, state, background=background)
+
+    def reserve(self, snap: Snapshot, skeleton: dict, like: dict[str, torch.Tensor]) -> dict[str, TensorSpec]:
+        """Places in `snap` for tensors shaped like `like` (named by `skeleton`), filled later by
+        `put`: for state that becomes final piece by piece (layer-wise gradients in backward)."""
+        return self._rt.reserve(snap, skeleton, like)
+
+    def put(self, snap: Snapshot, spec: TensorSpec, tensor: torch.Tensor) -> None:
+        """Copy `tensor` into its reserved place in the background (the last put of a place wins;
+        `wait_copy` waits for all of them)."""
+        self._rt.put(snap, spec, tensor)
+
+    def post_step_state(self) -> dict:
+        """Module buffers and RNG right after the step: what replaying its gradients cannot rebuild."""
+        return self._rt.post_step_state()
 
     def wait_copy(self, snap: Snapshot) -> None:
         self._rt.wait_copy(snap)

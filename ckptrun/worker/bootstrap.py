@@ -41,9 +41,17 @@ def _hide_torchrun_env(launcher_env: dict[str, str]) -> None:
     os.environ.update(launcher_env)
 
 
+def _held(rt: Runtime) -> tuple[int, int] | None:
+    """Flush this rank's engine; (step, bytes) of the state it holds in memory (a replica that
+    outlived the crashed worker), if a restart may resume from it."""
+    reply = rt.client.request(CommitPending())
+    if rt.restart_count == 0 or rt.cfg.on_restart == "fresh" or reply.get("held_step") is None:
+        return None
+    return int(reply["held_step"]), int(reply["held_nbytes"])
+
+
 def _decide(rt: Runtime, store: Store) -> Plan | None:
     """Rank 0's choice: the newest committed step that verifies, once every engine has flushed."""
-    rt.client.request(CommitPending())
     if not rt.cfg.resume and rt.restart_count == 0:
         return None
     plan = newest_good(store)
@@ -61,16 +69,27 @@ def _decide(rt: Runtime, store: Store) -> Plan | None:
     return plan
 
 
-def _agreed_resume(rt: Runtime, store: Store) -> Plan | None:
+def _agreed_resume(rt: Runtime, store: Store) -> Plan | tuple[int, int] | None:
+    """Where to resume: a committed plan, or (step, bytes) of the state every rank's engine
+    holds in memory: after a worker crash the engines outlive, no disk is read. Ranks resume
+    from memory only when all of theirs hold the same step."""
+    held = _held(rt)
     if rt.world_size == 1:
-        return _decide(rt, store)
+        return held or _decide(rt, store)
     kv = job_store(rt.restart_count)
-    kv.set(f"flushed/{rt.rank}", "1")
+    kv.set(f"flushed/{rt.rank}", str(held[0]) if held else "-")
     if rt.rank == 0:
-        kv.wait([f"flushed/{r}" for r in range(rt.world_size)])
-        plan = _decide(rt, store)
-        kv.set("resume", str(plan.step) if plan else "")
+        keys = [f"flushed/{r}" for r in range(rt.world_size)]
+        kv.wait(keys)
+        steps = {kv.get(k).decode() for k in keys}
+        if len(steps) == 1 and steps != {"-"}:
+            kv.set("resume", f"memory:{steps.pop()}")
+        else:
+            plan = _decide(rt, store)
+            kv.set("resume", str(plan.step) if plan else "")
     step = kv.get("resume").decode()
+    if step.startswith("memory:"):
+        return held
     return plans(store)[int(step)] if step else None
 
 
@@ -124,7 +143,11 @@ def main() -> None:
         rt = Runtime(cfg, rank, local_rank, world_size, restart_count)
         store = Store(cfg.dir)
         plan = _agreed_resume(rt, store)
-        if plan is not None:
+        if isinstance(plan, tuple):
+            rt.resume = rt.fetch_held(*plan)
+            rt.step = rt.checkpointed_step = rt.resume.step
+            log.info(f"rank {rank}: resumed step {rt.step} from the checkpoint engine's memory (no disk read)")
+        elif plan is not None:
             if plan.base.world_size != world_size:
                 raise CheckpointMismatch(
                     f"{cfg.dir} step {plan.step} was written by {plan.base.world_size} ranks, this run has "

@@ -22,6 +22,7 @@ class WorkerMetrics:
         self.bytes = 0
         self.last_snapshot_step: int | None = None
         self.last_durable_step: int | None = None
+        self.last_memory_step: int | None = None  # held in the engine's memory (a replica), not on disk
         self.inflight = 0
         self.optim_s: float | None = None  # the optimizer's own update time in the last step
 
@@ -41,6 +42,8 @@ class WorkerMetrics:
                       stall_s={**dict.fromkeys(STALL_CAUSES, 0.0), **self.stall}, bytes=self.bytes,
                       inflight=self.inflight, last_snapshot_step=self.last_snapshot_step,
                       last_durable_step=self.last_durable_step, optim_s=self.optim_s)
+        if self.last_memory_step is not None:
+            record["last_memory_step"] = self.last_memory_step
         self.emit(**record)
         self._last_step_t = now
         self.stall.clear()

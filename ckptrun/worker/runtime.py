@@ -32,8 +32,10 @@ from ..ipc.messages import (
     ConnectionLost,
     Durable,
     FaultKill,
+    FetchHeld,
     Flush,
     Hello,
+    InMemory,
     Message,
     Persist,
     RecordSpec,
@@ -45,9 +47,9 @@ from ..ipc.staging import map_slot
 from ..log import log
 from ..restore import replay
 from ..restore.recovery import finish_state
-from ..storage.layout import ALIGN, Layout, align, view
+from ..storage.layout import ALIGN, Layout, TensorSpec, align, view
 from ..storage.store import full_name
-from ..storage.tree import flatten, orphans_key
+from ..storage.tree import flatten, orphans_key, unflatten
 from ..strategies import REGISTRY
 from ..strategies.context import StrategyContext
 from . import decisions, discovery
@@ -89,6 +91,7 @@ class ResumeState:
     world_size: int
     diffs: Iterator[dict] | None = None  # recorded steps to replay after loading the base
     restored: set = field(default_factory=set)
+    source: str = "disk"  # or "memory": the engine's copy (no disk read)
 
 
 class SlotPool:
@@ -192,6 +195,7 @@ class Runtime:
         self._last_event: Any = None  # its CUDA counterpart
         self._volatile: set[int] = set()
         self._sizes: dict[str, int] = {}  # bytes the last submitted snapshot of each kind took
+        self._buffer_keys: dict[str, list[str]] | None = None  # per model: its state_dict keys that are buffers
         self._index_bytes = 0  # about the JSON index bytes of a full snapshot (the first one's)
         self._cuda = torch.cuda.is_available()
         self._stream = None
@@ -217,6 +221,8 @@ class Runtime:
             self.retuner.observe_write(msg.nbytes, msg.write_s)
         elif isinstance(msg, Committed):
             self.metrics.last_durable_step = max(self.metrics.last_durable_step or 0, msg.step)
+        elif isinstance(msg, InMemory):
+            self.metrics.last_memory_step = msg.step
         elif isinstance(msg, SaveError):
             self.save_errors.append(f"step {msg.step}: {msg.error}")
             log.warning(f"rank {self.rank}: checkpoint of step {msg.step} failed: {msg.error}; "
@@ -560,6 +566,59 @@ class Runtime:
         """Append `state` to the slot. With `background`, tensors other than module buffers
         (which the next forward changes) are copied off the training thread (a side stream on GPU)."""
         self._append(snap, *flatten(state, snap.prefix), background=background)
+
+    def post_step_state(self) -> dict:
+        """What a replay of the step's gradients cannot rebuild: module buffers (changed by the
+        forward) and RNG, as they are right after the step."""
+        if self._buffer_keys is None:
+            self._buffer_keys = {n: [k for k in m.state_dict() if k not in dict(m.named_parameters(
+                remove_duplicate=False))] for n, m in self.models.items()}
+        return {"buffers": {n: {k: v for k, v in self.models[n].state_dict().items() if k in keys}
+                            for n, keys in self._buffer_keys.items()},
+                "rng": discovery.rng_state()}
+
+    def reserve(self, snap: Snapshot, skeleton: dict, like: dict[str, torch.Tensor]) -> dict[str, TensorSpec]:
+        """Lay out places for tensors shaped like `like` after what `snap` holds (`skeleton`
+        names them), to be filled later by `put`; returns each key's place."""
+        layout = Layout.of(like, start=snap.layout.nbytes)
+        if layout.nbytes > self._buffer(snap).numel():
+            self.wait_copy(snap)
+            self._move_to_larger_slot(snap, layout.nbytes)
+        snap.skeleton.update(skeleton)
+        snap.layout = snap.layout + layout
+        snap.nbytes = snap.layout.nbytes
+        return {spec.key: spec for spec in layout.specs}
+
+    def put(self, snap: Snapshot, spec: TensorSpec, tensor: torch.Tensor) -> None:
+        """Copy `tensor` into its reserved place off the training thread, after the copies
+        queued before it (so a later `put` of the same place wins)."""
+        one = Layout((spec,), spec.offset + spec.nbytes)
+        if tensor.is_cuda:
+            snap.event = self._last_event = self._copy_cuda_async(self._buffer(snap), one, {spec.key: tensor})
+        else:
+            snap.copy = self._last_copy = self._copier.submit(self._copy, self._buffer(snap), one,
+                                                              {spec.key: tensor})
+
+    def fetch_held(self, step: int, nbytes: int) -> ResumeState:
+        """The state of `step` the engine holds in memory, copied through a staging slot: a
+        restart that reads nothing from disk."""
+        self._ensure_slots(nbytes)
+        slot = self.slots.acquire(self.lost)
+        try:
+            body = self.client.request(FetchHeld(slot=slot))
+            if "error" in body:
+                raise CkptrunError(f"the checkpoint engine could not hand over step {step} from memory "
+                                   f"({body['error']})")
+            buf = self.slots.buffers[slot]
+            tensors = {k: view(buf, TensorSpec.from_json(k, t)).clone() for k, t in body["tensors"].items()}
+        finally:
+            self.slots.release(slot)
+        if not body.get("exact", True) and self.rank == 0:
+            log.warning(f"warning: resumed step {step} from the engine's CPU replica: it was updated on the CPU "
+                        "and may differ from the device's own arithmetic by rounding (re-based from a real "
+                        "snapshot every --rebase-every steps)")
+        return ResumeState(body["step"], "memory", unflatten(body["skeleton"], tensors), self.world_size,
+                           source="memory")
 
     def _buffer(self, snap: Snapshot) -> torch.Tensor:
         return snap.buf if snap.buf is not None else self.slots.buffers[snap.slot]

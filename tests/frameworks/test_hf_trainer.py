@@ -98,7 +98,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
             plain.result()
             return job(*args)
 
-        jobs = {s: pool.submit(_killed, root / s, ["--strategy", s], RESTORED) for s in REGISTRY}
+        jobs = {s: pool.submit(_killed, root / s, ["--strategy", s, *REGISTRY[s].short_run_flags], RESTORED)
+                for s in REGISTRY}
         jobs["bounded"] = pool.submit(_killed, root / "bounded", ["--max-steps", BOUND], (BOUND,))
         jobs["hf-resume"] = pool.submit(after_plain, _plain, root / "hf-resume", "--resume-from", hf_checkpoint)
         jobs["script-resumes"] = pool.submit(after_plain, _resuming_itself, root / "script-resumes", hf_checkpoint)

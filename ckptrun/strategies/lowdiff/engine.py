@@ -42,16 +42,10 @@ class LowDiffHandler(EngineHandler):
         if self.batch and self.batch[-1][0].base != msg.base:
             self.flush()
         self.batch.append((msg, data))
-        if len(self.batch) >= msg.batch or self._fault_due(spec.step):
+        # A batch holding the faulted step is written now: the record is named after its last
+        # step, so waiting for the batch to fill would never fire the fault.
+        if len(self.batch) >= msg.batch or self.ctx.write_fault_due(spec.step):
             self.flush()
-
-    def _fault_due(self, step: int) -> bool:
-        """A write-phase fault at `step` (crash-matrix tests) must hit a write of that step: the
-        batch holding it is written now. Waiting for the batch to fill would never fire the fault
-        (the record is named after its last step), and a worker killed "while step K is being
-        written" waits for that write, so it would hang."""
-        fault = self.ctx.fault
-        return fault is not None and fault.phase == "write" and fault.step == step
 
     def flush(self) -> None:
         """Write the diffs held in memory as one record."""

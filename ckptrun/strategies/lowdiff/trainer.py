@@ -29,7 +29,6 @@ from ...restore.replay import densify, optimizer_params
 from ...storage.layout import TensorSpec, view
 from ...storage.store import full_name
 from ...storage.tree import unflatten
-from ...worker import discovery
 from ...worker.runtime import Snapshot
 from ..base import Strategy
 from ..context import StrategyContext
@@ -154,7 +153,6 @@ class LowDiff(Strategy):
         self.pending_full: Snapshot | None = None
         self.pending_diff: Snapshot | None = None
         self.diff_base: str | None = None
-        self._buffer_keys: dict[str, list[str]] | None = None
         self.ddp_compressed = False
         self._residual: dict = {}  # the top-k residual as it was right after the pending diff's step
         self.broken: str | None = None  # a record of the current chain that failed to save
@@ -208,7 +206,7 @@ class LowDiff(Strategy):
     def after_step(self, step: int) -> None:
         ctx = self.ctx
         ctx.wait_copy(self.pending_diff)  # the next backward may overwrite these gradients
-        ctx.add(self.pending_diff, self._post_state())
+        ctx.add(self.pending_diff, ctx.post_step_state())
         if self.compress:  # residual tensors are replaced, never modified: references suffice
             self._residual = self.compress.state_dict()
         if self.fb.due(step) or self._restart_chain(step):
@@ -246,16 +244,6 @@ class LowDiff(Strategy):
         if self.compress:
             self.ctx.add(self.pending_full, {"lowdiff": self.compress.state_dict()})
         self.base = full_name(step)
-
-    def _post_state(self) -> dict:
-        """What replay cannot rebuild: module buffers (changed by forward) and RNG."""
-        ctx = self.ctx
-        if self._buffer_keys is None:
-            self._buffer_keys = {n: [k for k in m.state_dict() if k not in dict(m.named_parameters(
-                remove_duplicate=False))] for n, m in ctx.models.items()}
-        return {"buffers": {n: {k: v for k, v in ctx.models[n].state_dict().items() if k in keys}
-                            for n, keys in self._buffer_keys.items()},
-                "rng": discovery.rng_state()}
 
     def _hand_over(self) -> None:
         ctx = self.ctx

@@ -1,0 +1,28 @@
+"""lowdiff+'s messages between its trainer side and its engine-side handler (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ...ipc.messages import Op, Persist
+
+
+@dataclass(kw_only=True)
+class Base(Persist):
+    """A real full snapshot of its step: the replica starts (or re-bases) from it; `write` also
+    persists it. `exact`: the trainer computes on the CPU, so the replica's updates are bit-exact."""
+
+    op: ClassVar[Op] = Op.STRATEGY
+    write: bool
+    exact: bool
+
+
+@dataclass(kw_only=True)
+class Grads(Persist):
+    """One step's gradients as the optimizer consumed them, its hyper-parameters and post-step
+    state (lowdiff's diff format): the engine applies it to the replica; `persist` writes the
+    replica of that step."""
+
+    op: ClassVar[Op] = Op.STRATEGY
+    persist: bool

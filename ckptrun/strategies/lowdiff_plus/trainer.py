@@ -1,0 +1,214 @@
+"""`lowdiff+` (LowDiff+, §VI): gradients reused layer by layer as in-memory checkpoints.
+
+During backward, each parameter's gradient is copied into the next step's staging slot as soon
+as it is accumulated (`on_grad_ready`, a post-accumulate-grad hook), off the training thread (a
+side stream on GPU), so the copies overlap the rest of the backward pass. At the optimizer's
+pre-step hook a gradient the script changed after its hook fired (clipping, GradScaler
+unscaling, gradient accumulation, DDP's all-reduce, a replaced `.grad`) is copied again: a
+tensor's version counter says whether it was written since, so what the engine gets is exactly
+what the optimizer consumed. The post-step hook adds module buffers and RNG; the next pre-step
+seals the slot with schedulers/scaler/tracked state and hands it to the engine, which applies it
+to its CPU replica with the same optimizer class (`engine.py`) while the next step trains.
+
+A real full snapshot starts the replica (and replaces it every --rebase-every steps); after a
+worker crash the engine's replica is the resume point (no disk read).
+"""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from ...errors import CkptrunError
+from ...ipc.messages import Message, SaveError
+from ...log import log
+from ...restore.recovery import optimizer_classes
+from ...restore.replay import optimizer_params
+from ...storage.layout import Layout, TensorSpec
+from ...storage.tree import TENSOR, flatten
+from ...worker.runtime import Snapshot
+from ..base import Strategy
+from ..context import StrategyContext
+from .messages import Base, Grads
+from .policy import PersistInterval
+
+GPU_REBASE_EVERY = 100
+PROBE_EVERY = 50  # steps between tries of the layer-wise copy while it is off
+STATES_PER_PARAM = 2  # optimizer state tensors per parameter assumed before they exist (Adam's two moments)
+
+
+class LowDiffPlus(Strategy):
+    name = "lowdiff+"
+    single_optimizer = True
+    wants_grad_hooks = True
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        opts = ctx.options
+        self.persist = ctx.policy(PersistInterval(opts.get("persist_every") or "auto"))
+        rebase = opts.get("rebase_every") or "auto"
+        self.rebase_every = None if rebase == "auto" else int(rebase)
+        self.params: list[torch.Tensor] = []
+        self.position: dict[int, int] = {}  # id(param) -> its index among the optimizer's parameters
+        self.keys: list[str] = []  # each parameter's gradient's tensor key in the diff
+        self.like: dict[str, torch.Tensor] = {}
+        self.filling: Snapshot | None = None  # the next step's diff, filled during its backward
+        self.places: dict[str, TensorSpec] = {}
+        self.copied: dict[int, tuple[torch.Tensor, int]] = {}  # index -> (gradient, its version) at the copy
+        self.taken: Snapshot | None = None  # this step's diff, between its update and the next pre-step
+        self.pending: tuple[Snapshot, bool] | None = None  # (sealed at the next pre-step, persist it)
+        self.pending_base: tuple[Snapshot, bool] | None = None  # (a full snapshot, write it too)
+        self.rebase = False  # the engine dropped its replica (a failed update): send a full snapshot
+        self.recopied = 0  # gradient bytes copied again at a pre-step (changed after backward)
+        self.layerwise = True  # copy in backward; off while the script changes most gradients after it
+        self.off_since = 0
+        self.recopied_logged = False
+
+    def settings(self) -> dict:
+        return {**self.persist.settings, "auto": self.persist.adjustable, "rebase_every": self._rebase_every()}
+
+    def _rebase_every(self) -> int:
+        if self.rebase_every is not None:
+            return self.rebase_every
+        return GPU_REBASE_EVERY if self.params and self.params[0].is_cuda else 0
+
+    # ---- hooks -------------------------------------------------------------------------
+    def on_ready(self, step: int) -> None:
+        opt = self.ctx.primary
+        cls = f"{type(opt).__module__}.{type(opt).__qualname__}"
+        if cls not in optimizer_classes():
+            raise CkptrunError(f"--strategy lowdiff+ updates a replica in the checkpoint engine with the "
+                               f"optimizer's own class, and {cls} is not a torch.optim optimizer the engine may "
+                               "construct; use --strategy lowdiff or checkfreq", exit_code=2)
+        self.params = optimizer_params(opt)
+        if any(p.is_sparse for p in self.params):
+            raise CkptrunError("--strategy lowdiff+ copies dense gradients; a sparse parameter is not supported "
+                               "(use --strategy checkfreq)", exit_code=2)
+        self.position = {id(p): i for i, p in enumerate(self.params)}
+        skeleton, self.like = flatten({"grads": self.params})
+        self.skeleton = skeleton
+        self.keys = [ref[TENSOR] for ref in skeleton["grads"]]
+        check_host_memory(replica_bytes(opt, self.params))
+        resume = self.ctx.resume
+        if resume is None or resume.source != "memory":
+            # A resume exactly at a full checkpoint has its record already.
+            self._take_base(step, write=resume is None or resume.diffs is not None)
+
+    def on_grad_ready(self, param: torch.Tensor) -> None:
+        i = self.position.get(id(param))
+        grad = param.grad
+        if not self.layerwise or i is None or grad is None or grad.is_sparse:
+            return
+        if self.filling is None:
+            self._open(self.ctx.step + 1)
+        self.ctx.put(self.filling, self.places[self.keys[i]], grad)
+        self.copied[i] = (grad, grad._version)
+
+    def before_step(self, step: int) -> None:
+        self._hand_over()
+        snap = self.filling if self.filling is not None else self._open(step)
+        self.filling = None
+        refs, stale, total = [], 0, 0
+        for i, p in enumerate(self.params):
+            grad = p.grad
+            if grad is None:
+                refs.append(None)
+                continue
+            if grad.is_sparse:
+                raise CkptrunError(f"--strategy lowdiff+ copies dense gradients; parameter {i} has a sparse one "
+                                   "(use --strategy checkfreq)", exit_code=2)
+            held = self.copied.get(i)
+            nbytes = grad.numel() * grad.element_size()
+            total += nbytes
+            if held is None or held[0] is not grad or held[1] != grad._version:
+                self.ctx.put(snap, self.places[self.keys[i]], grad)
+                stale += nbytes if held is not None else 0
+            refs.append({TENSOR: self.keys[i]})
+        self.copied.clear()
+        self.recopied += stale
+        self._adapt(step, stale, total)
+        snap.skeleton["grads"] = refs
+        self.ctx.add(snap, {"groups": [{k: v for k, v in g.items() if k != "params"}
+                                       for g in self.ctx.primary.param_groups]})
+        self.taken = snap
+
+    def after_step(self, step: int) -> None:
+        ctx = self.ctx
+        ctx.wait_copy(self.taken)  # the next backward may accumulate into these gradients
+        ctx.add(self.taken, ctx.post_step_state())
+        self.pending, self.taken = (self.taken, self.persist.due(step)), None
+        every = self._rebase_every()
+        if self.rebase or (every and step % every == 0):
+            self._take_base(step, write=False)
+
+    def on_event(self, msg: Message) -> None:
+        if isinstance(msg, SaveError) and "replica" in msg.error:
+            self.rebase = True
+
+    def finish(self) -> None:
+        self._hand_over(final=self.ctx.final_checkpoint)
+        if self.recopied:
+            self.ctx.emit(type="lowdiff_plus", recopied_bytes=self.recopied)
+
+    # ---- pieces ------------------------------------------------------------------------
+    def _adapt(self, step: int, stale: int, total: int) -> None:
+        """A script that changes most gradients after backward (clipping, GradScaler, DDP's
+        all-reduce) makes the copies taken there stale: they are all taken again at the
+        pre-step, so copying in backward only doubles the traffic. Turn it off then, and try it
+        again every PROBE_EVERY steps (the script may stop clipping)."""
+        if self.layerwise and total and 2 * stale > total:
+            self.layerwise, self.off_since = False, step
+            self.ctx.emit(type="layerwise", step=step, on=False, stale_bytes=stale, grad_bytes=total)
+            if not self.recopied_logged and self.ctx.rank == 0:
+                self.recopied_logged = True
+                log.info(f"lowdiff+: the script changes the gradients after backward (clipping, unscaling or "
+                         f"all-reduce: {stale * 100 // total}% of their bytes at step {step}); they are copied "
+                         "at the optimizer step instead of layer by layer")
+        elif not self.layerwise and step - self.off_since >= PROBE_EVERY:
+            self.layerwise = True  # measured again at the next step
+        elif self.layerwise and stale == 0 and self.off_since:
+            self.ctx.emit(type="layerwise", step=step, on=True, stale_bytes=0, grad_bytes=total)
+            self.off_since = 0
+
+    def _open(self, step: int) -> Snapshot:
+        """Take the staging slot for step `step`'s diff and lay out a place per gradient."""
+        self.filling = self.ctx.begin(step, "diff", need=Layout.of(self.like).nbytes)
+        self.places = self.ctx.reserve(self.filling, dict(self.skeleton), self.like)
+        return self.filling
+
+    def _take_base(self, step: int, *, write: bool) -> None:
+        self.rebase = False
+        snap = self.ctx.capture(step, background=True)
+        self.pending_base = (snap, write)
+
+    def _hand_over(self, final: bool = False) -> None:
+        ctx = self.ctx
+        if self.pending is not None:
+            (snap, persist), self.pending = self.pending, None
+            ctx.seal(snap)
+            ctx.submit(snap, Grads, persist=persist or final)
+        if self.pending_base is not None:
+            (snap, write), self.pending_base = self.pending_base, None
+            ctx.seal(snap)
+            ctx.submit(snap, Base, write=write, exact=not self.params[0].is_cuda)
+
+
+def replica_bytes(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> int:
+    """Host bytes of the engine's replica: parameters and optimizer state (assumed
+    STATES_PER_PARAM tensors per parameter while the optimizer has created none yet)."""
+    pbytes = sum(p.numel() * p.element_size() for p in params)
+    sbytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                 if isinstance(t, torch.Tensor))
+    return pbytes + (sbytes or STATES_PER_PARAM * pbytes)
+
+
+def check_host_memory(replica: int, available: int | None = None) -> None:
+    """Refuse to start when host memory cannot hold this rank's replica and its persist buffer
+    (two copies of parameters and optimizer state)."""
+    need = 2 * replica
+    free = psutil.virtual_memory().available if available is None else available
+    if need > free:
+        raise CkptrunError(f"--strategy lowdiff+ keeps a CPU replica of the parameters and optimizer state and "
+                           f"a buffer to persist it: {need / 2**30:.1f} GiB of host memory, and "
+                           f"{free / 2**30:.1f} GiB is available; use --strategy lowdiff (no replica) or free "
+                           "host memory", exit_code=2)

@@ -1,0 +1,285 @@
+"""`--strategy lowdiff+` beyond the registry's contract tests: the engine's CPU replica equals the
+trainer's state at every step (Adam/AdamW/SGD-momentum, schedulers, clipping, GradScaler
+unscaling, gradient accumulation), gradients are copied during backward unless the script changes
+them afterwards; a worker crash resumes from the engine's memory with no disk read, also with
+two DDP ranks; an engine crash falls back to the newest durable step; what lowdiff+ cannot
+hold is refused at start."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from conftest import (
+    EXAMPLE,
+    STEPS,
+    TINY,
+    assert_same,
+    assert_training_state,
+    ckptrun,
+    error_line,
+    load,
+    ok,
+    run_events,
+)
+from test_crash_matrix import assert_clean_and_final, resume_run
+from torch import nn
+
+from ckptrun.config import RunConfig
+from ckptrun.errors import CkptrunError
+from ckptrun.ipc.messages import Alloc, Bye, FetchHeld, Flush, Hello, Message, Persist, Retire, SlotFree
+from ckptrun.ipc.staging import EngineSlot, shm_root
+from ckptrun.storage.store import Store
+from ckptrun.strategies.lowdiff_plus.engine import LowDiffPlusHandler
+from ckptrun.strategies.lowdiff_plus.trainer import check_host_memory
+from ckptrun.worker import bootstrap
+from ckptrun.worker.runtime import Runtime
+
+PERSIST_NEVER = ("--persist-every", "1000")  # on disk: the start and the final step only
+
+
+class ReplicaContext:
+    """The EngineContext surface the lowdiff+ handler uses, in-process (writes are recorded)."""
+
+    def __init__(self, engine: ReplicaEngine) -> None:
+        self.engine, self.rank = engine, 0
+        self.written: list[int] = []
+        self.in_memory_steps: list[int] = []
+
+    def slot_view(self, slot: int) -> memoryview:
+        return self.engine.slots[slot].view
+
+    def free_slot(self, slot: int) -> None:
+        self.engine.on_event(SlotFree(slot=slot))
+
+    def emit(self, **event) -> None:
+        pass
+
+    def in_memory(self, step: int) -> None:
+        self.in_memory_steps.append(step)
+
+    def write_fault_due(self, step: int) -> bool:
+        return False
+
+    def save_error(self, step: int, record: str, error: str) -> None:
+        raise AssertionError(error)
+
+    def run(self, fn, *args) -> None:
+        fn(*args)
+
+    def write_now(self, spec, data) -> int:
+        self.written.append(spec.step)
+        return len(data)
+
+
+class ReplicaEngine:
+    """The engine side of `EngineClient`, in-process: real staging slots, the real handler."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag, self.slots, self.on_event = tag, {}, None
+        self.handler = LowDiffPlusHandler(ReplicaContext(self))
+
+    def connect(self, address, authkey, on_event) -> ReplicaEngine:
+        self.on_event = on_event
+        return self
+
+    def request(self, msg: Message, timeout: float | None = None) -> dict:
+        if isinstance(msg, Hello):
+            return {"pid": os.getpid(), "slots": [], "committed_step": None}
+        if isinstance(msg, Alloc):
+            first = len(self.slots)
+            for i in range(first, first + msg.nslots):
+                self.slots[i] = EngineSlot(shm_root() / f"{self.tag}-{i}", msg.nbytes)
+            return {"slots": [(i, str(self.slots[i].path), msg.nbytes) for i in range(first, first + msg.nslots)]}
+        if isinstance(msg, FetchHeld):
+            return self.handler.fetch(msg.slot)
+        assert isinstance(msg, Flush), msg
+        self.handler.flush()
+        return {}
+
+    def send(self, msg: Message) -> None:
+        if isinstance(msg, Persist):
+            self.handler.handle(msg)
+        else:
+            assert isinstance(msg, Bye | Retire), msg
+
+    def close(self) -> None:
+        for slot in self.slots.values():
+            slot.close()
+
+
+class Net(nn.Module):
+    """BatchNorm (buffers the forward changes) and dropout (RNG): post-step state a replay cannot rebuild."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+VARIANTS = {  # id -> (optimizer, clip, GradScaler, micro-batches per step, gradients copied in backward)
+    "adam-lambdalr": ("adam", False, False, 1, True),
+    "sgd-nesterov-steplr-accum2": ("sgd", False, False, 2, True),
+    "adamw-clip": ("adamw", True, False, 1, False),
+    "adamw-gradscaler-clip": ("adamw", True, True, 1, False),
+}
+
+
+def optimizer(name: str, model: Net) -> torch.optim.Optimizer:
+    head = list(model.head.parameters())
+    rest = [p for p in model.parameters() if all(p is not q for q in head)]
+    groups = [{"params": rest}, {"params": head, "lr": 0.02}]
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(groups, lr=1e-2, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_replica_equals_the_trainer_at_every_step(variant, tmp_path, monkeypatch):
+    """50 steps in-process against the real handler: after every step the engine's replica is
+    bit-identical to the trainer's model and optimizer, and each step is reported in memory."""
+    monkeypatch.delenv("CKPTRUN_FAULT", raising=False)
+    opt_name, clip, scaled, micro, layerwise = VARIANTS[variant]
+    engine = ReplicaEngine(f"ckptrun-test-{os.getpid()}-{variant}")
+    cfg = RunConfig(strategy="lowdiff+", dir=str(tmp_path / "ckpts"), every=1, max_inflight=2, keep=1,
+                    options={"persist_every": "1000", "rebase_every": "auto"})
+    rt = Runtime(cfg, 0, 0, 1, 0, connect=engine.connect)
+    torch.manual_seed(0)
+    model = Net()
+    opt = optimizer(opt_name, model)
+    opt.register_step_pre_hook(rt.pre_step_hook)
+    opt.register_step_post_hook(rt.post_step_hook)
+    rt.on_optimizer(opt)
+    sched = (torch.optim.lr_scheduler.StepLR(opt, 7, 0.5) if opt_name == "sgd" else
+             torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.1 * s)))
+    rt.on_scheduler(sched)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaled else None
+    if scaler:
+        rt.on_scaler(scaler)
+    strategy = rt.strategy
+    copied_in_backward = []
+    before_step = strategy.before_step
+
+    def counted(step: int) -> None:
+        copied_in_backward.append(len(strategy.copied))
+        before_step(step)
+
+    monkeypatch.setattr(strategy, "before_step", counted)
+    truth, replica = {}, engine.handler
+    for it in range(50):
+        opt.zero_grad()
+        for m in range(micro):
+            x = torch.randn(8, 6, generator=torch.Generator().manual_seed(100 * it + m))
+            loss = model(x).pow(2).mean() / micro
+            (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(opt)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        scaler.step(opt) if scaler else opt.step()
+        if scaler:
+            scaler.update()
+        sched.step()
+        truth[rt.step] = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+        held = replica.replica
+        if rt.step > 1:  # step t's gradients reach the engine at step t+1's pre-step
+            assert held.step == rt.step - 1
+            assert_replica(held, truth[held.step])
+    rt.finish()
+    assert replica.replica.step == rt.step and rt.step >= 45  # (GradScaler may skip a step)
+    assert_replica(replica.replica, truth[rt.step])
+    assert engine.handler.ctx.in_memory_steps == list(range(0, rt.step + 1))
+    assert engine.handler.ctx.written == [0, rt.step]  # the start and the final step: --persist-every 1000
+    if layerwise:  # every gradient was in the slot before the optimizer step began
+        assert copied_in_backward[1:] == [len(list(model.parameters()))] * (len(copied_in_backward) - 1)
+        assert strategy.recopied == 0
+    else:  # every gradient changed after backward: copied at the optimizer step instead
+        assert not strategy.layerwise and strategy.recopied > 0
+    engine.close()
+
+
+def assert_replica(replica, truth: dict) -> None:
+    state = replica.full_state()
+    assert_same(dict(state["models"]["model"]), dict(truth["model"]), f"step {replica.step} model")
+    assert_same(state["optimizers"]["optimizer"], truth["optimizer"], f"step {replica.step} optimizer")
+
+
+def test_worker_crash_resumes_from_the_engine_memory(example_truth, tmp_path):
+    """Killed at step 7 with nothing on disk after step 0: the restarted worker resumes at step 6,
+    which no record holds (it came from the engine's replica), and ends bit-exact."""
+    proc = resume_run(tmp_path, "lowdiff+", tmp_path / "ckpts", *PERSIST_NEVER, "--max-restarts", "1",
+                      fault="kill:step=7")
+    attempts = run_events(tmp_path / "metrics")
+    assert [(e["restart_count"], e["resume_step"]) for e in attempts] == [(0, 0), (1, 6)]
+    assert "resumed step 6 from the checkpoint engine's memory (no disk read)" in proc.stderr
+    assert [m.step for m in Store(tmp_path / "ckpts").manifests()] == [0, STEPS]
+    assert_training_state(load(tmp_path / "final.pt"), example_truth(STEPS))
+    assert_clean_and_final(tmp_path / "ckpts", example_truth(STEPS))
+
+
+class NoDisk:
+    def __getattr__(self, name: str):
+        raise AssertionError(f"the resume decision read the checkpoint directory (Store.{name})")
+
+
+class HeldClient:
+    def request(self, msg: Message) -> dict:
+        return {"committed_step": 0, "held_step": 6, "held_nbytes": 4096}
+
+
+def test_resume_from_memory_reads_nothing_from_disk():
+    """The resume decision of a restarted worker whose engine holds a step touches no record."""
+    rt = type("Rt", (), {"client": HeldClient(), "restart_count": 1, "world_size": 1, "rank": 0,
+                         "cfg": RunConfig(strategy="lowdiff+", dir="unused")})()
+    assert bootstrap._agreed_resume(rt, NoDisk()) == (6, 4096)
+
+
+def test_engine_crash_falls_back_to_the_newest_durable_step(example_truth, tmp_path):
+    """The engine (and its replica) dies while writing step 7: the new engine holds nothing, so the
+    run resumes from the newest durable replica write (step 5) and ends bit-exact."""
+    resume_run(tmp_path, "lowdiff+", tmp_path / "ckpts", "--persist-every", "5", "--max-restarts", "1",
+               fault="kill-engine:step=7:phase=write")
+    assert [(e["restart_count"], e["resume_step"]) for e in run_events(tmp_path / "metrics")] == [(0, 0), (1, 5)]
+    assert_training_state(load(tmp_path / "final.pt"), example_truth(STEPS))
+    assert_clean_and_final(tmp_path / "ckpts", example_truth(STEPS))
+
+
+def test_ddp_two_ranks_resume_from_memory_exactly(tmp_path):
+    """Rank 1 killed at step 5: both ranks' engines hold step 4, both resume from memory there."""
+    common = ["--nproc-per-node", "2", "--strategy", "lowdiff+", *PERSIST_NEVER, "--max-restarts", "1"]
+    script = [EXAMPLE, *TINY, "--save-at", STEPS, "--save-path", "own-{rank}.pt"]
+    for run in ("plain", "killed"):
+        (tmp_path / run).mkdir()
+    ok(ckptrun(tmp_path / "plain", *common, "--dir", "ckpts", *script))
+    proc = ok(ckptrun(tmp_path / "killed", *common, "--dir", "ckpts", "--metrics-dir", "metrics", *script,
+                      fault="kill:step=5:rank=1"))
+    for rank in range(2):
+        attempts = run_events(tmp_path / "killed" / "metrics", rank)
+        assert [(e["restart_count"], e["resume_step"]) for e in attempts] == [(0, 0), (1, 4)], rank
+        assert f"rank {rank}: resumed step 4 from the checkpoint engine's memory" in proc.stderr
+        assert_training_state(load(tmp_path / "killed" / f"own-{rank}.pt"), load(tmp_path / "plain" / f"own-{rank}.pt"))
+
+
+def test_host_memory_too_small_is_refused():
+    with pytest.raises(CkptrunError) as e:
+        check_host_memory(6 << 30, available=8 << 30)
+    assert e.value.exit_code == 2 and "12.0 GiB" in str(e.value) and "--strategy lowdiff" in str(e.value)
+    check_host_memory(1 << 30, available=8 << 30)
+
+
+def test_an_optimizer_the_engine_cannot_build_is_refused(tmp_path):
+    script = tmp_path / "custom.py"
+    script.write_text(
+        "import torch\n"
+        "class Mine(torch.optim.SGD):\n    pass\n"
+        "p = torch.nn.Parameter(torch.ones(2))\n"
+        "Mine([p], lr=0.1)\n")
+    proc = ckptrun(tmp_path, "--strategy", "lowdiff+", "--dir", "ckpts", script)
+    line = error_line(proc)
+    assert proc.returncode == 2 and "__main__.Mine is not a torch.optim optimizer" in line, line
+    assert "--strategy lowdiff" in line
