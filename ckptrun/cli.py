@@ -208,12 +208,19 @@ def restore(
 @app.command("ls")
 def ls(dir: Dir = Path("ckpts"),
        as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
-    """List committed steps."""
+    """List committed steps, and the step a live run's engines hold in memory (kind `memory`:
+    survives a worker crash, not a machine loss; lowdiff+)."""
+    from .storage import memory_status
     from .storage.store import Store
 
     store = Store.existing(dir)
     rows = [{"step": m.step, "kind": m.kind, "record": m.name, "bytes": m.bytes, "ranks": m.world_size,
              "depends_on": m.depends_on, "first_step": m.first_step, "layout": m.layout} for m in store.manifests()]
+    held = memory_status.live(store.root)
+    if held:
+        step = min(h["step"] for h in held)
+        rows.append({"step": step, "kind": "memory", "record": "-", "bytes": sum(h["nbytes"] for h in held),
+                     "ranks": len(held), "depends_on": [], "first_step": step, "layout": "engine memory"})
     if as_json:
         out.print_json(json.dumps(rows))
         return

@@ -279,6 +279,24 @@ def test_state_durable_from_worker_report_and_no_durable() -> None:
     assert state.at_risk(1) == (2, pytest.approx(2.0))
 
 
+def test_in_memory_step_is_shown_beside_the_durable_one_with_both_risks() -> None:
+    """lowdiff+: a worker crash loses the steps since the engine's in-memory step, a machine
+    loss those since the durable one; the line, the table and the summary say both."""
+    state = MetricsState()
+    state.apply(_run(0, t=T0))
+    for i in range(1, 11):
+        state.apply({**_step(0, i, T0 + i, step_s=1.0, durable=5 if i >= 6 else None),
+                     **({"last_memory_step": i - 1} if i > 1 else {})})
+    assert state.at_risk(0) == (5, pytest.approx(5.0))
+    assert state.at_risk(0, memory=True) == (1, pytest.approx(1.0))
+    assert "in memory 9 | durable 5" in log_line(state, now=T0 + 11)
+    state.apply({"type": "in_memory", "t": T0 + 12, "rank": 0, "step": 10})
+    assert state.summary().last_memory_step == 10
+    console = Console(file=io.StringIO(), width=200)
+    console.print(render_summary(state.summary()))
+    assert "last in-memory step" in console.file.getvalue()
+
+
 def test_state_counts_malformed_events_without_raising() -> None:
     state = MetricsState()
     state.apply({"type": "step", "t": T0, "rank": 0})  # no step

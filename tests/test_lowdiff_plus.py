@@ -8,12 +8,16 @@ hold is refused at start."""
 from __future__ import annotations
 
 import copy
+import json
 import os
+import signal
+import time
 
 import pytest
 import torch
 from conftest import (
     EXAMPLE,
+    LONG,
     STEPS,
     TINY,
     assert_same,
@@ -23,6 +27,7 @@ from conftest import (
     load,
     ok,
     run_events,
+    spawn,
 )
 from test_crash_matrix import assert_clean_and_final, resume_run
 from torch import nn
@@ -57,7 +62,7 @@ class ReplicaContext:
     def emit(self, **event) -> None:
         pass
 
-    def in_memory(self, step: int) -> None:
+    def in_memory(self, step: int, nbytes: int) -> None:
         self.in_memory_steps.append(step)
 
     def write_fault_due(self, step: int) -> bool:
@@ -283,3 +288,27 @@ def test_an_optimizer_the_engine_cannot_build_is_refused(tmp_path):
     line = error_line(proc)
     assert proc.returncode == 2 and "__main__.Mine is not a torch.optim optimizer" in line, line
     assert "--strategy lowdiff" in line
+
+
+def test_ls_shows_the_in_memory_step_beside_the_durable_ones(tmp_path):
+    """While the run lives, `ls` lists the step its engine holds (kind memory) beside the committed
+    ones; once it ends, only records remain."""
+    ckpt = tmp_path / "ckpts"
+    run = spawn(tmp_path, "--no-dashboard", "--strategy", "lowdiff+", *PERSIST_NEVER, "--dir", ckpt, EXAMPLE, *LONG)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            listed = ckptrun(tmp_path, "ls", "--dir", ckpt, "--json")
+            rows = json.loads(listed.stdout) if listed.returncode == 0 else []  # (no directory yet)
+            memory = [r for r in rows if r["kind"] == "memory"]
+            if memory and memory[0]["step"] >= 3:
+                break
+            assert time.monotonic() < deadline and run.poll() is None, (tmp_path / "ckptrun.log").read_text()
+            time.sleep(0.2)
+        assert [r["step"] for r in rows if r["kind"] == "full"] == [0]
+        assert memory[0]["ranks"] == 1 and memory[0]["bytes"] > 0 and memory[0]["layout"] == "engine memory"
+    finally:
+        os.killpg(run.pid, signal.SIGTERM)
+        run.wait(timeout=60)
+    rows = json.loads(ok(ckptrun(tmp_path, "ls", "--dir", ckpt, "--json")).stdout)
+    assert [r["kind"] for r in rows] == ["full", "full"]  # the start and the step it stopped after

@@ -12,7 +12,7 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..ipc.messages import InMemory, Message, RecordSpec, SlotFree, StrategyMessage
+from ..ipc.messages import Message, RecordSpec, SlotFree, StrategyMessage
 
 if TYPE_CHECKING:
     from ..storage.fsutil import FaultHook
@@ -81,9 +81,10 @@ class EngineContext:
     def save_error(self, step: int, record: str, error: str) -> None:
         self._engine.save_error(step, record, error)
 
-    def in_memory(self, step: int) -> None:
-        """The handler's memory holds the full state of `step` (the worker's metrics show it)."""
-        self._engine.send(InMemory(step=step))
+    def in_memory(self, step: int, nbytes: int) -> None:
+        """The handler's memory holds the full state of `step` (`nbytes`): the worker's metrics
+        and `ckptrun ls` show it."""
+        self._engine.in_memory(step, nbytes)
 
     def write_fault_due(self, step: int) -> bool:
         """Is the crash-matrix fault a write-phase fault at `step`? A handler that writes only

@@ -28,6 +28,7 @@ from ..ipc.messages import (
     FaultKill,
     FetchHeld,
     Hello,
+    InMemory,
     Message,
     Persist,
     RecordSpec,
@@ -39,6 +40,7 @@ from ..ipc.messages import (
     StrategyMessage,
 )
 from ..ipc.staging import EngineSlot
+from ..storage import memory_status
 from ..storage.dirlock import hold_for_engine
 from ..storage.fsutil import FaultHook, _no_fault
 from ..storage.leftovers import exit_with_owner, remove_staging, staging_path
@@ -73,6 +75,7 @@ class Engine:
         self._enospc_left = 0
         self._pending_lock = threading.RLock()
         self.committed_step: int | None = None
+        self.holds_memory = False  # a handler said it holds a step in memory (memory_status)
         self.stopping = threading.Event()
         self.log.emit(type="engine", local_rank=local_rank, pid=os.getpid())
 
@@ -273,6 +276,14 @@ class Engine:
                           lag_s=time.time() - (snapshot_time or time.time()))
         self.send(Committed(step=step, record=record))
 
+    def in_memory(self, step: int, nbytes: int) -> None:
+        self.send(InMemory(step=step))
+        try:
+            memory_status.publish(self.store.root, self.rank, step, nbytes)
+        except OSError as e:  # only `ls` misses it
+            self.log.emit(type="warning", rank=self.rank, error=f"in-memory status: {e}")
+        self.holds_memory = True
+
     def save_error(self, step: int, record: str, error: str) -> None:
         """Report a failed save to the log and to the worker (dashboard, --on-save-error)."""
         self.log.emit(type="save_error", rank=self.rank, step=step, record=record, error=error)
@@ -399,6 +410,8 @@ class Engine:
 
     def close(self) -> None:
         self.flush()
+        if self.holds_memory:
+            memory_status.withdraw(self.store.root, self.rank)
         if self.store is not None and self.rank == 0:
             self.settle(timeout=COMMIT_BACKOFF_S * 2 ** COMMIT_TRIES)
         for s in self.slots.values():

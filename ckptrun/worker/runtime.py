@@ -801,6 +801,8 @@ class Runtime:
             raise no_optimizer("the script never created a torch.optim optimizer")
         self.strategy.finish()
         self.drain()
+        if self.metrics.last_memory_step is not None:  # reached after the last step's record
+            self.metrics.emit(type="in_memory", step=self.metrics.last_memory_step)
         self.metrics.close()
         self.client.send(Bye()) if not self.lost.is_set() else None
         self.client.close()

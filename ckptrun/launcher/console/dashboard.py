@@ -132,6 +132,7 @@ def render_progress_table(state: MetricsState, now: float) -> Table:
         "step",
         "it/s",
         "snap step",
+        "in memory",
         "durable",
         "durable age",
         "at risk",
@@ -144,14 +145,16 @@ def render_progress_table(state: MetricsState, now: float) -> Table:
         table.add_column(name, justify="left" if name == "rank" else "right")
     for r, rs in sorted(state.ranks.items()):
         durable, _ = state.durable(r)
-        risk_steps, risk_s = state.at_risk(r)
-        risk = "-" if risk_steps is None else f"{risk_steps} st / {fmt_duration(risk_s)}"
+        risk = _risk(*state.at_risk(r))
+        if rs.memory_step is not None:  # a worker crash loses less than a machine loss
+            risk = f"{_risk(*state.at_risk(r, memory=True))} (machine: {risk})"
         recovery = ", ".join(f"{s:.1f} s" for s in rs.recovery_s[-3:]) or "-"
         table.add_row(
             str(r),
             _opt(rs.step),
             _num(rs.steps_per_s, "{:.2f}"),
             _opt(rs.last_snapshot_step),
+            _opt(rs.memory_step),
             _opt(durable),
             fmt_duration(state.durable_age(r, now)) if durable is not None else "-",
             risk,
@@ -162,6 +165,10 @@ def render_progress_table(state: MetricsState, now: float) -> Table:
             Text(str(rs.save_errors), style="bold red" if rs.save_errors else ""),
         )
     return table
+
+
+def _risk(steps: int | None, seconds: float | None) -> str:
+    return "-" if steps is None else f"{steps} st / {fmt_duration(seconds)}"
 
 
 def render_io_table(state: MetricsState) -> Table:
@@ -250,6 +257,8 @@ def log_line(state: MetricsState, now: float | None = None) -> str:
         durable = "durable none"
     else:
         durable = f"durable {ov.durable_step} ({fmt_duration(ov.durable_age_s)} ago)"
+    if ov.memory_step is not None:
+        durable = f"in memory {ov.memory_step} | {durable}"
     parts = [
         f"[ckptrun] step {_opt(ov.step)}",
         f"{_num(ov.steps_per_s)} it/s",
@@ -293,6 +302,7 @@ def render_summary(summary: RunSummary) -> Table:
         ("stall by cause", causes or "-"),
         ("checkpoints committed", str(summary.checkpoints_committed)),
         ("last durable step", _opt(summary.last_durable_step)),
+        *([("last in-memory step", _opt(summary.last_memory_step))] if summary.last_memory_step is not None else []),
         ("bytes written", fmt_bytes(summary.bytes_written)),
         ("mean write bandwidth", f"{_num(summary.mean_bw_mbps)} MB/s"),
         (

@@ -215,6 +215,7 @@ class RankStats:
     last_snapshot_step: int | None = None
     reported_durable_step: int | None = None
     reported_durable_t: float | None = None
+    memory_step: int | None = None  # held in the engine's memory (lowdiff+'s replica): survives a worker crash
     writes: int = 0
     write_bytes_total: int = 0
     write_s_total: float = 0.0
@@ -257,6 +258,7 @@ class Overview:
     stall_p99_s: float | None  # worst rank's p99
     durable_step: int | None  # lowest durable step over ranks
     durable_age_s: float | None
+    memory_step: int | None  # lowest step held in the engines' memory over ranks (None: no replica)
     bw_mbps: float | None  # sum of each rank's latest write bandwidth (ranks write concurrently)
     restarts: int
     save_errors: int
@@ -283,6 +285,7 @@ class RunSummary:
     recovery_s: list[float]  # per restart, slowest rank
     save_errors: int
     last_durable_step: int | None
+    last_memory_step: int | None = None  # lowest over ranks of the step their engines hold in memory
 
 
 class MetricsState:
@@ -393,6 +396,8 @@ class MetricsState:
             rs.reported_durable_step = int(durable)
             rs.reported_durable_t = t
             _prune_before(rs, int(durable))
+        if e.get("last_memory_step") is not None:
+            rs.memory_step = int(e["last_memory_step"])
         rs.step_t[step] = t
         if len(rs.step_t) > _MAX_STEP_TIMES:
             for old in list(rs.step_t)[: _MAX_STEP_TIMES // 2]:
@@ -454,6 +459,9 @@ class MetricsState:
         rs.last_error = str(e.get("error", ""))
         self.errors.append({"t": t, "rank": rs.rank, "step": e.get("step"), "error": rs.last_error})
 
+    def _on_in_memory(self, e: dict[str, Any], t: float) -> None:
+        self._rank(e["rank"]).memory_step = int(e["step"])
+
     def _on_interval(self, e: dict[str, Any], t: float) -> None:
         """Settings chosen at run time (`--every auto`, lowdiff's auto F/B) replace the header's."""
         skip = {"type", "t", "rank", "step", "reason", "strategy"}
@@ -468,6 +476,7 @@ class MetricsState:
         "write": _on_write,
         "commit": _on_commit,
         "save_error": _on_save_error,
+        "in_memory": _on_in_memory,
     }
 
     # ---- derived views
@@ -496,12 +505,15 @@ class MetricsState:
         _, t = self.durable(rank)
         return max(0.0, now - t) if t is not None else None
 
-    def at_risk(self, rank: int) -> tuple[int | None, float | None]:
-        """Work lost if ``rank`` died now: steps and seconds since its last durable step."""
+    def at_risk(self, rank: int, *, memory: bool = False) -> tuple[int | None, float | None]:
+        """Work lost if ``rank``'s machine died now: steps and seconds since its last durable
+        step; with `memory`, if only its worker died (the engine's in-memory step is kept)."""
         rs = self.ranks[rank]
         if rs.step is None:
             return None, None
         durable, _ = self.durable(rank)
+        if memory and rs.memory_step is not None and (durable is None or rs.memory_step > durable):
+            durable = rs.memory_step
         steps = max(0, rs.step - (durable if durable is not None else 0))
         if steps == 0:
             return 0, 0.0
@@ -531,6 +543,7 @@ class MetricsState:
         p99s = [rs.stall_total.p99 for rs in stats if rs.stall_total.p99 is not None]
         bws = [rs.bw_last_mbps for rs in self.ranks.values() if rs.bw_last_mbps is not None]
         durable_step, durable_age = None, None
+        memory = [rs.memory_step for rs in stats if rs.memory_step is not None]
         durables = [(self.durable(r)[0], r) for r in ranks]
         if durables and all(d is not None for d, _ in durables):
             durable_step, worst = min(durables)
@@ -544,6 +557,7 @@ class MetricsState:
             stall_p99_s=max(p99s) if p99s else None,
             durable_step=durable_step,
             durable_age_s=durable_age,
+            memory_step=min(memory) if ranks and len(memory) == len(ranks) else None,
             bw_mbps=sum(bws) if bws else None,
             restarts=self.restarts,
             save_errors=sum(rs.save_errors for rs in self.ranks.values()),
@@ -581,6 +595,7 @@ class MetricsState:
             recovery_s=[self.recoveries[k] for k in sorted(self.recoveries)],
             save_errors=sum(rs.save_errors for rs in stats),
             last_durable_step=self.committed_step,
+            last_memory_step=min((rs.memory_step for rs in stats if rs.memory_step is not None), default=None),
         )
 
 

@@ -41,6 +41,7 @@ class Replica:
     meta: dict  # the record metadata of the newest step (rank, world size, optimizer classes)
     exact: bool  # updated with the trainer's arithmetic (CPU training)
     time: float  # when the trainer finished the step
+    nbytes: int  # of the full snapshot it started from (about its size)
 
     def full_state(self) -> dict:
         """The state as the trainer's full snapshot of this step holds it."""
@@ -83,9 +84,10 @@ class LowDiffPlusHandler(EngineHandler):
         for p, aliases in zip(params, info["params"], strict=True):
             for model, key in aliases:  # a tied weight is one tensor in the replica too
                 state["models"][model][key] = p
-        self.replica = Replica(spec.step, state, optimizer, spec.meta, msg.exact, spec.meta["snapshot_time"])
+        self.replica = Replica(spec.step, state, optimizer, spec.meta, msg.exact, spec.meta["snapshot_time"],
+                               msg.nbytes)
         self.ctx.emit(type="replica", rank=self.ctx.rank, step=spec.step, nbytes=msg.nbytes)
-        self.ctx.in_memory(spec.step)
+        self.ctx.in_memory(spec.step, msg.nbytes)
         if msg.write or self.ctx.write_fault_due(spec.step):
             self._persist()
 
@@ -110,7 +112,7 @@ class LowDiffPlusHandler(EngineHandler):
         finally:
             self.ctx.free_slot(msg.slot)
         r.step, r.meta, r.time = spec.step, spec.meta, spec.meta["snapshot_time"]
-        self.ctx.in_memory(spec.step)
+        self.ctx.in_memory(spec.step, r.nbytes)
         if msg.persist or self.ctx.write_fault_due(spec.step):
             self._persist()
 
@@ -125,6 +127,7 @@ class LowDiffPlusHandler(EngineHandler):
             self.persist_buf = torch.empty(layout.nbytes, dtype=torch.uint8)
             self.ctx.emit(type="replica_buffer", rank=self.ctx.rank, nbytes=layout.nbytes)
         _copy_into(self.persist_buf, layout, tensors)
+        r.nbytes = layout.nbytes
         spec = RecordSpec(record=full_name(r.step), kind="full", step=r.step, skeleton=skeleton,
                           tensors={s.key: s.to_json() for s in layout.specs},
                           meta={**r.meta, "step": r.step, "snapshot_time": r.time})
