@@ -19,7 +19,7 @@ from ..launcher.console.metrics_feed import MetricsTailer
 
 # Per-run figures, in report order (the summary's `median_step_s` is the median of `step_s`).
 FIGURES = ("step_s", "stall_ms_per_step", "layer_wait_ms_per_step", "bytes_per_step", "write_MBps", "peak_rss_MB",
-           "committed", "recovery_s")
+           "committed", "recovery_s", "restore_s")
 
 
 @dataclass
@@ -31,6 +31,7 @@ class RunFigures:
     peak_rss_MB: float
     committed: int
     recovery_s: float | None = None  # None: nothing to recover from (no checkpoint)
+    restore_s: float | None = None  # of it, ckptrun's own restore (decide, read, load, replay); None: a script's
     # The part of the stall that updates waited for their own layer's copy (lightcheck); None: no such cause
     layer_wait_ms_per_step: float | None = None
 
@@ -115,11 +116,12 @@ def ckptrun_figures(timing: Attempt, metrics_dir: Path, warmup: int, peak_rss_MB
                                               if any("layer_wait" in c for c in steps.values()) else None))
 
 
-def ckptrun_recovery(metrics_dir: Path) -> float:
-    """Restarted worker's start to the end of its first resumed step (ckptrun's `restart` event)."""
+def ckptrun_recovery(metrics_dir: Path) -> tuple[float, float]:
+    """Restarted worker's start to the end of its first resumed step, and of it the state restore
+    (ckptrun's `restart` event); the rest is the restart itself (script set-up, the first step)."""
     restarts = [e for e in MetricsTailer(metrics_dir).poll() if e.get("type") == "restart"]
     if not restarts:
         raise CkptrunError(f"the crashed worker was not restarted and resumed (no restart event in {metrics_dir})")
     if not restarts[0]["resume_step"]:
         raise CkptrunError("the restarted worker found no committed step and started over from step 0")
-    return float(restarts[0]["recovery_s"])
+    return float(restarts[0]["recovery_s"]), float(restarts[0].get("restore_s") or 0.0)

@@ -88,7 +88,7 @@ def _ckptrun_run(cfg: Configuration, work: Workload, run_dir: Path, steps: int, 
     first = figures.attempts(run_dir / "timing.jsonl")[0]
     result = figures.ckptrun_figures(first, run_dir / "metrics", warmup, peak)
     if spec.crash_step is not None:
-        result.recovery_s = figures.ckptrun_recovery(run_dir / "metrics")
+        result.recovery_s, result.restore_s = figures.ckptrun_recovery(run_dir / "metrics")
     return result, first.params
 
 

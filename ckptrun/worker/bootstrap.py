@@ -142,6 +142,7 @@ def main() -> None:
     try:
         rt = Runtime(cfg, rank, local_rank, world_size, restart_count)
         store = Store(cfg.dir)
+        t_restore = time.perf_counter()
         plan = _agreed_resume(rt, store)
         if isinstance(plan, tuple):
             rt.resume = rt.fetch_held(*plan)
@@ -155,6 +156,7 @@ def main() -> None:
             state, diffs = resume_state(store, plan, rank)
             rt.resume = ResumeState(plan.step, plan.base.name, state, plan.base.world_size, diffs)
             rt.step = rt.checkpointed_step = plan.step
+        rt.restore_s = time.perf_counter() - t_restore
         if plan is not None or restart_count > 0:
             rt.recovery_started = t_start
         os.environ[RESUME_ENV] = str(rt.step)

@@ -173,6 +173,7 @@ class Runtime:
         self._generators: dict[str, torch.Tensor] = {}  # tracked Generators as of the last step
         self.resume: ResumeState | None = None
         self.recovery_started: float | None = None  # set on resume: time to the first resumed step
+        self.restore_s = 0.0  # of it, ckptrun's own restore: decide, read, validate, load, replay
         self.replaying = False  # optimizer steps taken by replay are not training steps
         self.checkpointed_step: int | None = None  # newest step committed already or captured by this run
         self.stop_signal: int | None = None  # SIGTERM/SIGINT received: stop at the agreed step
@@ -334,7 +335,7 @@ class Runtime:
         if self.recovery_started is not None:
             self.metrics.emit(type="restart", restart_count=self.restart_count,
                               resume_step=self.resume.step if self.resume else 0,
-                              recovery_s=time.time() - self.recovery_started)
+                              recovery_s=time.time() - self.recovery_started, restore_s=self.restore_s)
             self.recovery_started = None
         self.metrics.inflight = self.slots.inflight
         record = self.metrics.end_step(self.step)
@@ -430,6 +431,13 @@ class Runtime:
                 "params": [aliases.get(id(p), []) for p in replay.optimizer_params(opt)]}
 
     def _restore(self, opt: torch.optim.Optimizer, idx: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._load_into(opt, idx)
+        finally:
+            self.restore_s += time.perf_counter() - t0
+
+    def _load_into(self, opt: torch.optim.Optimizer, idx: int) -> None:
         saved = self.resume.state
         for name, model in self.models.items():
             if name in self.resume.restored:
