@@ -86,8 +86,7 @@ def _chosen_options(ctx: typer.Context, strategy: str, given: dict[str, str | No
     entry = REGISTRY.get(strategy)
     chosen = {opt.name: given[opt.name] for opt in entry.options} if entry else {}
     for opt in entry.options if entry else ():
-        if opt.choices:
-            opt.choice(chosen)
+        opt.check(chosen)
     return chosen
 
 

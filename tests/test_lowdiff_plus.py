@@ -312,3 +312,13 @@ def test_ls_shows_the_in_memory_step_beside_the_durable_ones(tmp_path):
         run.wait(timeout=60)
     rows = json.loads(ok(ckptrun(tmp_path, "ls", "--dir", ckpt, "--json")).stdout)
     assert [r["kind"] for r in rows] == ["full", "full"]  # the start and the step it stopped after
+
+
+@pytest.mark.parametrize(("flag", "value", "says"), [("--persist-every", "0", "integer in [1,"),
+                                                     ("--hw-failure-share", "1.5", "fraction in (0, 1]"),
+                                                     ("--rebase-every", "often", "integer in [0,")])
+def test_a_bad_option_is_refused_before_anything_is_created(flag, value, says, tmp_path):
+    proc = ckptrun(tmp_path, "--strategy", "lowdiff+", flag, value, "--dir", "ckpts", EXAMPLE, *TINY)
+    line = error_line(proc)
+    assert proc.returncode == 2 and flag in line and says in line, line
+    assert not (tmp_path / "ckpts").exists()

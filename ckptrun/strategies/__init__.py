@@ -59,7 +59,8 @@ BUILTIN: dict[str, Entry] = {
                       "gradients copied layer-wise during backward update a CPU replica in the engine; a worker "
                       "crash resumes from it (no disk read); the replica is persisted every P steps",
                       engine_handler="ckptrun.strategies.lowdiff_plus.engine:LowDiffPlusHandler",
-                      options=lowdiff_plus.OPTIONS, short_run_flags=("--persist-every", "1")),
+                      options=lowdiff_plus.OPTIONS, short_run_flags=("--persist-every", "1"),
+                      tuning="ckptrun.strategies.lowdiff_plus.tuning:settle"),
     "pccheck": Entry("ckptrun.strategies.pccheck.trainer:PCcheck",
                      "N checkpoints in flight, chunks persisted by parallel writers into a slotted region; "
                      "pointer commit", engine_handler="ckptrun.strategies.pccheck.engine:PCcheckHandler",

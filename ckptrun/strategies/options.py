@@ -19,6 +19,8 @@ class Option:
     default: str | None
     help: str
     choices: tuple[str, ...] = ()  # the allowed values, checked by the launcher before anything starts
+    ints: tuple[int, int] | None = None  # or: an integer in this range (or `auto`), checked the same way
+    fraction: bool = False  # or: a number in (0, 1]
 
     @property
     def flag(self) -> str:
@@ -33,20 +35,40 @@ class Option:
         return value
 
 
+    def integer(self, options: dict[str, Any]) -> int | None:
+        """This option's value in `options` as an integer in `ints`; None when `auto`."""
+        raw = options.get(self.name) or self.default
+        if raw in (None, "auto"):
+            return None
+        lo, hi = self.ints
+        try:
+            value = int(raw)
+        except ValueError:
+            value = lo - 1
+        if not lo <= value <= hi:
+            raise UsageError(f"{self.flag} must be an integer in [{lo}, {hi}] or auto (got {raw!r})")
+        return value
+
+    def share(self, options: dict[str, Any]) -> float:
+        """This option's value in `options` as a fraction in (0, 1]."""
+        raw = options.get(self.name) or self.default
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not 0 < value <= 1:
+            raise UsageError(f"{self.flag} must be a fraction in (0, 1], e.g. 0.3 (got {raw!r})")
+        return value
+
+    def check(self, options: dict[str, Any]) -> None:
+        """Refuse a value the strategy would refuse, before anything is created."""
+        if self.choices:
+            self.choice(options)
+        elif self.ints:
+            self.integer(options)
+        elif self.fraction:
+            self.share(options)
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def int_value(options: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
-    """Option `name` as an integer in [lo, hi]; None when not given or `auto`."""
-    raw = options.get(name)
-    if raw in (None, "auto"):
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = lo - 1
-    if not lo <= value <= hi:
-        raise UsageError(f"{_flag(name)} must be an integer in [{lo}, {hi}] (got {raw!r})")
-    return value
-

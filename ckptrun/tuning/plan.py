@@ -102,6 +102,7 @@ class ModelPlans:
 
     lowdiff: LowDiffPlan
     pccheck: PCcheckPlan | None
+    mtbf_s: float
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,7 @@ def make_plan(profile: Profile, mtbf_s: float, mtbf_source: str, budget: float) 
     measured = {sc.name: sc for sc in profile.strategies}
     lowdiff = _lowdiff_plan(costs, mtbf_s)
     pccheck, pc_note = _pccheck_plan(costs, mtbf_s, budget, measured)
-    models = ModelPlans(lowdiff, pccheck)
+    models = ModelPlans(lowdiff, pccheck, mtbf_s)
     plans = []
     for sc in profile.strategies:
         sp = _interval_plan(sc, costs, mtbf_s, budget)

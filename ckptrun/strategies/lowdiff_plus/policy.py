@@ -1,13 +1,11 @@
-"""lowdiff+'s persistence interval P: the replica is written by the engine, off the training path,
-so a write costs the trainer (almost) nothing and P only trades disk bandwidth against the work a
-machine loss costs (P/2 steps on average). `auto` writes as often as the disk drains one
-replica (CheckFreq's bound): the smallest P whose writes never queue (paper Exp. 4, LowDiff+(P))."""
+"""lowdiff+'s persistence interval P: the replica is written by the engine, off the training path.
+`auto` follows the waste model of `model.py` (hardware failures only lose what is not on disk)
+from the re-tuner's measured write and step times, re-decided as they move."""
 
 from __future__ import annotations
 
-from ...errors import UsageError
-from ...tuning.intervals import checkfreq_min_interval_steps
 from ...worker.decisions import MIN_CHANGE, Decision, Measured, SavePolicy
+from .model import persist_every
 
 DEFAULT_P = 10  # until a write and a step are measured
 
@@ -15,11 +13,11 @@ DEFAULT_P = 10  # until a write and a step are measured
 class PersistInterval(SavePolicy):
     label = "--persist-every auto"
 
-    def __init__(self, value: str | int = "auto") -> None:
-        self.adjustable = value == "auto"
-        self.every = DEFAULT_P if self.adjustable else int(value)
-        if self.every < 1:
-            raise UsageError("--persist-every must be at least 1 (or auto)")
+    def __init__(self, every: int | None = None, hw_share: float = 0.5) -> None:
+        """`every`: a fixed P (--persist-every N), or None for auto."""
+        self.adjustable = every is None
+        self.every = DEFAULT_P if every is None else every
+        self.hw_share = hw_share
 
     @property
     def settings(self) -> dict[str, int]:
@@ -31,12 +29,11 @@ class PersistInterval(SavePolicy):
     def propose(self, measured: Measured, step: int) -> Decision | None:
         if not (measured.persist_s and measured.step_s):
             return None
-        steps = checkfreq_min_interval_steps(measured.persist_s, measured.step_s)
-        if steps == self.every or (steps < self.every and self.every - steps < MIN_CHANGE * self.every):
+        steps, why = persist_every(measured.persist_s, measured.step_s, measured.mtbf_s, self.hw_share)
+        if steps == self.every or abs(steps - self.every) < MIN_CHANGE * self.every:
             return None
         return Decision({"persist_every": steps},
-                        f"persist the replica every {self.every} -> {steps} steps at step {step}: writing it takes "
-                        f"{measured.persist_s:.3f} s, a step {measured.step_s:.3f} s (as often as the disk drains)")
+                        f"persist the replica every {self.every} -> {steps} steps at step {step}: {why}")
 
     def adopt(self, decision: Decision) -> None:
         self.every = decision.settings["persist_every"]

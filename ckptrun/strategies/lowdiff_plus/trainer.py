@@ -29,6 +29,7 @@ from ...storage.tree import TENSOR, flatten
 from ...worker.runtime import Snapshot
 from ..base import Strategy
 from ..context import StrategyContext
+from . import HW_FAILURE_SHARE, PERSIST_EVERY, REBASE_EVERY
 from .messages import Base, Grads
 from .policy import PersistInterval
 
@@ -45,9 +46,8 @@ class LowDiffPlus(Strategy):
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         opts = ctx.options
-        self.persist = ctx.policy(PersistInterval(opts.get("persist_every") or "auto"))
-        rebase = opts.get("rebase_every") or "auto"
-        self.rebase_every = None if rebase == "auto" else int(rebase)
+        self.persist = ctx.policy(PersistInterval(PERSIST_EVERY.integer(opts), HW_FAILURE_SHARE.share(opts)))
+        self.rebase_every = REBASE_EVERY.integer(opts)  # None: auto
         self.params: list[torch.Tensor] = []
         self.position: dict[int, int] = {}  # id(param) -> its index among the optimizer's parameters
         self.keys: list[str] = []  # each parameter's gradient's tensor key in the diff

@@ -7,10 +7,13 @@ Torch-free: the registry imports this package for its options.
 
 from ..options import Option
 
+CKPT_WRITERS = Option("ckpt_writers", "2",
+                      "writer threads per checkpoint (the paper's p, 2-4), each writing its own byte range.",
+                      ints=(1, 32))
+CHUNK_MB = Option("chunk_mb", "auto", "pipeline chunk in MB (the paper's b): persisting starts once a chunk is "
+                                      "copied; auto: an eighth of the checkpoint, 1-256 MB.", ints=(1, 4096))
 OPTIONS = (
-    Option("ckpt_writers", "2",
-            "writer threads per checkpoint (the paper's p, 2-4), each writing its own byte range."),
-    Option("chunk_mb", "auto", "pipeline chunk in MB (the paper's b): persisting starts once a chunk is copied; "
-                               "auto: an eighth of the checkpoint, 1-256 MB."),
+    CKPT_WRITERS,
+    CHUNK_MB,
     Option("max_slowdown", "1.05", "with --every auto: the slowdown q the interval f* = ceil(T_w/(N*q*t)) allows."),
 )

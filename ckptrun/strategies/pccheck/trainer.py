@@ -12,7 +12,7 @@ from ...errors import UsageError
 from ...worker.runtime import Snapshot
 from ..base import SnapshotStrategy
 from ..context import StrategyContext
-from ..options import int_value
+from . import CHUNK_MB, CKPT_WRITERS
 from .messages import Begin, Ready, Seal
 from .policy import ConcurrentInterval
 
@@ -26,8 +26,8 @@ class PCcheck(SnapshotStrategy):
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
-        self.writers = int_value(ctx.options, "ckpt_writers", 1, 32) or 2
-        chunk_mb = int_value(ctx.options, "chunk_mb", 1, 4096)
+        self.writers = CKPT_WRITERS.integer(ctx.options) or 2  # (auto: the default)
+        chunk_mb = CHUNK_MB.integer(ctx.options)
         self.chunk = chunk_mb << 20 if chunk_mb else None
         try:
             q = float(ctx.options.get("max_slowdown") or "1.05")

@@ -1,0 +1,36 @@
+"""lowdiff+'s waste model (paper Exp. 3/9): two kinds of failure, two recovery points.
+
+A software failure (the trainer dies, the host and the engine live; the paper's common case) at
+rate (1-h)/M resumes from the engine's replica, losing about half a step. A hardware failure
+(the machine, and the replica with it) at rate h/M resumes from the newest durable replica
+write, losing about P/2 steps plus the load. The trainer pays its per-step snapshot cost δ every
+step whatever P is; a persist costs it at most c = the write's duration (the engine writes it
+beside training, so that is an upper bound on the interference). Minimising
+c/(P·t) + h·P·t/(2M) gives Young's interval for the hardware failures alone, sqrt(2·c·M/h);
+Daly's refinement and CheckFreq's bound (never faster than the disk drains) are applied on top.
+"""
+
+from __future__ import annotations
+
+from ...tuning.intervals import checkfreq_min_interval_steps, daly_interval
+
+HW_SHARE = 0.5  # share of failures that lose the machine, unless --hw-failure-share says otherwise
+
+
+def persist_every(persist_s: float, step_s: float, mtbf_s: float, hw_share: float = HW_SHARE) -> tuple[int, str]:
+    """(P, why): steps between durable writes of the replica."""
+    m_hw = mtbf_s / hw_share
+    daly = max(1, round(daly_interval(persist_s, m_hw) / step_s))
+    bound = checkfreq_min_interval_steps(persist_s, step_s)
+    if bound > daly:
+        return bound, f"as often as the disk drains: writing the replica takes {persist_s:.3f} s, a step {step_s:.3f} s"
+    return daly, (f"Daly's interval for a {persist_s:.3f} s write and a hardware MTBF of {m_hw:.0f} s "
+                  f"({hw_share:.0%} of failures lose the machine; the others resume from memory)")
+
+
+def waste(delta_s: float, persist_s: float, step_s: float, every: int, mtbf_s: float, load_s: float,
+          hw_share: float = HW_SHARE) -> tuple[float, float]:
+    """(expected work lost per failure in seconds, fraction of run time wasted)."""
+    interval = every * step_s
+    lost = (1 - hw_share) * step_s / 2 + hw_share * (interval / 2 + load_s)
+    return lost, delta_s / step_s + persist_s / interval + lost / mtbf_s
