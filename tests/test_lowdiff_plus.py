@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,6 +69,9 @@ class ReplicaContext:
     def write_fault_due(self, step: int) -> bool:
         return False
 
+    def shared_file(self, name: str) -> Path:
+        return shm_root() / f"{self.engine.tag}-{name}"
+
     def save_error(self, step: int, record: str, error: str) -> None:
         raise AssertionError(error)
 
@@ -99,7 +103,7 @@ class ReplicaEngine:
                 self.slots[i] = EngineSlot(shm_root() / f"{self.tag}-{i}", msg.nbytes)
             return {"slots": [(i, str(self.slots[i].path), msg.nbytes) for i in range(first, first + msg.nslots)]}
         if isinstance(msg, FetchHeld):
-            return self.handler.fetch(msg.slot)
+            return self.handler.fetch()
         assert isinstance(msg, Flush), msg
         self.handler.flush()
         return {}
@@ -110,9 +114,14 @@ class ReplicaEngine:
         else:
             assert isinstance(msg, Bye | Retire), msg
 
-    def close(self) -> None:
+    def close(self) -> None:  # the worker's end: the engine (and its replica) lives on
+        pass
+
+    def dispose(self) -> None:
         for slot in self.slots.values():
             slot.close()
+        if self.handler.arena is not None:
+            self.handler.arena.close()
 
 
 class Net(nn.Module):
@@ -145,12 +154,13 @@ def optimizer(name: str, model: Net) -> torch.optim.Optimizer:
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_replica_equals_the_trainer_at_every_step(variant, tmp_path, monkeypatch):
+def test_replica_equals_the_trainer_at_every_step(variant, tmp_path, monkeypatch, request):
     """50 steps in-process against the real handler: after every step the engine's replica is
     bit-identical to the trainer's model and optimizer, and each step is reported in memory."""
     monkeypatch.delenv("CKPTRUN_FAULT", raising=False)
     opt_name, clip, scaled, micro, layerwise = VARIANTS[variant]
     engine = ReplicaEngine(f"ckptrun-test-{os.getpid()}-{variant}")
+    request.addfinalizer(engine.dispose)
     cfg = RunConfig(strategy="lowdiff+", dir=str(tmp_path / "ckpts"), every=1, max_inflight=2, keep=1,
                     options={"persist_every": "1000", "rebase_every": "auto"})
     rt = Runtime(cfg, 0, 0, 1, 0, connect=engine.connect)
@@ -205,7 +215,6 @@ def test_replica_equals_the_trainer_at_every_step(variant, tmp_path, monkeypatch
         assert strategy.recopied == 0
     else:  # every gradient changed after backward: copied at the optimizer step instead
         assert not strategy.layerwise and strategy.recopied > 0
-    engine.close()
 
 
 def assert_replica(replica, truth: dict) -> None:

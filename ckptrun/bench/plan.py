@@ -79,7 +79,8 @@ def parse_every(text: str) -> list[int]:
 VARIANTS = {"lowdiff+topk": ("lowdiff", ("--compress", "topk:0.01")),
             "lightcheck-whole": ("lightcheck", ("--layer-wait", "whole")),
             "lightcheck-region": ("lightcheck", ("--copy-to", "region")),
-            "lightcheck-host": ("lightcheck", ("--copy-to", "host"))}
+            "lightcheck-host": ("lightcheck", ("--copy-to", "host")),
+            "lowdiff+persist1": ("lowdiff+", ("--persist-every", "1"))}
 
 
 def configurations(methods: str, every: str) -> list[Configuration]:

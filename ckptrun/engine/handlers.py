@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..ipc.messages import Message, RecordSpec, SlotFree, StrategyMessage
+from ..storage.leftovers import staging_path
 
 if TYPE_CHECKING:
     from ..storage.fsutil import FaultHook
@@ -86,6 +88,11 @@ class EngineContext:
         and `ckptrun ls` show it."""
         self._engine.in_memory(step, nbytes)
 
+    def shared_file(self, name: str) -> Path:
+        """A path in shared memory for a file this handler creates, named after the run so that
+        the launcher removes it once the run is gone, like the staging slots."""
+        return staging_path(self._engine.tag, self._engine.local_rank, name)
+
     def write_fault_due(self, step: int) -> bool:
         """Is the crash-matrix fault a write-phase fault at `step`? A handler that writes only
         some steps must then write that one now: the fault fires inside its write, and a worker
@@ -130,9 +137,10 @@ class EngineHandler:
         a restarted worker may resume from it without reading the disk (`fetch`)."""
         return None
 
-    def fetch(self, slot: int) -> dict:
-        """Copy the held state into staging slot `slot`; returns {"step", "skeleton", "tensors",
-        "meta"} (tensors: key -> TensorSpec JSON, offsets into the slot)."""
+    def fetch(self) -> dict:
+        """Where the held state is: {"step", "path" (a shared-memory file), "skeleton", "tensors"
+        (key -> TensorSpec JSON, offsets into the file), "exact"}. The handler does not change
+        that file until the worker's next message."""
         raise RuntimeError("this strategy holds no state in memory")
 
 

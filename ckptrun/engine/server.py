@@ -179,7 +179,7 @@ class Engine:
     def op_fetch_held(self, msg: FetchHeld) -> None:
         """A restarted worker resumes from the state the handler holds (no disk read)."""
         try:
-            self.reply(msg, **self.handler.fetch(msg.slot))
+            self.reply(msg, **self.handler.fetch())
         except Exception as e:  # any failure: the worker falls back to the committed records
             self.reply(msg, error=f"{type(e).__name__}: {e}")
 

@@ -6,8 +6,8 @@ of one run (never read from a checkpoint directory). A worker `request`s (and wa
 
 Call order, worker to engine: `Hello` (reply: pid, slots, committed_step) first on every
 connection; `CommitPending` (reply: committed_step, held_step) before the resume decision, then
-`FetchHeld` (reply: the spec of the state copied into the slot) if it resumes from the state
-the engine holds in memory; `Alloc` (reply:
+`FetchHeld` (reply: the shared-memory file holding it, and its layout) if it resumes from the
+state the engine holds in memory; `Alloc` (reply:
 slots) whenever the slots are too small; per checkpoint a `Persist`, or a strategy's own message
 (a `StrategyMessage` subclass, handed to the strategy's engine-side handler); `Retire` for slots
 of an older generation once they are free; `Flush` (reply) and `Bye` at the end. Engine to
@@ -114,10 +114,10 @@ class StrategyMessage(Message):
 
 @dataclass(kw_only=True)
 class FetchHeld(Message):
-    """Copy the state the engine holds in memory (of `CommitPending`'s held_step) into `slot`."""
+    """Where the state the engine holds in memory (`CommitPending`'s held_step) is (reply: a
+    shared-memory file, the skeleton and each tensor's place in it)."""
 
     op: ClassVar[Op] = Op.FETCH_HELD
-    slot: int
 
 
 @dataclass(kw_only=True)

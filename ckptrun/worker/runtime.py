@@ -608,19 +608,17 @@ class Runtime:
                                                               {spec.key: tensor})
 
     def fetch_held(self, step: int, nbytes: int) -> ResumeState:
-        """The state of `step` the engine holds in memory, copied through a staging slot: a
-        restart that reads nothing from disk."""
-        self._ensure_slots(nbytes)
-        slot = self.slots.acquire(self.lost)
-        try:
-            body = self.client.request(FetchHeld(slot=slot))
-            if "error" in body:
-                raise CkptrunError(f"the checkpoint engine could not hand over step {step} from memory "
-                                   f"({body['error']})")
-            buf = self.slots.buffers[slot]
-            tensors = {k: view(buf, TensorSpec.from_json(k, t)).clone() for k, t in body["tensors"].items()}
-        finally:
-            self.slots.release(slot)
+        """The state of `step` the engine holds in memory, read from the shared-memory file it
+        keeps it in: a restart that reads nothing from disk and copies once. Model tensors stay
+        views of that file (`load_state_dict` copies them into the model before the engine may
+        change it, at the next step's gradients); the rest is cloned (an optimizer keeps the
+        tensors it loads)."""
+        body = self.client.request(FetchHeld())
+        if "error" in body:
+            raise CkptrunError(f"the checkpoint engine could not hand over step {step} from memory ({body['error']})")
+        buf = torch.from_file(body["path"], shared=True, size=max(1, nbytes), dtype=torch.uint8)
+        tensors = {k: view(buf, TensorSpec.from_json(k, t)) for k, t in body["tensors"].items()}
+        tensors = {k: t if k.startswith("models/") else t.clone() for k, t in tensors.items()}
         if not body.get("exact", True) and self.rank == 0:
             log.warning(f"warning: resumed step {step} from the engine's CPU replica: it was updated on the CPU "
                         "and may differ from the device's own arithmetic by rounding (re-based from a real "

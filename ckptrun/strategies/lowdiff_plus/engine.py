@@ -6,8 +6,10 @@ process's memory, started from a real full snapshot (`Base`) and stepped forward
 (`ckptrun.restore.replay.apply_diff`, the replay lowdiff's restore uses). On CPU training the
 replica is bit-exact. It is written to disk as an ordinary full record when the trainer says the
 step is due (`persist`): copied into one persist buffer, allocated once, then written by the
-engine's writer threads while the next steps are applied. A worker restarted after a crash is
-handed the replica through a staging slot (`fetch`): no disk read.
+engine's writer threads while the next steps are applied. The replica's tensors live in one
+shared-memory file (`Arena`, re-laid out when the set of tensors changes, e.g. when Adam creates
+its moments at the first step): a worker restarted after a crash maps it and loads from it
+(`fetch`): no disk read and no copy in the engine.
 
 Call order: Base first (or after a failed update), then Grads of consecutive steps; a Base of
 the replica's own step replaces it (a re-base).
@@ -17,12 +19,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ...engine.handlers import EngineContext, EngineHandler
 from ...ipc.messages import RecordSpec, StrategyMessage
+from ...ipc.staging import EngineSlot
 from ...restore.recovery import build_optimizer, optimizer_classes
 from ...restore.replay import apply_diff
 from ...storage.layout import Layout, TensorSpec, view
@@ -33,6 +37,34 @@ from .messages import Base, Grads
 POST_STEP = ("rng", "schedulers", "scalers", "extra")  # replaced whole by each step's diff
 
 
+class Arena:
+    """Tensors laid out in one shared-memory file (the run's leftovers cleanup removes it)."""
+
+    def __init__(self, path: Path, layout: Layout) -> None:
+        self.file = EngineSlot(path, layout.nbytes)
+        self.nbytes = layout.nbytes
+        self.buf = torch.frombuffer(self.file.view, dtype=torch.uint8)[: layout.nbytes]
+        self.specs = {spec.key: spec for spec in layout.specs}
+        self.views = {key: view(self.buf, spec) for key, spec in self.specs.items()}
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for key, t in tensors.items():
+                self.views[key].copy_(t)
+
+    def fits(self, tensors: dict[str, torch.Tensor]) -> bool:
+        return tensors.keys() == self.views.keys() and all(
+            (t.dtype, t.shape) == (self.views[k].dtype, self.views[k].shape) for k, t in tensors.items())
+
+    def holds(self, t: torch.Tensor) -> bool:
+        start = self.buf.data_ptr()
+        return start <= t.data_ptr() < start + self.nbytes
+
+    def close(self) -> None:
+        del self.buf, self.views
+        self.file.close()
+
+
 @dataclass
 class Replica:
     step: int
@@ -41,7 +73,7 @@ class Replica:
     meta: dict  # the record metadata of the newest step (rank, world size, optimizer classes)
     exact: bool  # updated with the trainer's arithmetic (CPU training)
     time: float  # when the trainer finished the step
-    nbytes: int  # of the full snapshot it started from (about its size)
+    skeleton: Any = None  # of `full_state()`, whose tensors are all in the arena (after `settle`)
 
     def full_state(self) -> dict:
         """The state as the trainer's full snapshot of this step holds it."""
@@ -53,6 +85,8 @@ class LowDiffPlusHandler(EngineHandler):
         super().__init__(ctx)
         torch.set_num_threads(1)  # the update runs beside training: one core (paper §VII-B)
         self.replica: Replica | None = None
+        self.arena: Arena | None = None
+        self.generation = 0
         self.classes = optimizer_classes()
         self.persist_buf: torch.Tensor | None = None  # one buffer, reused by every write
         self.idle = threading.Event()  # no write of the persist buffer in flight
@@ -62,77 +96,109 @@ class LowDiffPlusHandler(EngineHandler):
         threading.Thread(target=_warm_up, name="ckptrun-replica-warmup", daemon=True).start()
 
     def handle(self, msg: StrategyMessage) -> None:
-        if isinstance(msg, Base):
-            self._rebase(msg)
-        elif isinstance(msg, Grads):
-            self._apply(msg)
-        else:
+        if not isinstance(msg, Base | Grads):
             super().handle(msg)
+        step = msg.spec.step
+        try:
+            (self._rebase if isinstance(msg, Base) else self._apply)(msg)
+        except Exception as e:  # noqa: BLE001 - reported; the trainer sends a full snapshot again
+            self.replica = None
+            self.ctx.save_error(step, full_name(step), f"replica update failed ({type(e).__name__}: {e}); "
+                                                       "re-basing from a full snapshot")
+            return
+        finally:
+            self.ctx.free_slot(msg.slot)
+        self.ctx.in_memory(step, self.arena.nbytes)
+        if msg.persist or self.ctx.write_fault_due(step):
+            self._persist()
 
     def _slot_tree(self, slot: int, spec: RecordSpec) -> dict:
         buf = torch.frombuffer(self.ctx.slot_view(slot), dtype=torch.uint8)
         return unflatten(spec.skeleton, {k: view(buf, TensorSpec.from_json(k, t)) for k, t in spec.tensors.items()})
 
     def _rebase(self, msg: Base) -> None:
+        """Start the replica from a full snapshot (the slot's bytes, then moved into an arena)."""
         spec = msg.spec
-        try:
-            state = _own(self._slot_tree(msg.slot, spec))
-        finally:
-            self.ctx.free_slot(msg.slot)
-        info = spec.meta["optimizers"]["optimizer"]
+        state = self._slot_tree(msg.slot, spec)
+        self.replica = Replica(spec.step, state, self._optimizer(spec.meta, state), spec.meta, msg.exact,
+                               spec.meta["snapshot_time"])
+        self._relayout()
+
+    def _apply(self, msg: Grads) -> None:
+        """Step the replica with one step's gradients and hyper-parameters; take its post-step state."""
+        spec, r = msg.spec, self.replica
+        if r is None or r.step != spec.step - 1:
+            raise ValueError(f"the replica holds step {r.step if r else 'none'}")
+        diff = self._slot_tree(msg.slot, spec)
+        apply_diff(r.optimizer, diff)
+        for group, late in zip(r.optimizer.param_groups, diff["param_groups"]["optimizer"], strict=True):
+            group.update({k: v for k, v in late.items() if k != "params"})  # as a scheduler left them
+        with torch.no_grad():
+            for name, buffers in diff["buffers"].items():
+                for key, value in buffers.items():
+                    r.state["models"][name][key].copy_(value)
+        r.state.update(_own({k: diff[k] for k in POST_STEP}))
+        r.step, r.meta, r.time = spec.step, spec.meta, spec.meta["snapshot_time"]
+        self._settle()
+
+    def _optimizer(self, meta: dict, state: dict) -> torch.optim.Optimizer:
+        """The trainer's optimizer class over `state`'s tensors (its own, not copies)."""
+        info = meta["optimizers"]["optimizer"]
         optimizer, params = build_optimizer(self.classes[info["class"]], info, state)
         for p, aliases in zip(params, info["params"], strict=True):
             for model, key in aliases:  # a tied weight is one tensor in the replica too
                 state["models"][model][key] = p
-        self.replica = Replica(spec.step, state, optimizer, spec.meta, msg.exact, spec.meta["snapshot_time"],
-                               msg.nbytes)
-        self.ctx.emit(type="replica", rank=self.ctx.rank, step=spec.step, nbytes=msg.nbytes)
-        self.ctx.in_memory(spec.step, msg.nbytes)
-        if msg.write or self.ctx.write_fault_due(spec.step):
-            self._persist()
+        return optimizer
 
-    def _apply(self, msg: Grads) -> None:
-        spec, r = msg.spec, self.replica
-        try:
-            if r is None or r.step != spec.step - 1:
-                raise ValueError(f"the replica holds step {r.step if r else 'none'}")
-            diff = self._slot_tree(msg.slot, spec)
-            apply_diff(r.optimizer, diff)
-            for group, late in zip(r.optimizer.param_groups, diff["param_groups"]["optimizer"], strict=True):
-                group.update({k: v for k, v in late.items() if k != "params"})  # as a scheduler left them
-            for name, buffers in diff["buffers"].items():
-                for key, value in buffers.items():
-                    r.state["models"][name][key].copy_(value)
-            r.state.update(_own({k: diff[k] for k in POST_STEP}))
-        except Exception as e:  # noqa: BLE001 - reported; the trainer sends a full snapshot again
-            self.replica = None
-            self.ctx.save_error(spec.step, full_name(spec.step),
-                                f"replica update failed ({type(e).__name__}: {e}); re-basing from a full snapshot")
-            return
-        finally:
-            self.ctx.free_slot(msg.slot)
-        r.step, r.meta, r.time = spec.step, spec.meta, spec.meta["snapshot_time"]
-        self.ctx.in_memory(spec.step, r.nbytes)
-        if msg.persist or self.ctx.write_fault_due(spec.step):
-            self._persist()
-
-    def _persist(self) -> None:
-        """Copy the replica into the persist buffer (waiting for the previous write) and queue
-        its write as the full record of its step."""
+    def _relayout(self) -> None:
+        """Move the replica into a new arena of its current tensors and rebuild its optimizer
+        over them (torch's `load_state_dict` keeps tensors of the parameter's dtype and device)."""
         r = self.replica
         skeleton, tensors = flatten(r.full_state())
-        layout = Layout.of(tensors)
+        self.generation += 1
+        arena = Arena(self.ctx.shared_file(f"replica{self.generation}"), Layout.of(tensors))
+        arena.load(tensors)
+        r.state = unflatten(skeleton, dict(arena.views))
+        r.optimizer = self._optimizer(r.meta, r.state)
+        r.skeleton = skeleton
+        old, self.arena = self.arena, arena
+        if old is not None:
+            old.close()
+        stray = [k for k, t in flatten(r.full_state())[1].items() if not arena.holds(t)]
+        if stray:
+            raise RuntimeError(f"the optimizer copied {stray[0]} on load instead of keeping the replica's tensor")
+        self.ctx.emit(type="replica", rank=self.ctx.rank, step=r.step, nbytes=arena.nbytes)
+
+    def _settle(self) -> None:
+        """Bring the arena up to date after a step: tensors the step replaced rather than updated
+        in place (RNG states, tracked objects) are copied in; new or reshaped ones (an optimizer's
+        state created at its first step) re-lay it out."""
+        r = self.replica
+        skeleton, tensors = flatten(r.full_state())
+        if not self.arena.fits(tensors):
+            self._relayout()
+            return
+        with torch.no_grad():
+            for key, t in tensors.items():
+                place = self.arena.views[key]
+                if t.data_ptr() != place.data_ptr():
+                    place.copy_(t)
+        r.skeleton = skeleton
+
+    def _persist(self) -> None:
+        """Copy the arena into the persist buffer (waiting for the previous write) and queue its
+        write as the full record of the replica's step."""
+        r, arena = self.replica, self.arena
         self.idle.wait()
-        if self.persist_buf is None or self.persist_buf.numel() < layout.nbytes:
-            self.persist_buf = torch.empty(layout.nbytes, dtype=torch.uint8)
-            self.ctx.emit(type="replica_buffer", rank=self.ctx.rank, nbytes=layout.nbytes)
-        _copy_into(self.persist_buf, layout, tensors)
-        r.nbytes = layout.nbytes
-        spec = RecordSpec(record=full_name(r.step), kind="full", step=r.step, skeleton=skeleton,
-                          tensors={s.key: s.to_json() for s in layout.specs},
+        if self.persist_buf is None or self.persist_buf.numel() < arena.nbytes:
+            self.persist_buf = torch.empty(arena.nbytes, dtype=torch.uint8)
+            self.ctx.emit(type="replica_buffer", rank=self.ctx.rank, nbytes=arena.nbytes)
+        self.persist_buf[: arena.nbytes].copy_(arena.buf)
+        spec = RecordSpec(record=full_name(r.step), kind="full", step=r.step, skeleton=r.skeleton,
+                          tensors={k: s.to_json() for k, s in arena.specs.items()},
                           meta={**r.meta, "step": r.step, "snapshot_time": r.time})
         self.idle.clear()
-        self.ctx.run(self._write, spec, memoryview(self.persist_buf.numpy())[: layout.nbytes])
+        self.ctx.run(self._write, spec, memoryview(self.persist_buf.numpy())[: arena.nbytes])
 
     def _write(self, spec: RecordSpec, data: memoryview) -> None:
         try:
@@ -146,31 +212,19 @@ class LowDiffPlusHandler(EngineHandler):
     def held(self) -> tuple[int, int] | None:
         if self.replica is None:
             return None
-        return self.replica.step, Layout.of(flatten(self.replica.full_state())[1]).nbytes
+        return self.replica.step, self.arena.nbytes
 
-    def fetch(self, slot: int) -> dict:
-        r = self.replica
-        skeleton, tensors = flatten(r.full_state())
-        layout = Layout.of(tensors)
-        buf = torch.frombuffer(self.ctx.slot_view(slot), dtype=torch.uint8)
-        if layout.nbytes > buf.numel():
-            raise ValueError(f"the replica ({layout.nbytes} bytes) does not fit the slot ({buf.numel()} bytes)")
-        _copy_into(buf, layout, tensors)
-        self.ctx.emit(type="replica_fetch", rank=self.ctx.rank, step=r.step, nbytes=layout.nbytes)
-        return {"step": r.step, "skeleton": skeleton, "tensors": {s.key: s.to_json() for s in layout.specs},
-                "exact": r.exact}
+    def fetch(self) -> dict:
+        r, arena = self.replica, self.arena
+        self.ctx.emit(type="replica_fetch", rank=self.ctx.rank, step=r.step, nbytes=arena.nbytes)
+        return {"step": r.step, "path": str(arena.file.path), "skeleton": r.skeleton,
+                "tensors": {k: s.to_json() for k, s in arena.specs.items()}, "exact": r.exact}
 
 
 def _warm_up() -> None:
     p = torch.zeros(1, requires_grad=True)
     p.grad = torch.zeros(1)
     torch.optim.AdamW([p]).step()
-
-
-def _copy_into(buf: torch.Tensor, layout: Layout, tensors: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for spec in layout.specs:
-            view(buf, spec).copy_(tensors[spec.key])
 
 
 def _own(tree: Any) -> Any:

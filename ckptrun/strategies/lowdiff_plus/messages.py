@@ -10,11 +10,11 @@ from ...ipc.messages import Op, Persist
 
 @dataclass(kw_only=True)
 class Base(Persist):
-    """A real full snapshot of its step: the replica starts (or re-bases) from it; `write` also
-    persists it. `exact`: the trainer computes on the CPU, so the replica's updates are bit-exact."""
+    """A real full snapshot of its step: the replica starts (or re-bases) from it; `persist` also
+    writes it. `exact`: the trainer computes on the CPU, so the replica's updates are bit-exact."""
 
     op: ClassVar[Op] = Op.STRATEGY
-    write: bool
+    persist: bool
     exact: bool
 
 

@@ -190,7 +190,7 @@ class LowDiffPlus(Strategy):
         if self.pending_base is not None:
             (snap, write), self.pending_base = self.pending_base, None
             ctx.seal(snap)
-            ctx.submit(snap, Base, write=write, exact=not self.params[0].is_cuda)
+            ctx.submit(snap, Base, persist=write, exact=not self.params[0].is_cuda)
 
 
 def replica_bytes(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> int:
