@@ -87,7 +87,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--stop-after", type=int, default=0,
                    help="end the loop after this step (0: run all --steps); the LR schedule still spans --steps")
     p.add_argument("--save-at", type=int, default=0, help="torch.save model+optimizer after this step")
-    p.add_argument("--save-every", type=int, default=0, help="also torch.save after every this many steps")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="also torch.save after every this many steps (and the initial state, as step 0)")
     p.add_argument("--save-path", default="", help="where --save-at/--save-every save; {rank} and {step} are filled in")
     p.add_argument("--log-every", type=int, default=0)
     p.add_argument("--timing-json", default="", help="append per-step wall time and checkpoint stall here (JSON lines)")
@@ -132,6 +133,9 @@ def main() -> None:
         probe = Probe(args, model, opt, sched, device, t_main)
         start = probe.resume(start)
     t0 = time.perf_counter()
+    if args.save_path and args.save_every and start == 0:  # the initial state too (step 0)
+        path = args.save_path.replace("{rank}", str(rank)).replace("{step}", "0")
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
     for step in range(start, min(args.steps, args.stop_after or args.steps)):
         if probe:
             probe.begin_step()

@@ -136,11 +136,12 @@ class Net(nn.Module):
         return self.head(self.body(x))
 
 
-VARIANTS = {  # id -> (optimizer, clip, GradScaler, micro-batches per step, gradients copied in backward)
-    "adam-lambdalr": ("adam", False, False, 1, True),
-    "sgd-nesterov-steplr-accum2": ("sgd", False, False, 2, True),
-    "adamw-clip": ("adamw", True, False, 1, False),
-    "adamw-gradscaler-clip": ("adamw", True, True, 1, False),
+VARIANTS = {  # id -> (optimizer, clip, GradScaler, micro-batches per step, copied in backward, --rebase-every)
+    "adam-lambdalr": ("adam", False, False, 1, True, "auto"),
+    "sgd-nesterov-steplr-accum2": ("sgd", False, False, 2, True, "auto"),
+    "adamw-clip": ("adamw", True, False, 1, False, "auto"),
+    "adamw-gradscaler-clip": ("adamw", True, True, 1, False, "auto"),
+    "adam-rebase-every-7": ("adam", False, False, 1, True, "7"),  # 2 staging slots go round
 }
 
 
@@ -158,11 +159,11 @@ def test_replica_equals_the_trainer_at_every_step(variant, tmp_path, monkeypatch
     """50 steps in-process against the real handler: after every step the engine's replica is
     bit-identical to the trainer's model and optimizer, and each step is reported in memory."""
     monkeypatch.delenv("CKPTRUN_FAULT", raising=False)
-    opt_name, clip, scaled, micro, layerwise = VARIANTS[variant]
+    opt_name, clip, scaled, micro, layerwise, rebase = VARIANTS[variant]
     engine = ReplicaEngine(f"ckptrun-test-{os.getpid()}-{variant}")
     request.addfinalizer(engine.dispose)
     cfg = RunConfig(strategy="lowdiff+", dir=str(tmp_path / "ckpts"), every=1, max_inflight=2, keep=1,
-                    options={"persist_every": "1000", "rebase_every": "auto"})
+                    options={"persist_every": "1000", "rebase_every": rebase})
     rt = Runtime(cfg, 0, 0, 1, 0, connect=engine.connect)
     torch.manual_seed(0)
     model = Net()
@@ -208,7 +209,9 @@ def test_replica_equals_the_trainer_at_every_step(variant, tmp_path, monkeypatch
     rt.finish()
     assert replica.replica.step == rt.step and rt.step >= 45  # (GradScaler may skip a step)
     assert_replica(replica.replica, truth[rt.step])
-    assert engine.handler.ctx.in_memory_steps == list(range(0, rt.step + 1))
+    assert engine.handler.ctx.in_memory_steps == list(range(0, rt.step + 1))  # a re-base's step once
+    # the replica's arena: laid out at the start, again once Adam/SGD create their state, and at each re-base
+    assert engine.handler.generation == (2 if rebase == "auto" else 2 + rt.step // int(rebase))
     assert engine.handler.ctx.written == [0, rt.step]  # the start and the final step: --persist-every 1000
     if layerwise:  # every gradient was in the slot before the optimizer step began
         assert copied_in_backward[1:] == [len(list(model.parameters()))] * (len(copied_in_backward) - 1)
@@ -325,7 +328,8 @@ def test_ls_shows_the_in_memory_step_beside_the_durable_ones(tmp_path):
 
 @pytest.mark.parametrize(("flag", "value", "says"), [("--persist-every", "0", "integer in [1,"),
                                                      ("--hw-failure-share", "1.5", "fraction in (0, 1]"),
-                                                     ("--rebase-every", "often", "integer in [0,")])
+                                                     ("--rebase-every", "often", "integer in [0,")],
+                         ids=["persist-every", "hw-failure-share", "rebase-every"])
 def test_a_bad_option_is_refused_before_anything_is_created(flag, value, says, tmp_path):
     proc = ckptrun(tmp_path, "--strategy", "lowdiff+", flag, value, "--dir", "ckpts", EXAMPLE, *TINY)
     line = error_line(proc)

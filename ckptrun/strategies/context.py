@@ -156,6 +156,10 @@ class StrategyContext:
     def wait_copy(self, snap: Snapshot) -> None:
         self._rt.wait_copy(snap)
 
+    def discard(self, snap: Snapshot) -> None:
+        """Give up a snapshot begun but not to be submitted (its slot is free again)."""
+        self._rt.discard(snap)
+
     def seal(self, snap: Snapshot, *, wait: bool = True) -> None:
         """`wait=False`: do not wait for the copies still running (the `stream` callback reports
         their end, `snap.nbytes` once this returns)."""

@@ -754,6 +754,12 @@ class Runtime:
             snap.event.synchronize()
             snap.event = None
 
+    def discard(self, snap: Snapshot) -> None:
+        """Give up a snapshot that will not be submitted: its slot goes back to the pool."""
+        self.wait_copy(snap)
+        if snap.slot >= 0 and not self.slots.release(snap.slot):
+            self.client.send(Retire(slots=[snap.slot]))
+
     def seal(self, snap: Snapshot, *, wait: bool = True) -> None:
         """Add the state that settles after the step: schedulers, scaler, tracked objects, and
         the optimizer's param_groups (a scheduler has set their lr by now); then wait for the

@@ -115,7 +115,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     try:
         plain = go("plain", script_args())
         global_plain = go("global-rng", script_args("--global-rng-loader"))
-        killed = {s: go(s, [*ckptrun_args("--strategy", s), *script_args()], fault=kill) for s in REGISTRY}
+        killed = {s: go(s, [*ckptrun_args("--strategy", s, *REGISTRY[s].short_run_flags), *script_args()], fault=kill)
+                  for s in REGISTRY}
         global_killed = go("global-rng-killed", [*ckptrun_args(), *script_args("--global-rng-loader")], fault=kill)
         dist_env = go("dist-env", ["-m", "ckptrun", "--dir", "ckpts", SCRIPT, "--steps", DIST_STEPS, "--save-every",
                                    DIST_STEPS, "--save-dir", "accel", "--out", "run"], drop_env=("OMP_NUM_THREADS",))

@@ -51,7 +51,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     def managed(strategy: str) -> str:
         (root / strategy).mkdir()
-        proc = ckptrun(root / strategy, "--strategy", strategy, "--dir", "ckpts", "--every", 1, "--keep", 0,
+        proc = ckptrun(root / strategy, "--strategy", strategy, *REGISTRY[strategy].short_run_flags, "--dir", "ckpts",
+                       "--every", 1, "--keep", 0,
                        "--max-restarts", 1, "--metrics-dir", "metrics", SCRIPT, *args, fault=f"kill:step={KILL}")
         return ok(proc).stderr
 

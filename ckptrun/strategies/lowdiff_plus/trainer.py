@@ -51,7 +51,8 @@ class LowDiffPlus(Strategy):
         self.params: list[torch.Tensor] = []
         self.position: dict[int, int] = {}  # id(param) -> its index among the optimizer's parameters
         self.keys: list[str] = []  # each parameter's gradient's tensor key in the diff
-        self.like: dict[str, torch.Tensor] = {}
+        self.skeleton: dict = {}  # of the gradients' places in a diff
+        self.like: dict[str, torch.Tensor] = {}  # a tensor shaped like each gradient (the parameter)
         self.filling: Snapshot | None = None  # the next step's diff, filled during its backward
         self.places: dict[str, TensorSpec] = {}
         self.copied: dict[int, tuple[torch.Tensor, int]] = {}  # index -> (gradient, its version) at the copy
@@ -133,13 +134,17 @@ class LowDiffPlus(Strategy):
         self.taken = snap
 
     def after_step(self, step: int) -> None:
-        ctx = self.ctx
-        ctx.wait_copy(self.taken)  # the next backward may accumulate into these gradients
-        ctx.add(self.taken, ctx.post_step_state())
-        self.pending, self.taken = (self.taken, self.persist.due(step)), None
+        ctx, taken, self.taken = self.ctx, self.taken, None
         every = self._rebase_every()
         if self.rebase or (every and step % every == 0):
-            self._take_base(step, write=False)
+            # A full snapshot of this step replaces the replica whole: the step's gradients are
+            # not needed (and their slot is, with only --max-inflight slots to go round).
+            ctx.discard(taken)
+            self._take_base(step, write=self.persist.due(step))
+            return
+        ctx.wait_copy(taken)  # the next backward may accumulate into these gradients
+        ctx.add(taken, ctx.post_step_state())
+        self.pending = (taken, self.persist.due(step))
 
     def on_event(self, msg: Message) -> None:
         if isinstance(msg, SaveError) and "replica" in msg.error:
@@ -190,7 +195,7 @@ class LowDiffPlus(Strategy):
         if self.pending_base is not None:
             (snap, write), self.pending_base = self.pending_base, None
             ctx.seal(snap)
-            ctx.submit(snap, Base, persist=write, exact=not self.params[0].is_cuda)
+            ctx.submit(snap, Base, persist=write or final, exact=not self.params[0].is_cuda)
 
 
 def replica_bytes(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> int:
