@@ -144,10 +144,10 @@ class StrategyContext:
         `put`: for state that becomes final piece by piece (layer-wise gradients in backward)."""
         return self._rt.reserve(snap, skeleton, like)
 
-    def put(self, snap: Snapshot, spec: TensorSpec, tensor: torch.Tensor) -> None:
-        """Copy `tensor` into its reserved place in the background (the last put of a place wins;
-        `wait_copy` waits for all of them)."""
-        self._rt.put(snap, spec, tensor)
+    def put(self, snap: Snapshot, places: list[tuple[TensorSpec, torch.Tensor]]) -> None:
+        """Copy each tensor into its reserved place in the background (the last put of a place
+        wins; `wait_copy` waits for all of them)."""
+        self._rt.put(snap, places)
 
     def post_step_state(self) -> dict:
         """Module buffers and RNG right after the step: what replaying its gradients cannot rebuild."""

@@ -597,15 +597,18 @@ class Runtime:
         snap.nbytes = snap.layout.nbytes
         return {spec.key: spec for spec in layout.specs}
 
-    def put(self, snap: Snapshot, spec: TensorSpec, tensor: torch.Tensor) -> None:
-        """Copy `tensor` into its reserved place off the training thread, after the copies
-        queued before it (so a later `put` of the same place wins)."""
-        one = Layout((spec,), spec.offset + spec.nbytes)
-        if tensor.is_cuda:
-            snap.event = self._last_event = self._copy_cuda_async(self._buffer(snap), one, {spec.key: tensor})
+    def put(self, snap: Snapshot, places: list[tuple[TensorSpec, torch.Tensor]]) -> None:
+        """Copy each tensor into its reserved place off the training thread (one job), after the
+        copies queued before it (so a later `put` of the same place wins)."""
+        if not places:
+            return
+        specs = tuple(spec for spec, _ in places)
+        layout = Layout(specs, max(spec.offset + spec.nbytes for spec in specs))
+        tensors = {spec.key: t for spec, t in places}
+        if any(t.is_cuda for t in tensors.values()):
+            snap.event = self._last_event = self._copy_cuda_async(self._buffer(snap), layout, tensors)
         else:
-            snap.copy = self._last_copy = self._copier.submit(self._copy, self._buffer(snap), one,
-                                                              {spec.key: tensor})
+            snap.copy = self._last_copy = self._copier.submit(self._copy, self._buffer(snap), layout, tensors)
 
     def fetch_held(self, step: int, nbytes: int) -> ResumeState:
         """The state of `step` the engine holds in memory, read from the shared-memory file it

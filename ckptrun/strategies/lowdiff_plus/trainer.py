@@ -102,14 +102,14 @@ class LowDiffPlus(Strategy):
             return
         if self.filling is None:
             self._open(self.ctx.step + 1)
-        self.ctx.put(self.filling, self.places[self.keys[i]], grad)
+        self.ctx.put(self.filling, [(self.places[self.keys[i]], grad)])
         self.copied[i] = (grad, grad._version)
 
     def before_step(self, step: int) -> None:
         self._hand_over()
         snap = self.filling if self.filling is not None else self._open(step)
         self.filling = None
-        refs, stale, total = [], 0, 0
+        refs, again, stale, total = [], [], 0, 0
         for i, p in enumerate(self.params):
             grad = p.grad
             if grad is None:
@@ -122,15 +122,17 @@ class LowDiffPlus(Strategy):
             nbytes = grad.numel() * grad.element_size()
             total += nbytes
             if held is None or held[0] is not grad or held[1] != grad._version:
-                self.ctx.put(snap, self.places[self.keys[i]], grad)
+                again.append((self.places[self.keys[i]], grad))
                 stale += nbytes if held is not None else 0
             refs.append({TENSOR: self.keys[i]})
+        self.ctx.put(snap, again)
         self.copied.clear()
         self.recopied += stale
         self._adapt(step, stale, total)
         snap.skeleton["grads"] = refs
+        # (background: a synchronous add would wait here, before the update, for the copies just queued)
         self.ctx.add(snap, {"groups": [{k: v for k, v in g.items() if k != "params"}
-                                       for g in self.ctx.primary.param_groups]})
+                                       for g in self.ctx.primary.param_groups]}, background=True)
         self.taken = snap
 
     def after_step(self, step: int) -> None:
