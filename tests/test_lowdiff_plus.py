@@ -31,12 +31,13 @@ from conftest import (
     spawn,
 )
 from test_crash_matrix import assert_clean_and_final, resume_run
+from test_runtime_capture import FakeEngine
 from torch import nn
 
 from ckptrun.config import RunConfig
 from ckptrun.errors import CkptrunError
-from ckptrun.ipc.messages import Alloc, Bye, FetchHeld, Flush, Hello, Message, Persist, Retire, SlotFree
-from ckptrun.ipc.staging import EngineSlot, shm_root
+from ckptrun.ipc.messages import FetchHeld, Flush, Message, Persist, SlotFree
+from ckptrun.ipc.staging import EngineSlot
 from ckptrun.storage.store import Store
 from ckptrun.strategies.lowdiff_plus.engine import LowDiffPlusHandler
 from ckptrun.strategies.lowdiff_plus.trainer import check_host_memory
@@ -55,7 +56,7 @@ class ReplicaContext:
         self.in_memory_steps: list[int] = []
 
     def slot_view(self, slot: int) -> memoryview:
-        return self.engine.slots[slot].view
+        return self.engine.view(slot)
 
     def free_slot(self, slot: int) -> None:
         self.engine.on_event(SlotFree(slot=slot))
@@ -70,7 +71,7 @@ class ReplicaContext:
         return False
 
     def shared_file(self, name: str) -> Path:
-        return shm_root() / f"{self.engine.tag}-{name}"
+        return self.engine.root / name
 
     def save_error(self, step: int, record: str, error: str) -> None:
         raise AssertionError(error)
@@ -83,43 +84,35 @@ class ReplicaContext:
         return len(data)
 
 
-class ReplicaEngine:
-    """The engine side of `EngineClient`, in-process: real staging slots, the real handler."""
+class ReplicaEngine(FakeEngine):
+    """runtime_capture's in-process engine, with the real lowdiff+ handler behind it."""
 
-    def __init__(self, tag: str) -> None:
-        self.tag, self.slots, self.on_event = tag, {}, None
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.views: dict[int, EngineSlot] = {}
         self.handler = LowDiffPlusHandler(ReplicaContext(self))
 
-    def connect(self, address, authkey, on_event) -> ReplicaEngine:
-        self.on_event = on_event
-        return self
+    def view(self, slot: int) -> memoryview:
+        if slot not in self.views:
+            self.views[slot] = EngineSlot(self.paths[slot], self.paths[slot].stat().st_size)
+        return self.views[slot].view
 
     def request(self, msg: Message, timeout: float | None = None) -> dict:
-        if isinstance(msg, Hello):
-            return {"pid": os.getpid(), "slots": [], "committed_step": None}
-        if isinstance(msg, Alloc):
-            first = len(self.slots)
-            for i in range(first, first + msg.nslots):
-                self.slots[i] = EngineSlot(shm_root() / f"{self.tag}-{i}", msg.nbytes)
-            return {"slots": [(i, str(self.slots[i].path), msg.nbytes) for i in range(first, first + msg.nslots)]}
         if isinstance(msg, FetchHeld):
             return self.handler.fetch()
-        assert isinstance(msg, Flush), msg
-        self.handler.flush()
-        return {}
+        if isinstance(msg, Flush):
+            self.handler.flush()
+        return super().request(msg, timeout)
 
     def send(self, msg: Message) -> None:
         if isinstance(msg, Persist):
             self.handler.handle(msg)
         else:
-            assert isinstance(msg, Bye | Retire), msg
-
-    def close(self) -> None:  # the worker's end: the engine (and its replica) lives on
-        pass
+            super().send(msg)
 
     def dispose(self) -> None:
-        for slot in self.slots.values():
-            slot.close()
+        for slot in self.views.values():
+            slot.close(unlink=False)
         if self.handler.arena is not None:
             self.handler.arena.close()
 
@@ -160,7 +153,7 @@ def test_replica_equals_the_trainer_at_every_step(variant, tmp_path, monkeypatch
     bit-identical to the trainer's model and optimizer, and each step is reported in memory."""
     monkeypatch.delenv("CKPTRUN_FAULT", raising=False)
     opt_name, clip, scaled, micro, layerwise, rebase = VARIANTS[variant]
-    engine = ReplicaEngine(f"ckptrun-test-{os.getpid()}-{variant}")
+    engine = ReplicaEngine(tmp_path)
     request.addfinalizer(engine.dispose)
     cfg = RunConfig(strategy="lowdiff+", dir=str(tmp_path / "ckpts"), every=1, max_inflight=2, keep=1,
                     options={"persist_every": "1000", "rebase_every": rebase})
