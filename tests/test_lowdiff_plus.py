@@ -33,6 +33,7 @@ from conftest import (
 from test_crash_matrix import assert_clean_and_final, resume_run
 from test_runtime_capture import FakeEngine
 from torch import nn
+from torch.nn.utils import clip_grad
 
 from ckptrun.config import RunConfig
 from ckptrun.errors import CkptrunError
@@ -41,7 +42,7 @@ from ckptrun.ipc.staging import EngineSlot
 from ckptrun.storage.store import Store
 from ckptrun.strategies.lowdiff_plus.engine import LowDiffPlusHandler
 from ckptrun.strategies.lowdiff_plus.trainer import check_host_memory
-from ckptrun.worker import bootstrap
+from ckptrun.worker import bootstrap, patches
 from ckptrun.worker.runtime import Runtime
 
 PERSIST_NEVER = ("--persist-every", "1000")  # on disk: the start and the final step only
@@ -132,9 +133,11 @@ class Net(nn.Module):
 VARIANTS = {  # id -> (optimizer, clip, GradScaler, micro-batches per step, copied in backward, --rebase-every)
     "adam-lambdalr": ("adam", False, False, 1, True, "auto"),
     "sgd-nesterov-steplr-accum2": ("sgd", False, False, 2, True, "auto"),
-    "adamw-clip": ("adamw", True, False, 1, False, "auto"),
-    "adamw-gradscaler-clip": ("adamw", True, True, 1, False, "auto"),
+    "adamw-clip": ("adamw", True, False, 1, True, "auto"),  # clipping's coefficient goes to the engine
+    "adamw-clip-unrouted": ("adamw", True, False, 1, False, "auto"),  # clipped where ckptrun cannot see it
+    "adamw-gradscaler-clip": ("adamw", True, True, 1, True, "auto"),  # unscaling's coefficient too
     "adam-rebase-every-7": ("adam", False, False, 1, True, "7"),  # 2 staging slots go round
+    "sgd-clip-accum2": ("sgd", True, False, 2, True, "auto"),
 }
 
 
@@ -171,6 +174,12 @@ def test_replica_equals_the_trainer_at_every_step(variant, tmp_path, monkeypatch
     if scaler:
         rt.on_scaler(scaler)
     strategy = rt.strategy
+    # the process-wide patches route clipping and unscaling to this strategy (restored after)
+    monkeypatch.setattr(clip_grad, "_clip_grads_with_norm_", clip_grad._clip_grads_with_norm_)
+    monkeypatch.setattr(torch.amp.GradScaler, "_unscale_grads_", torch.amp.GradScaler._unscale_grads_)
+    patches._route_clipping(strategy)
+    if variant.endswith("unrouted"):  # e.g. a framework's own clipping: the version counters say so
+        monkeypatch.setattr(clip_grad, "_clip_grads_with_norm_", clip_grad._clip_grads_with_norm_.__wrapped__)
     copied_in_backward = []
     before_step = strategy.before_step
 

@@ -7,6 +7,9 @@ Trainer-side hook points (all optional):
 - `on_ddp(ddp)`: a DistributedDataParallel wrapper was created (communication hooks).
 - `on_grad_ready(param)`: a parameter's gradient is final for this step (layer-wise capture);
   the runtime registers per-parameter hooks only for strategies with `wants_grad_hooks`.
+- `on_grad_scale(params, coefficient, scale)`: the script clips gradients (`clip_grad_norm_`)
+  or a GradScaler unscales them: `scale()` multiplies each of `params`' gradients in place by
+  the 0-d tensor `coefficient`; the strategy runs it (default: just that).
 - `before_step(step)`: the optimizer is about to take step `step` (gradients are final, after
   the script's clipping/unscaling/all-reduce; with `step(closure)`, after the closure's first
   evaluation). The blocking point for "the update must wait".
@@ -48,6 +51,9 @@ class Strategy:
 
     def on_grad_ready(self, param) -> None:
         return None
+
+    def on_grad_scale(self, params: list, coefficient, scale) -> None:
+        scale()
 
     def on_ddp(self, ddp) -> None:
         """The script wrapped its model in DistributedDataParallel (e.g. to add a comm hook)."""

@@ -5,7 +5,10 @@ learns of each object the moment it exists, and restores its checkpointed state 
 ("restored when constructed"). The wrapper fires once, after the most-derived __init__ returns.
 In multi-rank runs the `env://` rendezvous is wrapped so that each restart attempt's process
 group uses its own keys in torchrun's job-wide store. `torch.autograd.backward` is wrapped until
-an optimizer exists, to stop a script that trains without one within its first steps.
+an optimizer exists, to stop a script that trains without one within its first steps. Gradient
+clipping (`torch.nn.utils.clip_grad_norm_`) and GradScaler's unscaling go through the strategy,
+which learns the one coefficient every gradient is multiplied by (lowdiff+ then need not copy
+them again).
 Framework integrations (ckptrun/worker/integrations/) hook in when the script imports the framework.
 """
 
@@ -107,6 +110,42 @@ def _watch_backward(rt: Any) -> None:
     torch.autograd.backward = backward
 
 
+def _route_clipping(strategy: Any) -> None:
+    """`clip_grad_norm_` multiplies every gradient in place by min(max_norm / (total_norm + 1e-6),
+    1), a GradScaler's unscaling by 1/scale (and moves no version counter): both run inside the
+    strategy's `on_grad_scale(params, coefficient, scale)`, the coefficient computed exactly as
+    torch computes it."""
+    from torch.nn.utils import clip_grad
+
+    orig = clip_grad._clip_grads_with_norm_
+    if getattr(orig, _MARK, False):
+        return
+
+    @functools.wraps(orig)
+    def scale_by_norm(parameters: Any, max_norm: float, total_norm: torch.Tensor, foreach: Any = None) -> None:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+        strategy.on_grad_scale(params, coefficient, lambda: orig(params, max_norm, total_norm, foreach))
+
+    setattr(scale_by_norm, _MARK, True)
+    clip_grad._clip_grads_with_norm_ = scale_by_norm
+
+    unscale = torch.amp.GradScaler._unscale_grads_
+    if getattr(unscale, _MARK, False):
+        return
+
+    @functools.wraps(unscale)
+    def unscale_grads(scaler: Any, optimizer: Any, inv_scale: torch.Tensor, *args: Any, **kwargs: Any):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        found: list[Any] = []
+        strategy.on_grad_scale(params, inv_scale, lambda: found.append(unscale(scaler, optimizer, inv_scale, *args,
+                                                                               **kwargs)))
+        return found[0]
+
+    setattr(unscale_grads, _MARK, True)
+    torch.amp.GradScaler._unscale_grads_ = unscale_grads
+
+
 def install(rt: Any) -> None:
     if rt.world_size > 1 and torch.distributed.is_available():
         _isolate_attempt(rt.restart_count)
@@ -117,4 +156,5 @@ def install(rt: Any) -> None:
         _patch_family(torch.optim.lr_scheduler.ReduceLROnPlateau, rt.on_scheduler)
     _patch_family(torch.amp.GradScaler, rt.on_scaler)
     _patch_family(torch.nn.parallel.DistributedDataParallel, rt.strategy.on_ddp)
+    _route_clipping(rt.strategy)
     integrations.install(rt)

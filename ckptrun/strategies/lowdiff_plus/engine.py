@@ -130,6 +130,10 @@ class LowDiffPlusHandler(EngineHandler):
         if r is None or r.step != spec.step - 1:
             raise ValueError(f"the replica holds step {r.step if r else 'none'}")
         diff = self._slot_tree(msg.slot, spec)
+        with torch.no_grad():
+            for clip in diff["scales"]:  # as the script's clipping did to the trainer's gradients
+                for i in clip["params"]:
+                    diff["grads"][i].mul_(clip["coef"])
         apply_diff(r.optimizer, diff)
         for group, late in zip(r.optimizer.param_groups, diff["param_groups"]["optimizer"], strict=True):
             group.update({k: v for k, v in late.items() if k != "params"})  # as a scheduler left them

@@ -2,11 +2,13 @@
 
 During backward, each parameter's gradient is copied into the next step's staging slot as soon
 as it is accumulated (`on_grad_ready`, a post-accumulate-grad hook), off the training thread (a
-side stream on GPU), so the copies overlap the rest of the backward pass. At the optimizer's
-pre-step hook a gradient the script changed after its hook fired (clipping, GradScaler
-unscaling, gradient accumulation, DDP's all-reduce, a replaced `.grad`) is copied again: a
-tensor's version counter says whether it was written since, so what the engine gets is exactly
-what the optimizer consumed. The post-step hook adds module buffers and RNG; the next pre-step
+side stream on GPU), so the copies overlap the rest of the backward pass. Clipping and
+GradScaler unscaling multiply them all by one coefficient afterwards: the engine is sent the
+coefficient (`on_grad_scale`). At the optimizer's pre-step hook a gradient the script changed
+otherwise after its hook fired (a replaced `.grad`, other in-place changes) is copied again: a
+tensor's version counter says whether it was written since, so what the engine gets is what
+the optimizer consumed. Under DDP (the all-reduce rewrites them) or when most are copied again,
+the copies are all taken at the pre-step. The post-step hook adds module buffers and RNG; the next pre-step
 seals the slot with schedulers/scaler/tracked state and hands it to the engine, which applies it
 to its CPU replica with the same optimizer class (`engine.py`) while the next step trains.
 
@@ -56,6 +58,7 @@ class LowDiffPlus(Strategy):
         self.filling: Snapshot | None = None  # the next step's diff, filled during its backward
         self.places: dict[str, TensorSpec] = {}
         self.copied: dict[int, tuple[torch.Tensor, int]] = {}  # index -> (gradient, its version) at the copy
+        self.scales: list[dict] = []  # clipping since the copies: {"coef": 0-d tensor, "params": [index]}
         self.taken: Snapshot | None = None  # this step's diff, between its update and the next pre-step
         self.pending: tuple[Snapshot, bool] | None = None  # (sealed at the next pre-step, persist it)
         self.pending_base: tuple[Snapshot, bool] | None = None  # (a full snapshot, write it too)
@@ -64,6 +67,7 @@ class LowDiffPlus(Strategy):
         self.layerwise = True  # copy in backward; off while the script changes most gradients after it
         self.off_since = 0
         self.recopied_logged = False
+        self.under_ddp = False
 
     def settings(self) -> dict:
         return {**self.persist.settings, "auto": self.persist.adjustable, "rebase_every": self._rebase_every()}
@@ -104,12 +108,35 @@ class LowDiffPlus(Strategy):
             self._open(self.ctx.step + 1)
         self.ctx.put(self.filling, [(self.places[self.keys[i]], grad)])
         self.copied[i] = (grad, grad._version)
+        for clip in self.scales:  # a new backward (a step the GradScaler skipped): not scaled yet
+            if i in clip["params"]:
+                clip["params"].remove(i)
+
+    def on_grad_scale(self, params: list, coefficient: torch.Tensor, scale) -> None:
+        """Clipping multiplies the gradients copied in backward by one coefficient: instead of
+        copying them again, the engine is told it and multiplies its copies the same way (the
+        same elementwise product: bit-identical). The copies still running must end first."""
+        if not self.layerwise or self.filling is None:
+            scale()
+            return
+        self.ctx.wait_copy(self.filling)
+        copied = {}
+        for p in params:
+            i, grad = self.position.get(id(p)), p.grad
+            held = self.copied.get(i)
+            if grad is not None and held is not None and held[0] is grad and held[1] == grad._version:
+                copied[i] = grad
+        scale()
+        for i, grad in copied.items():
+            self.copied[i] = (grad, grad._version)
+        if copied:
+            self.scales.append({"coef": coefficient.detach().to("cpu", copy=True), "params": sorted(copied)})
 
     def before_step(self, step: int) -> None:
         self._hand_over()
         snap = self.filling if self.filling is not None else self._open(step)
         self.filling = None
-        refs, again, stale, total = [], [], 0, 0
+        refs, again, fresh, stale, total = [], [], set(), 0, 0
         for i, p in enumerate(self.params):
             grad = p.grad
             if grad is None:
@@ -123,10 +150,15 @@ class LowDiffPlus(Strategy):
             total += nbytes
             if held is None or held[0] is not grad or held[1] != grad._version:
                 again.append((self.places[self.keys[i]], grad))
+                fresh.add(i)
                 stale += nbytes if held is not None else 0
             refs.append({TENSOR: self.keys[i]})
         self.ctx.put(snap, again)
         self.copied.clear()
+        scales = [{**c, "params": [i for i in c["params"] if i not in fresh and refs[i] is not None]}
+                  for c in self.scales]
+        self.ctx.add(snap, {"scales": scales}, background=True)  # (a gradient copied again is final)
+        self.scales = []
         self.recopied += stale
         self._adapt(step, stale, total)
         snap.skeleton["grads"] = refs
@@ -147,6 +179,11 @@ class LowDiffPlus(Strategy):
         ctx.wait_copy(taken)  # the next backward may accumulate into these gradients
         ctx.add(taken, ctx.post_step_state())
         self.pending = (taken, self.persist.due(step))
+
+    def on_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """DDP's reducer writes the all-reduced gradient after the hooks fired (into bucket views,
+        not always moving a version counter): the gradients are copied at the optimizer step."""
+        self.layerwise, self.under_ddp = False, True
 
     def on_event(self, msg: Message) -> None:
         if isinstance(msg, SaveError) and "replica" in msg.error:
@@ -171,7 +208,7 @@ class LowDiffPlus(Strategy):
                 log.info(f"lowdiff+: the script changes the gradients after backward (clipping, unscaling or "
                          f"all-reduce: {stale * 100 // total}% of their bytes at step {step}); they are copied "
                          "at the optimizer step instead of layer by layer")
-        elif not self.layerwise and step - self.off_since >= PROBE_EVERY:
+        elif not self.layerwise and not self.under_ddp and step - self.off_since >= PROBE_EVERY:
             self.layerwise = True  # measured again at the next step
         elif self.layerwise and stale == 0 and self.off_since:
             self.ctx.emit(type="layerwise", step=step, on=True, stale_bytes=0, grad_bytes=total)
