@@ -18,6 +18,8 @@ worker crash the engine's replica is the resume point (no disk read).
 
 from __future__ import annotations
 
+import time
+
 import psutil
 import torch
 
@@ -119,7 +121,9 @@ class LowDiffPlus(Strategy):
         if not self.layerwise or self.filling is None:
             scale()
             return
+        t0 = time.perf_counter()
         self.ctx.wait_copy(self.filling)
+        self.ctx.stall("snapshot", time.perf_counter() - t0)
         copied = {}
         for p in params:
             i, grad = self.position.get(id(p)), p.grad
