@@ -92,9 +92,8 @@ class LowDiffPlus(Strategy):
             raise CkptrunError("--strategy lowdiff+ copies dense gradients; a sparse parameter is not supported "
                                "(use --strategy checkfreq)", exit_code=2)
         self.position = {id(p): i for i, p in enumerate(self.params)}
-        skeleton, self.like = flatten({"grads": self.params})
-        self.skeleton = skeleton
-        self.keys = [ref[TENSOR] for ref in skeleton["grads"]]
+        self.skeleton, self.like = flatten({"grads": self.params})
+        self.keys = [ref[TENSOR] for ref in self.skeleton["grads"]]
         check_host_memory(replica_bytes(opt, self.params))
         resume = self.ctx.resume
         if resume is None or resume.source != "memory":
@@ -200,18 +199,18 @@ class LowDiffPlus(Strategy):
 
     # ---- pieces ------------------------------------------------------------------------
     def _adapt(self, step: int, stale: int, total: int) -> None:
-        """A script that changes most gradients after backward (clipping, GradScaler, DDP's
-        all-reduce) makes the copies taken there stale: they are all taken again at the
-        pre-step, so copying in backward only doubles the traffic. Turn it off then, and try it
-        again every PROBE_EVERY steps (the script may stop clipping)."""
+        """A script that changes most gradients after backward in a way `on_grad_scale` does not
+        see (its own clipping, a replaced `.grad`) makes the copies taken there stale: they are
+        all taken again at the pre-step, so copying in backward only doubles the traffic. Turn
+        it off then, and try it again every PROBE_EVERY steps (the script may stop)."""
         if self.layerwise and total and 2 * stale > total:
             self.layerwise, self.off_since = False, step
             self.ctx.emit(type="layerwise", step=step, on=False, stale_bytes=stale, grad_bytes=total)
             if not self.recopied_logged and self.ctx.rank == 0:
                 self.recopied_logged = True
-                log.info(f"lowdiff+: the script changes the gradients after backward (clipping, unscaling or "
-                         f"all-reduce: {stale * 100 // total}% of their bytes at step {step}); they are copied "
-                         "at the optimizer step instead of layer by layer")
+                log.info(f"lowdiff+: the script changes the gradients after backward ({stale * 100 // total}% "
+                         f"of their bytes at step {step}); they are copied at the optimizer step instead of "
+                         "layer by layer")
         elif not self.layerwise and not self.under_ddp and step - self.off_since >= PROBE_EVERY:
             self.layerwise = True  # measured again at the next step
         elif self.layerwise and stale == 0 and self.off_since:
