@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -120,6 +121,11 @@ def run(
                                                    "trainer waits (back-pressure).")] = 2,
     writers: Annotated[int, typer.Option(help="Engine writer threads (checkpoints written at once).")] = 2,
     io_threads: Annotated[int, typer.Option(help="Threads writing chunks of one checkpoint file.")] = 1,
+    io_engine: Annotated[str, typer.Option(help="The engine's file writer: native (io_uring + O_DIRECT, "
+                                                "native/), python (pwrite), or auto: CKPTRUN_IO_ENGINE if "
+                                                "set, else the measured default (README, Native writer). "
+                                                "native falls back to python, with a warning, where it "
+                                                "is not built or io_uring is refused.")] = "auto",
     metrics_dir: Annotated[str, typer.Option(help="Keep the raw per-rank metrics (JSONL) in this folder.")]
     = "",
     metrics_file: Annotated[str | None, typer.Option(help="Append every metrics event (one JSON object per "
@@ -156,14 +162,17 @@ def run(
     from .config import RunConfig
     from .launcher.run import LaunchOptions
     from .launcher.run import run as launch
+    from .storage.iowriter import ENGINES
 
     if every != "auto" and not every.lstrip("-").isdigit():
         raise UsageError(f"--every must be a number of steps or auto (got {every!r})")
+    if io_engine not in ENGINES:
+        raise UsageError(f"--io-engine must be one of {', '.join(ENGINES)} (got {io_engine!r})")
     mtbf_s = _duration("--mtbf", mtbf) if mtbf else 0.0
     cfg = RunConfig(strategy=strategy, dir=dir, every=1 if every == "auto" else int(every), keep=keep,
                     resume=resume, on_save_error=on_save_error, max_inflight=max_inflight, writers=writers,
-                    io_threads=io_threads, metrics_dir=metrics_dir, every_auto=every == "auto", mtbf=mtbf_s,
-                    max_steps=max_steps, on_restart=on_restart, dist_env=dist_env,
+                    io_threads=io_threads, io_engine=io_engine, metrics_dir=metrics_dir, every_auto=every == "auto",
+                    mtbf=mtbf_s, max_steps=max_steps, on_restart=on_restart, dist_env=dist_env,
                     options={**_chosen_options(ctx, strategy, strategy_options),
                              **({"mtbf": mtbf_s} if mtbf_s else {})})
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id,
@@ -204,6 +213,12 @@ def restore(
     err.print(f"restored step {plan.step} (from {plan.base.name}{via}, rank {rank}) -> {out_file}")
 
 
+def _time_or_none(value: object) -> float | None:
+    """A time read from a manifest's free-form meta, if it is one."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
 @app.command("ls")
 def ls(dir: Dir = Path("ckpts"),
        as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
@@ -214,12 +229,17 @@ def ls(dir: Dir = Path("ckpts"),
 
     store = Store.existing(dir)
     rows = [{"step": m.step, "kind": m.kind, "record": m.name, "bytes": m.bytes, "ranks": m.world_size,
-             "depends_on": m.depends_on, "first_step": m.first_step, "layout": m.layout} for m in store.manifests()]
+             "depends_on": m.depends_on, "first_step": m.first_step, "layout": m.layout,
+             # the two completions: the snapshot complete in host memory (the trainer could go on),
+             # and persisted (committed: durable on every rank), as wall-clock times
+             "snapshot_done_at": _time_or_none(m.meta.get("snapshot_done_at")), "persisted_at": m.committed_at}
+            for m in store.manifests()]
     held = memory_status.live(store.root)
     if held:
         step = min(h["step"] for h in held)
         rows.append({"step": step, "kind": "memory", "record": "-", "bytes": sum(h["nbytes"] for h in held),
-                     "ranks": len(held), "depends_on": [], "first_step": step, "layout": "engine memory"})
+                     "ranks": len(held), "depends_on": [], "first_step": step, "layout": "engine memory",
+                     "snapshot_done_at": None, "persisted_at": None})
     if as_json:
         out.print_json(json.dumps(rows))
         return
@@ -284,12 +304,15 @@ def bench(
                                                           "to this JSON file.")] = "",
     plot: Annotated[str, typer.Option(help="Write a PNG bar chart of overhead and stall here (needs "
                                            "matplotlib: pip install 'ckptrun[plot]').")] = "",
+    io_engine: Annotated[str, typer.Option(help="The strategies' file writer: auto, native or python; "
+                                                "several, comma-separated (e.g. native,python), run each "
+                                                "strategy with each, named STRATEGY:ENGINE.")] = "auto",
 ) -> None:
     """Measure every strategy against no checkpointing, torch.save and DCP async_save."""
     from .bench import BenchOptions, run_bench
 
     raise typer.Exit(run_bench(BenchOptions(model, strategies, every, steps, repeat, device, trainer_threads,
-                                            warmup, dir, json_file, plot), out, err))
+                                            warmup, dir, json_file, plot, io_engine), out, err))
 
 
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})

@@ -32,6 +32,7 @@ class RunConfig:
     max_inflight: int = 2
     writers: int = 2
     io_threads: int = 1
+    io_engine: str = "auto"  # --io-engine: the engine's file writer (ckptrun/storage/iowriter.py)
     engine_dir: str = ""
     authkey: str = ""
     metrics_dir: str = ""

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from ckptrun.log import log
+from ckptrun.storage import rankfile
 from ckptrun.storage.layout import Layout, TensorSpec, view
 from ckptrun.storage.store import MANIFEST, Store, full_name, rank_files
 from ckptrun.storage.tree import flatten, unflatten
@@ -44,8 +45,9 @@ TIMEOUT_S = 240
 
 
 def clean_env(fault: str | None) -> dict[str, str]:
-    """The test process's environment without ckptrun's own variables, plus a fault if asked."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTRUN_")}
+    """The test process's environment without ckptrun's own variables, plus a fault if asked.
+    CKPTRUN_IO_ENGINE stays: it chooses the engines' file writer for a whole test run."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTRUN_") or k == "CKPTRUN_IO_ENGINE"}
     if fault:
         env["CKPTRUN_FAULT"] = fault
     return env
@@ -268,7 +270,9 @@ def record_dir(ckpt_dir: Path, record: int | str) -> Path:
 
 
 def data_file(ckpt_dir: Path, record: int | str, rank: int = 0) -> Path:
-    return record_dir(ckpt_dir, record) / rank_files(rank)[0]
+    """The file holding a rank's tensors: its data file, or its self-describing rank file."""
+    own = record_dir(ckpt_dir, record) / rankfile.file_name(rank)
+    return own if own.exists() else record_dir(ckpt_dir, record) / rank_files(rank)[0]
 
 
 def flip_tensor_byte(ckpt_dir: Path, record: int | str, rank: int = 0) -> str:
@@ -279,7 +283,8 @@ def flip_tensor_byte(ckpt_dir: Path, record: int | str, rank: int = 0) -> str:
         key, spec = next((k, s) for k, s in index["tensors"].items() if s["nbytes"] > 0)
         _flip(ckpt_dir / region.file, region.data_offset + spec["offset"] + spec["nbytes"] // 2)
         return key
-    index = json.loads((record_dir(ckpt_dir, record) / rank_files(rank)[1]).read_text())
+    name = full_name(record) if isinstance(record, int) else record
+    index = Store(ckpt_dir).read_index(name, rank)
     key, spec = next((k, s) for k, s in index["tensors"].items() if s["nbytes"] > 0)
     path = data_file(ckpt_dir, record, rank)
     raw = bytearray(path.read_bytes())

@@ -15,6 +15,7 @@ from pathlib import Path
 from rich.console import Console
 
 from ..errors import UsageError
+from ..storage import iowriter
 from . import machine, plan, report, stats
 from .runner import Outcome, run_configuration
 
@@ -32,6 +33,7 @@ class BenchOptions:
     dir: str = ""
     json: str = ""
     plot: str = ""
+    io_engine: str = "auto"  # the strategies' file writer(s), comma-separated (plan.configurations)
 
     def validate(self) -> None:
         if self.model not in plan.MODELS:
@@ -48,7 +50,8 @@ class BenchOptions:
         """The invocation that reproduces this bench (paths as given)."""
         argv = ["ckptrun", "bench", "--model", self.model, "--strategies", self.strategies, "--every", self.every,
                 "--steps", str(self.steps), "--repeat", str(self.repeat), "--device", self.device,
-                "--trainer-threads", str(self.trainer_threads), "--warmup", str(self.warmup)]
+                "--trainer-threads", str(self.trainer_threads), "--warmup", str(self.warmup),
+                "--io-engine", self.io_engine]
         for flag, value in (("--dir", self.dir), ("--json", self.json), ("--plot", self.plot)):
             argv += [flag, value] if value else []
         return " ".join(argv)
@@ -62,13 +65,13 @@ def run_bench(o: BenchOptions, console: Console | None = None, progress: Console
     console = console or Console(highlight=False)
     progress = progress or Console(stderr=True, highlight=False)
     o.validate()
-    configs = plan.configurations(o.strategies, o.every)
+    configs = plan.configurations(o.strategies, o.every, o.io_engine)
     if o.plot:
         report.require_matplotlib()
     work = plan.Workload(plan.example_script(), o.model, o.device, o.trainer_threads)
     root = Path(o.dir) if o.dir else machine.default_dir()
     root.mkdir(parents=True, exist_ok=True)
-    desc = machine.describe(root)
+    desc = {**machine.describe(root), "io_engine": iowriter.availability()}
     fs = desc["dir_filesystem"]["type"]
     if fs in machine.MEMORY_FILESYSTEMS:
         progress.print(f"ckptrun bench: warning: {root} is in memory ({fs}); the figures leave out disk writes")
@@ -80,7 +83,8 @@ def run_bench(o: BenchOptions, console: Console | None = None, progress: Console
     desc["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     rows = stats.summarize(configs, outcomes)
     title = (f"ckptrun bench: model {o.model}, {o.steps} steps (first {o.warmup} untimed), median of {o.repeat} "
-             f"[min-max], {o.device}, {o.trainer_threads} trainer thread(s), dir on {fs}")
+             f"[min-max], {o.device}, {o.trainer_threads} trainer thread(s), dir on {fs}, writer {o.io_engine} "
+             f"({desc['io_engine']})")
     report.print_table(rows, title, console)
     params = next((out.params for runs in outcomes.values() for out in runs if out.params), None)
     settings = {**asdict(o), "model_args": plan.MODELS[o.model], "params": params, "dir": str(root)}

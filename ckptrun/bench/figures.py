@@ -19,7 +19,7 @@ from ..launcher.console.metrics_feed import MetricsTailer
 
 # Per-run figures, in report order (the summary's `median_step_s` is the median of `step_s`).
 FIGURES = ("step_s", "stall_ms_per_step", "layer_wait_ms_per_step", "bytes_per_step", "write_MBps", "peak_rss_MB",
-           "committed", "recovery_s", "restore_s")
+           "page_cache_MB", "committed", "recovery_s", "restore_s")
 
 
 @dataclass
@@ -34,6 +34,8 @@ class RunFigures:
     restore_s: float | None = None  # of it, ckptrun's own restore (decide, read, load, replay); None: a script's
     # The part of the stall that updates waited for their own layer's copy (lightcheck); None: no such cause
     layer_wait_ms_per_step: float | None = None
+    page_cache_MB: float | None = None  # the machine's page-cache growth during the run (bench/procmem.py)
+    io_engine: str | None = None  # the engine's file writer that ran (native, python); None: not a ckptrun run
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,20 +87,21 @@ def _io(writes: list[tuple[int, int, float]], first: int, last: int) -> tuple[in
     return nbytes, (nbytes / seconds / 1e6 if seconds > 0 else None)
 
 
-def reference_figures(timing: Attempt, warmup: int, peak_rss_MB: float) -> RunFigures:
+def reference_figures(timing: Attempt, warmup: int, peak_rss_MB: float, page_cache_MB: float) -> RunFigures:
     """`none` and the references: everything is in the script's timing file."""
     timed, first, last = timing.window(warmup)
     nbytes, mbps = _io([(s["step"], s["bytes"], s["write_s"]) for s in timing.saves], first, last)
     return RunFigures(step_s=fmean(s["wall_s"] for s in timed),
                       stall_ms_per_step=1e3 * fmean(s["stall_s"] for s in timed),
                       bytes_per_step=nbytes / len(timed), write_MBps=mbps, peak_rss_MB=peak_rss_MB,
-                      committed=len(timing.saves))
+                      page_cache_MB=page_cache_MB, committed=len(timing.saves))
 
 
-def ckptrun_figures(timing: Attempt, metrics_dir: Path, warmup: int, peak_rss_MB: float) -> RunFigures:
+def ckptrun_figures(timing: Attempt, metrics_dir: Path, warmup: int, peak_rss_MB: float,
+                    page_cache_MB: float) -> RunFigures:
     """ckptrun runs: step time from the script, stall from the worker (per cause, summed), bytes
     and write time from the engine's `write` events, commits from its `commit` events (up to the
-    last timed step: the restarted worker's own are not counted)."""
+    last timed step: the restarted worker's own are not counted), the writer from `io_engine`."""
     timed, first, last = timing.window(warmup)
     events = MetricsTailer(metrics_dir).poll()
     steps = {e["step"]: e["stall_s"] for e in events if e.get("type") == "step"}
@@ -111,6 +114,8 @@ def ckptrun_figures(timing: Attempt, metrics_dir: Path, warmup: int, peak_rss_MB
     return RunFigures(step_s=fmean(s["wall_s"] for s in timed),
                       stall_ms_per_step=1e3 * fmean(stall[s["step"]] for s in timed),
                       bytes_per_step=nbytes / len(timed), write_MBps=mbps, peak_rss_MB=peak_rss_MB,
+                      page_cache_MB=page_cache_MB, io_engine=next((str(e["engine"]) for e in events
+                                                                   if e.get("type") == "io_engine"), None),
                       committed=sum(1 for e in events if e.get("type") == "commit" and e["step"] <= last),
                       layer_wait_ms_per_step=(1e3 * fmean(steps[s["step"]].get("layer_wait", 0.0) for s in timed)
                                               if any("layer_wait" in c for c in steps.values()) else None))

@@ -3,7 +3,9 @@ references, every ckptrun strategy) and the command line of each run.
 
 The references are checkpointing that the example script does itself (`--ref-save`, see
 examples/bench_refs.py); `none` is the same script without checkpointing, the denominator of
-every ratio. Strategies run the same script under the ckptrun launcher.
+every ratio. Strategies run the same script under the ckptrun launcher, with the engine's file
+writer given by `--io-engine` (several, comma-separated: each strategy runs with each, named
+`STRATEGY:ENGINE`, to compare the native and the Python writer on the same strategy).
 """
 
 from __future__ import annotations
@@ -83,8 +85,18 @@ VARIANTS = {"lowdiff+topk": ("lowdiff", ("--compress", "topk:0.01")),
             "lowdiff+persist1": ("lowdiff+", ("--persist-every", "1"))}
 
 
-def configurations(methods: str, every: str) -> list[Configuration]:
-    """`none` first, then each chosen reference and strategy at each interval, in that order."""
+def parse_io_engines(text: str) -> list[str]:
+    from ..storage.iowriter import ENGINES
+
+    values = list(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    if not values or any(v not in ENGINES for v in values):
+        raise UsageError(f"--io-engine takes {', '.join(ENGINES)}, comma-separated (got {text!r})")
+    return values
+
+
+def configurations(methods: str, every: str, io_engines: str = "auto") -> list[Configuration]:
+    """`none` first, then each chosen reference and strategy at each interval (and each writer,
+    strategies only), in that order."""
     from ..strategies import REGISTRY
 
     known = [*REFERENCES, *REGISTRY, *VARIANTS]
@@ -93,13 +105,18 @@ def configurations(methods: str, every: str) -> list[Configuration]:
     if unknown:
         raise UsageError(f"unknown --strategies {', '.join(unknown)}; choose from: all, {BASELINE}, "
                          f"{', '.join(known)}")
-    intervals = parse_every(every)
+    intervals, engines = parse_every(every), parse_io_engines(io_engines)
     configs = [Configuration(BASELINE, BASELINE, "baseline", None)]
     for method in dict.fromkeys(m for m in wanted if m != BASELINE):
         for e in intervals:
             name = method if len(intervals) == 1 else f"{method}@{e}"
+            if method in REFERENCES:
+                configs.append(Configuration(name, method, "reference", e))
+                continue
             base, flags = VARIANTS.get(method, (method, ()))
-            configs.append(Configuration(name, base, "reference" if method in REFERENCES else "ckptrun", e, flags))
+            for io in engines:
+                configs.append(Configuration(name if len(engines) == 1 else f"{name}:{io}", base, "ckptrun", e,
+                                             (*flags, "--io-engine", io)))
     return configs
 
 

@@ -58,8 +58,9 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _execute(spec: Launch, log: Path, cwd: Path, timeout_s: float, *, include_root: bool) -> float:
-    """Run to completion with the output in `log`; returns the peak RSS (MB)."""
+def _execute(spec: Launch, log: Path, cwd: Path, timeout_s: float, *, include_root: bool) -> tuple[float, float]:
+    """Run to completion with the output in `log`; returns the peak RSS and the page cache's
+    growth (MB)."""
     with log.open("w") as out:
         proc = subprocess.Popen(spec.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
                                 env=spec.env)
@@ -73,20 +74,20 @@ def _execute(spec: Launch, log: Path, cwd: Path, timeout_s: float, *, include_ro
             _kill_tree(proc)
             raise
         finally:
-            peak = rss.stop()
+            rss.stop()
     if rc != 0:
         lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
         what = f"timed out after {timeout_s:.0f} s" if rc is None else f"exited with code {rc}"
         raise RunFailed(f"{' '.join(spec.argv[:6])} ... {what}; log {log}:\n" + "\n".join(lines))
-    return peak
+    return rss.peak_MB, rss.cache_growth_MB
 
 
 def _ckptrun_run(cfg: Configuration, work: Workload, run_dir: Path, steps: int, warmup: int,
                  timeout_s: float) -> tuple[RunFigures, int]:
     spec = launch(cfg, work, run_dir, steps)
-    peak = _execute(spec, run_dir / "log.txt", run_dir, timeout_s, include_root=False)
+    peak, cache = _execute(spec, run_dir / "log.txt", run_dir, timeout_s, include_root=False)
     first = figures.attempts(run_dir / "timing.jsonl")[0]
-    result = figures.ckptrun_figures(first, run_dir / "metrics", warmup, peak)
+    result = figures.ckptrun_figures(first, run_dir / "metrics", warmup, peak, cache)
     if spec.crash_step is not None:
         result.recovery_s, result.restore_s = figures.ckptrun_recovery(run_dir / "metrics")
     return result, first.params
@@ -94,9 +95,10 @@ def _ckptrun_run(cfg: Configuration, work: Workload, run_dir: Path, steps: int, 
 
 def _script_run(cfg: Configuration, work: Workload, run_dir: Path, steps: int, warmup: int,
                 timeout_s: float) -> tuple[RunFigures, int]:
-    peak = _execute(launch(cfg, work, run_dir, steps), run_dir / "log.txt", run_dir, timeout_s, include_root=True)
+    peak, cache = _execute(launch(cfg, work, run_dir, steps), run_dir / "log.txt", run_dir, timeout_s,
+                           include_root=True)
     first = figures.attempts(run_dir / "timing.jsonl")[0]
-    result = figures.reference_figures(first, warmup, peak)
+    result = figures.reference_figures(first, warmup, peak, cache)
     last = max((s["step"] for s in first.saves), default=None)
     if last is not None:
         _execute(launch(cfg, work, run_dir, last + 1, recovery=True), run_dir / "log-recovery.txt", run_dir,

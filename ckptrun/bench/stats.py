@@ -41,6 +41,7 @@ def summarize(configs: list[Configuration], outcomes: dict[str, list[Outcome]]) 
             mid[k], low[k], high[k] = (median(values), min(values), max(values)) if values else (None, None, None)
         rows.append({"name": cfg.name, "method": cfg.method, "kind": cfg.kind, "every": cfg.every,
                      **{k: mid.get(k) for k in KEYS}, "min": low, "max": high, "repetitions": len(ok),
+                     "io_engines": sorted({x.io_engine for x in ok if x.io_engine}),
                      "runs": [o.to_json() for o in runs],
                      "errors": [o.error for o in runs if o.error]})
     _add_ratios(rows)

@@ -18,6 +18,7 @@ from ..storage.leftovers import staging_path
 
 if TYPE_CHECKING:
     from ..storage.fsutil import FaultHook
+    from ..storage.store import Store
     from .server import Engine
 
 
@@ -64,6 +65,16 @@ class EngineContext:
     def run(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run a job on the engine's writer threads; `flush` waits for it."""
         self._engine.submit(fn, *args)
+
+    def write_with(self, spec: RecordSpec, write: Callable[[], int], since: float | None = None) -> int:
+        """Persist this rank's part of record `spec` by `write()` in the caller's thread (the
+        bytes written; raise `AlreadyCommitted` when `Store` says the record is committed), then
+        committed as any record: the handler writes its own layout, the engine reports and commits."""
+        return self._engine.record_with(spec, write, since)
+
+    @property
+    def store(self) -> Store:
+        return self._engine.store
 
     def write_now(self, spec: RecordSpec, data: memoryview) -> int:
         """Persist this rank's part of record `spec` in the caller's thread (then committed as any)."""

@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection, Listener
 from typing import Any
@@ -40,7 +41,7 @@ from ..ipc.messages import (
     StrategyMessage,
 )
 from ..ipc.staging import EngineSlot
-from ..storage import memory_status
+from ..storage import iowriter, memory_status
 from ..storage.dirlock import hold_for_engine
 from ..storage.fsutil import FaultHook, _no_fault
 from ..storage.leftovers import exit_with_owner, remove_staging, staging_path
@@ -75,6 +76,7 @@ class Engine:
         self._enospc_left = 0
         self._pending_lock = threading.RLock()
         self.committed_step: int | None = None
+        self.io_engine: str | None = None  # the file writer running (storage/iowriter.py)
         self.holds_memory = False  # a handler said it holds a step in memory (memory_status)
         self.stopping = threading.Event()
         self.log.emit(type="engine", local_rank=local_rank, pid=os.getpid())
@@ -142,6 +144,9 @@ class Engine:
         if self.pool is None:
             self.pool = ThreadPoolExecutor(max(1, msg.writers), thread_name_prefix="writer")
         self.io_threads = max(1, msg.io_threads)
+        if (io_engine := iowriter.select(msg.io_engine)) != self.io_engine:  # said once
+            self.io_engine = io_engine
+            self.log.emit(type="io_engine", rank=msg.rank, engine=io_engine)
         if self.strategy != msg.strategy:  # a restarted worker keeps what the handler holds
             self.strategy, self.handler = msg.strategy, engine_handler(msg.engine_handler, self)
         newest = max((s.nbytes for s in self.slots.values()), default=0)
@@ -234,11 +239,18 @@ class Engine:
 
     def write_record(self, spec: RecordSpec, data: memoryview) -> int:
         """Persist this rank's part of a record and hand it to the committer (rank 0)."""
-        t0 = time.time()
+        return self.record_with(spec, lambda: self.store.write_rank(
+            spec.record, self.rank, data, spec.tensors, spec.skeleton, spec.meta, fault=self._fault_hook(spec.step),
+            threads=self.io_threads))
+
+    def record_with(self, spec: RecordSpec, write: Callable[[], int], since: float | None = None) -> int:
+        """Persist this rank's part of record `spec` by `write()` (the bytes written; it raises
+        AlreadyCommitted, touching nothing, when the record is committed already) and hand it to
+        the committer (rank 0). A failure is a save error. `since`: when the writing began."""
+        t0 = time.time() if since is None else since
         name, step = spec.record, spec.step
         try:
-            n = self.store.write_rank(name, self.rank, data, spec.tensors, spec.skeleton, spec.meta,
-                                      fault=self._fault_hook(step), threads=self.io_threads)
+            n = write()
         except AlreadyCommitted:
             # A re-run reaching a step that is committed already (the same state, by exactness):
             # nothing to write, and the committed record is left exactly as it is.
@@ -317,7 +329,8 @@ class Engine:
                     m = self.store.try_commit(name, kind=spec.kind, step=spec.step,
                                               first_step=spec.step if spec.first_step is None else spec.first_step,
                                               world_size=self.world_size, depends_on=spec.depends_on or None,
-                                              meta=spec.meta, fault=self._fault_hook(spec.step))
+                                              meta=spec.meta, fault=self._fault_hook(spec.step),
+                                              layout=spec.layout)
                 except (OSError, ValueError) as e:  # ValueError: the schema rejects what a writer sent
                     self._commit_failed(spec, e)
                     continue

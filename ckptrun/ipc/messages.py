@@ -66,6 +66,7 @@ class Hello(Message):
     writers: int
     io_threads: int
     fault: str | None = None
+    io_engine: str = "auto"  # the engine's file writer: auto | native | python (storage/iowriter.py)
 
 
 @dataclass(kw_only=True)
@@ -92,6 +93,7 @@ class RecordSpec:
     meta: dict
     first_step: int | None = None  # a record covering several steps (a batch of diffs)
     depends_on: list[str] = field(default_factory=list)
+    layout: str = "records"  # or "file": one self-describing file per rank (storage/rankfile.py)
 
 
 @dataclass(kw_only=True)

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import CorruptCheckpoint
+from .iowriter import OutFile, open_out
 
 CHUNK = 16 << 20
 
@@ -29,15 +30,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_buffer(fd: int, data: memoryview, threads: int = 1) -> None:
-    """Write all of `data` at offset 0 of `fd`, in parallel chunks when threads > 1."""
+def write_buffer(out: OutFile, data: memoryview, threads: int = 1) -> None:
+    """Write all of `data` at offset 0 of `out`, in parallel chunks when threads > 1."""
     chunks = [(off, data[off : off + CHUNK]) for off in range(0, len(data), CHUNK)]
 
     def put(item: tuple[int, memoryview]) -> None:
-        off, chunk = item
-        while len(chunk):
-            n = os.pwrite(fd, chunk, off)
-            off, chunk = off + n, chunk[n:]
+        out.write_at(item[1], item[0])
 
     if threads > 1 and len(chunks) > 1:
         with ThreadPoolExecutor(threads) as pool:
@@ -50,17 +48,18 @@ def write_buffer(fd: int, data: memoryview, threads: int = 1) -> None:
 def publish_bytes(
     path: Path, data: memoryview | bytes, *, fault: FaultHook = _no_fault, name: str = "file", threads: int = 1
 ) -> None:
-    """Make `path` hold exactly `data`, durably, or leave it untouched (atomic replace)."""
+    """Make `path` hold exactly `data`, durably, or leave it untouched (atomic replace). The
+    bytes go through the engine's selected writer (`iowriter`)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    out = open_out(tmp)
     try:
         try:
             fault(f"{name}:open")
-            write_buffer(fd, memoryview(data).cast("B"), threads)
+            write_buffer(out, memoryview(data).cast("B"), threads)
             fault(f"{name}:written")
-            os.fsync(fd)
+            out.sync()
         finally:
-            os.close(fd)
+            out.close()
         fault(f"{name}:synced")
         os.replace(tmp, path)
     except BaseException:

@@ -80,13 +80,15 @@ class Manifest:
     meta: dict[str, Any] = field(default_factory=dict)
     index_checksums: dict[str, Checksum] = field(default_factory=dict)
     committed_at: float = 0.0
-    # Where the ranks' bytes lie: "records" (this record's directory) or "region" (slots of the
-    # per-rank region files, storage/region.py; such manifests are read from the slots, never a file).
-    layout: Literal["records", "region"] = "records"
+    # Where the ranks' bytes lie: "records" (this record's directory: data + index per rank), "file"
+    # (this record's directory: one self-describing file per rank, storage/rankfile.py) or "region"
+    # (slots of the per-rank region files, storage/region.py; read from the slots, never a file).
+    layout: Literal["records", "file", "region"] = "records"
 
     def to_json(self) -> dict:
         body = asdict(self)
-        del body["layout"]
+        if self.layout == "records":  # (the layout manifests were written in before there were others)
+            del body["layout"]
         body["format"] = FORMAT
         body["checksum"] = checksum(json.dumps(body, sort_keys=True).encode())
         return body

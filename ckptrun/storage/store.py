@@ -1,9 +1,10 @@
 """The checkpoint directory: immutable records, per-rank raw data + JSON index, atomic commit.
 
 Readers (`ls`, `verify`, `restore`, resume, retention) see committed steps as `Manifest`s and
-never learn where the bytes lie: in a record directory (below) or in a slot of the per-rank
-region files (`storage/region.py`, layout "region"). Both give a rank's index (the same checked
-JSON) and a descriptor plus offset of its data (`open_rank`).
+never learn where the bytes lie: in a record directory (below), in one self-describing file per
+rank inside it (`storage/rankfile.py`, layout "file"), or in a slot of the per-rank region files
+(`storage/region.py`, layout "region"). All give a rank's index (the same checked JSON) and a
+descriptor plus offset of its data (`open_rank`).
 
 A record is a directory (`step-00000010` for a full checkpoint, `diff-00000011-00000015` for a
 differential batch). Each rank publishes `rank-NNNNN.data` (4 KiB-aligned raw tensor bytes) and
@@ -29,6 +30,7 @@ from pydantic import ValidationError
 
 from ..errors import AlreadyCommitted, CkptrunError, CorruptCheckpoint
 from ..log import log
+from . import rankfile
 from .fsutil import FaultHook, _no_fault, fsync_dir, open_regular, publish_bytes, publish_json, why_unopened
 from .region import Regions
 from .schema import (
@@ -49,7 +51,7 @@ __all__ = ["FORMAT", "MANIFEST", "MARKER", "Manifest", "Store", "checksum", "dif
 MANIFEST = "MANIFEST.json"
 MARKER = "ckptrun.json"
 CHUNK = 1 << 20  # verify hashes data files in pieces of this size (bounded memory)
-_RANK_INDEX = re.compile(r"rank-([0-9]{5})\.json")
+_RANK_PART = {"records": re.compile(r"rank-([0-9]{5})\.json"), "file": re.compile(r"rank-([0-9]{5})\.ckpt")}
 _RANK_FAILED = re.compile(r"rank-([0-9]{5})\.failed")
 
 
@@ -122,13 +124,7 @@ class Store:
         removing whatever it wrote if a write fails. The run's directory is never re-created: a
         directory deleted under a running job is a save error, not a silent fresh start.
         """
-        rdir = self.root / name
-        if self.is_committed(name):
-            raise AlreadyCommitted(f"{name} is committed; committed records are immutable")
-        if not (self.root / MARKER).is_file():
-            raise FileNotFoundError(errno.ENOENT, f"checkpoint directory {self.root} is gone (no {MARKER})")
-        rdir.mkdir(exist_ok=True)
-        self.discard_rank(name, rank, keep_dir=True)  # a stale part of an earlier attempt must not commit
+        rdir = self._fresh_part(name, rank)
         data_file, index_file = rank_files(rank)
         index = rank_index(name, rank, data, tensors, skeleton, meta)
         try:
@@ -138,6 +134,25 @@ class Store:
             self.discard_rank(name, rank)
             raise
         return len(data)
+
+    def begin_rank_file(self, name: str, rank: int, fixed: int, *, fault: FaultHook = _no_fault
+                        ) -> rankfile.RankFileWriter:
+        """Start one rank's self-describing file of record `name` (layout "file"), its first
+        `fixed` bytes at fixed offsets; the same refusals as `write_rank`."""
+        return rankfile.RankFileWriter(self._fresh_part(name, rank) / rankfile.file_name(rank), fixed, fault)
+
+    def _fresh_part(self, name: str, rank: int) -> Path:
+        """The folder of record `name`, ready for a new part of `rank`: AlreadyCommitted if the
+        record is committed; the run's directory is never re-created; a stale part of an
+        earlier attempt is removed first (it must not commit)."""
+        if self.is_committed(name):
+            raise AlreadyCommitted(f"{name} is committed; committed records are immutable")
+        if not (self.root / MARKER).is_file():
+            raise FileNotFoundError(errno.ENOENT, f"checkpoint directory {self.root} is gone (no {MARKER})")
+        rdir = self.root / name
+        rdir.mkdir(exist_ok=True)
+        self.discard_rank(name, rank, keep_dir=True)
+        return rdir
 
     def is_committed(self, name: str) -> bool:
         return is_record_name(name) and os.path.lexists(self.root / name / MANIFEST)
@@ -156,7 +171,8 @@ class Store:
         rdir = self._own_record_dir(name)
         if rdir is None:
             return
-        for f in (rank_files(rank)[1], rank_files(rank)[0]):  # index first: the part stops counting
+        for f in (rank_files(rank)[1], rankfile.file_name(rank), rank_files(rank)[0]):  # index first: the part
+            # stops counting
             with contextlib.suppress(OSError):
                 (rdir / f).unlink(missing_ok=True)
         if not keep_dir:
@@ -185,11 +201,12 @@ class Store:
         if rdir is not None:
             shutil.rmtree(rdir, ignore_errors=True)
 
-    def ranks_present(self, name: str) -> list[int]:
+    def ranks_present(self, name: str, layout: str = "records") -> list[int]:
+        """The ranks whose part of record `name` (in `layout`: records or file) is published."""
         rdir = self.root / name
         if not rdir.is_dir() or rdir.is_symlink():
             return []
-        return sorted(int(m[1]) for p in rdir.iterdir() if (m := _RANK_INDEX.fullmatch(p.name)))
+        return sorted(int(m[1]) for p in rdir.iterdir() if (m := _RANK_PART[layout].fullmatch(p.name)))
 
     def try_commit(
         self,
@@ -202,21 +219,31 @@ class Store:
         depends_on: list[str] | None = None,
         meta: dict[str, Any] | None = None,
         fault: FaultHook = _no_fault,
+        layout: str = "records",
     ) -> Manifest | None:
-        """Publish the manifest of `name` if every rank's files are there; else None."""
+        """Publish the manifest of `name` if every rank's part (in `layout`) is there; else None."""
         rdir = self.root / name
         if (rdir / MANIFEST).exists():
             fsync_dir(rdir)  # a retry after a failed directory fsync makes the commit durable
             return self.manifest(name)
-        if self.ranks_present(name) != list(range(world_size)):
+        if self.ranks_present(name, layout) != list(range(world_size)):
             return None
         sums, total = {}, 0
         for r in range(world_size):
-            raw = (rdir / rank_files(r)[1]).read_bytes()
+            if layout == "file":
+                fd = self._open(name, rankfile.file_name(r), f"rank {r} file")
+                try:
+                    raw, head = rankfile.read_header(fd, f"{name}: rank {r} file")
+                finally:
+                    os.close(fd)
+                nbytes = head.data_nbytes
+            else:
+                raw = (rdir / rank_files(r)[1]).read_bytes()
+                nbytes = json.loads(raw)["data_nbytes"]
             sums[str(r)] = checksum(raw)
-            total += json.loads(raw)["data_nbytes"]
+            total += nbytes
         m = Manifest(name, kind, step, first_step, world_size, total, list(depends_on or []),
-                     dict(meta or {}), sums, time.time())
+                     dict(meta or {}), sums, time.time(), layout=layout)
         publish_json(rdir / MANIFEST, m.to_json(), fault=fault, name="manifest")
         return m
 
@@ -247,7 +274,7 @@ class Store:
             raise CorruptCheckpoint(f"{name}: manifest is not valid JSON") from None
         if m.name != name:
             raise CorruptCheckpoint(f"{name}: manifest names another record ({m.name})")
-        if m.layout != "records":
+        if m.layout == "region":
             raise CorruptCheckpoint(f"{name}: a record directory's manifest claims layout {m.layout}")
         return m
 
@@ -295,14 +322,21 @@ class Store:
         m = manifest or self.manifest(name)
         if not 0 <= rank < m.world_size:
             raise CorruptCheckpoint(f"{name}: has no rank {rank} (world_size {m.world_size})")
+        body = None
         if m.layout == "region":
             raw = self.regions.copy(m, rank).index_raw
+        elif m.layout == "file":
+            fd = self._open(name, rankfile.file_name(rank), f"rank {rank} file")
+            try:
+                raw, body = rankfile.read_index(fd, f"{name}: rank {rank} file")
+            finally:
+                os.close(fd)
         else:
             raw = self._read_metadata(name, rank_files(rank)[1], f"rank {rank} index")
         if m.index_checksums.get(str(rank)) != checksum(raw):
             raise CorruptCheckpoint(f"{name}: rank {rank} index checksum mismatch")
         try:
-            body = json.loads(raw)
+            body = json.loads(raw) if body is None else body
             index = RankIndex.model_validate(body)
         except ValidationError as e:
             raise CorruptCheckpoint(f"{name}: rank {rank} index: {problem(e)}") from None
@@ -319,9 +353,9 @@ class Store:
         return body
 
     def _check_ranks(self, m: Manifest) -> None:
-        if m.layout != "records" or (m.name, m.world_size) in self._ranks_ok:
+        if m.layout == "region" or (m.name, m.world_size) in self._ranks_ok:
             return
-        present = self.ranks_present(m.name)
+        present = self.ranks_present(m.name, m.layout)
         if present != list(range(m.world_size)):
             raise CorruptCheckpoint(f"{m.name}: world_size {m.world_size}, but it holds "
                                     f"{len(present)} rank index file(s)")
@@ -336,6 +370,8 @@ class Store:
         if m.layout == "region":
             fd, base = self.regions.open_data(m, rank, index["data_nbytes"])
             return index, fd, base
+        if m.layout == "file":  # (its header was read and checked past the data just now)
+            return index, self._open(m.name, rankfile.file_name(rank), f"rank {rank} file"), 0
         fd = self._open(m.name, index["data"], f"rank {rank} data file")
         size = os.fstat(fd).st_size
         if size != index["data_nbytes"]:
@@ -434,7 +470,7 @@ class Store:
                 if m.name in kept:
                     kept |= set(m.depends_on)
             for m in ms:  # region slots are reused by their writer, never removed from here
-                if m.name not in kept and m.layout == "records":
+                if m.name not in kept and m.layout != "region":
                     self.remove(m.name)
                     removed.append(m.name)
         newest = ms[-1].step

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from ..log import log
-from . import lightcheck, lowdiff, lowdiff_plus, pccheck
+from . import datastates, lightcheck, lowdiff, lowdiff_plus, pccheck
 from .options import Option
 
 GROUP = "ckptrun.strategies"
@@ -70,6 +70,11 @@ BUILTIN: dict[str, Entry] = {
                         "update waits only for its own copy; slot commit",
                         engine_handler="ckptrun.strategies.lightcheck.engine:LightCheckHandler",
                         options=lightcheck.OPTIONS, short_run_flags=("--copy-to", "region")),
+    "datastates": Entry("ckptrun.strategies.datastates.trainer:DataStates",
+                        "lazy snapshot copied during the next forward/backward, streamed chunk by chunk with objects "
+                        "serialized on the side into one self-describing file per rank (header at the end)",
+                        engine_handler="ckptrun.strategies.datastates.engine:DataStatesHandler",
+                        options=datastates.OPTIONS, short_run_flags=("--stream-mb", "1")),
 }
 
 

@@ -166,8 +166,10 @@ class StrategyContext:
         self._rt.seal(snap, wait=wait)
 
     def submit(self, snap: Snapshot, message: type[Persist] = Persist, *, wait_durable: bool = False,
-               **fields: Any) -> None:
-        self._rt.submit(snap, message, wait_durable=wait_durable, **fields)
+               layout: str = "records", **fields: Any) -> None:
+        """`layout="file"`: the handler writes one self-describing file per rank, the skeleton
+        reaching it as objects the strategy sends itself (the spec carries none)."""
+        self._rt.submit(snap, message, wait_durable=wait_durable, layout=layout, **fields)
 
     # ---- engine and metrics -------------------------------------------------------------
     def request(self, msg: Message) -> dict:

@@ -20,7 +20,8 @@ class WorkerMetrics:
         self._last_step_t = time.perf_counter()
         self.stall: dict[str, float] = defaultdict(float)
         self.bytes = 0
-        self.last_snapshot_step: int | None = None
+        self.last_snapshot_step: int | None = None  # the newest snapshot begun
+        self.last_snapshot_done: int | None = None  # the newest one complete in host memory
         self.last_durable_step: int | None = None
         self.last_memory_step: int | None = None  # held in the engine's memory (a replica), not on disk
         self.inflight = 0
@@ -41,6 +42,7 @@ class WorkerMetrics:
         record = dict(type="step", step=step, step_s=now - self._last_step_t,
                       stall_s={**dict.fromkeys(STALL_CAUSES, 0.0), **self.stall}, bytes=self.bytes,
                       inflight=self.inflight, last_snapshot_step=self.last_snapshot_step,
+                      last_snapshot_done=self.last_snapshot_done,
                       last_durable_step=self.last_durable_step, optim_s=self.optim_s)
         if self.last_memory_step is not None:
             record["last_memory_step"] = self.last_memory_step

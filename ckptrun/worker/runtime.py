@@ -79,6 +79,7 @@ class Snapshot:
     # Streamed: the engine reads the slot while it fills (`progress`), so only the engine frees it.
     progress: Callable[[int], None] | None = None
     buf: Any = None  # where it is copied when not a staging slot (`capture(into=...)`; slot is then -1)
+    done_at: float | None = None  # when its post-step state was seen complete in the slot ("snapshot done")
 
 
 @dataclass
@@ -205,7 +206,7 @@ class Runtime:
             rank=rank, world_size=world_size, restart_count=restart_count, dir=cfg.dir, keep=cfg.keep,
             strategy=cfg.strategy, engine_handler=REGISTRY[cfg.strategy].engine_handler, writers=cfg.writers,
             io_threads=cfg.io_threads,
-            fault=os.environ.get(faults.ENV) if self.fault else None))
+            fault=os.environ.get(faults.ENV) if self.fault else None, io_engine=cfg.io_engine))
         self.engine_pid = hello["pid"]
         if hello["slots"]:
             self.slots.add(hello["slots"], pin=self._cuda)
@@ -222,6 +223,7 @@ class Runtime:
             self.retuner.observe_write(msg.nbytes, msg.write_s)
         elif isinstance(msg, Committed):
             self.metrics.last_durable_step = max(self.metrics.last_durable_step or 0, msg.step)
+            self.metrics.emit(type="persist_done", step=msg.step)
         elif isinstance(msg, InMemory):
             self.metrics.last_memory_step = msg.step
         elif isinstance(msg, SaveError):
@@ -749,13 +751,18 @@ class Runtime:
             self._last_event.synchronize()
 
     def wait_copy(self, snap: Snapshot) -> None:
-        """Block until the slot holds `snap`'s post-step state (the next update may then run)."""
+        """Block until the slot holds `snap`'s post-step state (the next update may then run).
+        The first time, that is "snapshot done": recorded, apart from "persist done" (committed)."""
         if snap.copy is not None:
             snap.copy.result()
             snap.copy = None
         if snap.event is not None:
             snap.event.synchronize()
             snap.event = None
+        if snap.done_at is None:
+            snap.done_at = time.time()
+            self.metrics.last_snapshot_done = max(self.metrics.last_snapshot_done or 0, snap.step)
+            self.metrics.emit(type="snapshot_done", step=snap.step, snapshot_s=snap.done_at - snap.time)
 
     def discard(self, snap: Snapshot) -> None:
         """Give up a snapshot that will not be submitted: its slot goes back to the pool."""
@@ -780,17 +787,20 @@ class Runtime:
 
     def record_meta(self, snap: Snapshot) -> dict:
         return {"step": snap.step, "rank": self.rank, "world_size": self.world_size,
-                "strategy": self.cfg.strategy, "snapshot_time": snap.time, "optimizers": self.optimizer_info}
+                "strategy": self.cfg.strategy, "snapshot_time": snap.time, "snapshot_done_at": snap.done_at,
+                "optimizers": self.optimizer_info}
 
     def submit(self, snap: Snapshot, message: type[Persist] = Persist, *, wait_durable: bool = False,
-               **fields: Any) -> None:
+               layout: str = "records", **fields: Any) -> None:
         """Hand a sealed slot to the engine: by default `Persist` it as the full checkpoint of its
         step; a strategy's own `message` (a Persist subclass with `fields`) goes to its engine-side
         handler."""
         self.check_engine()
         done = self.durable.setdefault(snap.step, threading.Event())
-        spec = RecordSpec(record=full_name(snap.step), kind="full", step=snap.step, skeleton=snap.skeleton,
-                          tensors={s.key: s.to_json() for s in snap.layout.specs}, meta=self.record_meta(snap))
+        spec = RecordSpec(record=full_name(snap.step), kind="full", step=snap.step,
+                          skeleton=snap.skeleton if layout == "records" else {},
+                          tensors={s.key: s.to_json() for s in snap.layout.specs}, meta=self.record_meta(snap),
+                          layout=layout)
         self.client.send(message(slot=snap.slot, nbytes=snap.nbytes, spec=spec, **fields))
         self.metrics.bytes += snap.nbytes
         self._sizes[snap.kind] = snap.nbytes

@@ -87,7 +87,7 @@ def _stall_cell(series: Series | None) -> str:
 
 
 def render_header(state: MetricsState, now: float) -> RenderableType:
-    """Strategy, its settings, the checkpoint dir and the latest commit."""
+    """Strategy, its settings, the checkpoint dir, the engines' file writer and the latest commit."""
     line1 = Text.assemble(
         ("ckptrun ", "bold"),
         ("strategy ", "dim"),
@@ -96,6 +96,8 @@ def render_header(state: MetricsState, now: float) -> RenderableType:
         (state.ckpt_dir or NA, "cyan"),
         ("  world ", "dim"),
         (_opt(state.world_size), ""),
+        ("  writer ", "dim"),
+        (state.io_engine or NA, ""),
         ("  restarts ", "dim"),
         (str(state.restarts), "bold red" if state.restarts else ""),
     )
@@ -131,7 +133,7 @@ def render_progress_table(state: MetricsState, now: float) -> Table:
         "rank",
         "step",
         "it/s",
-        "snap step",
+        "snapshot",
         "in memory",
         "durable",
         "durable age",
@@ -153,7 +155,7 @@ def render_progress_table(state: MetricsState, now: float) -> Table:
             str(r),
             _opt(rs.step),
             _num(rs.steps_per_s, "{:.2f}"),
-            _opt(rs.last_snapshot_step),
+            f"{_opt(rs.last_snapshot_step)}/{_opt(rs.last_snapshot_done)}",
             _opt(rs.memory_step),
             _opt(durable),
             fmt_duration(state.durable_age(r, now)) if durable is not None else "-",

@@ -212,7 +212,8 @@ class RankStats:
     ckpts_taken: int = 0
     inflight: int | None = None
     queue_depth: int | None = None
-    last_snapshot_step: int | None = None
+    last_snapshot_step: int | None = None  # begun
+    last_snapshot_done: int | None = None  # complete in host memory (the trainer may update)
     reported_durable_step: int | None = None
     reported_durable_t: float | None = None
     memory_step: int | None = None  # held in the engine's memory (lowdiff+'s replica): survives a worker crash
@@ -302,6 +303,7 @@ class MetricsState:
         self.ckpt_dir: str | None = None
         self.world_size: int | None = None
         self.engine_pids: dict[int, int] = {}
+        self.io_engine: str | None = None  # the engines' file writer: native or python (storage/iowriter.py)
         self.committed_step: int | None = None
         self.committed_t: float | None = None
         self.last_commit: dict[str, Any] | None = None
@@ -389,6 +391,8 @@ class MetricsState:
             rs.inflight = int(e["inflight"])
         if e.get("last_snapshot_step") is not None:
             rs.last_snapshot_step = int(e["last_snapshot_step"])
+        if e.get("last_snapshot_done") is not None:
+            rs.last_snapshot_done = int(e["last_snapshot_done"])
         durable = e.get("last_durable_step")
         if durable is not None and (
             rs.reported_durable_step is None or int(durable) > rs.reported_durable_step
@@ -422,6 +426,9 @@ class MetricsState:
     def _on_engine(self, e: dict[str, Any], t: float) -> None:
         if e.get("pid") is not None:
             self.engine_pids[int(e["local_rank"])] = int(e["pid"])
+
+    def _on_io_engine(self, e: dict[str, Any], t: float) -> None:
+        self.io_engine = str(e["engine"])
 
     def _on_write(self, e: dict[str, Any], t: float) -> None:
         rs = self._rank(e["rank"])
@@ -473,6 +480,7 @@ class MetricsState:
         "step": _on_step,
         "restart": _on_restart,
         "engine": _on_engine,
+        "io_engine": _on_io_engine,
         "write": _on_write,
         "commit": _on_commit,
         "save_error": _on_save_error,
