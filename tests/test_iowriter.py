@@ -99,6 +99,34 @@ def test_threads_writing_pieces_of_one_file(tmp_path: Path, writer: type[iowrite
 
 
 @needs_native
+def test_close_waits_for_the_writes_running(tmp_path: Path) -> None:
+    """A close racing with writes from other threads: each write lands whole or fails with
+    EBADF (it came after the close); nothing crashes or hangs."""
+    data = _payload(16 * 2**20, 3)
+    for _ in range(5):
+        f = AllDirect(tmp_path / "racing")
+        outcomes: list[int] = []
+
+        def put(at: int, f: iowriter.OutFile = f, outcomes: list[int] = outcomes) -> None:
+            try:
+                f.write_at(data, at)
+                outcomes.append(at)
+            except OSError as e:
+                assert e.errno == errno.EBADF
+
+        threads = [threading.Thread(target=put, args=(i * len(data),)) for i in range(3)]
+        for t in threads:
+            t.start()
+        f.close()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        written = (tmp_path / "racing").read_bytes()
+        for at in outcomes:
+            assert written[at : at + len(data)] == data
+
+
+@needs_native
 def test_both_writers_make_the_same_files(tmp_path: Path) -> None:
     import array
 

@@ -18,8 +18,8 @@ from ..errors import CkptrunError
 from ..launcher.console.metrics_feed import MetricsTailer
 
 # Per-run figures, in report order (the summary's `median_step_s` is the median of `step_s`).
-FIGURES = ("step_s", "stall_ms_per_step", "layer_wait_ms_per_step", "bytes_per_step", "write_MBps", "peak_rss_MB",
-           "page_cache_MB", "committed", "recovery_s", "restore_s")
+FIGURES = ("step_s", "stall_ms_per_step", "layer_wait_ms_per_step", "bytes_per_step", "write_MBps", "effective_MBps",
+           "peak_rss_MB", "page_cache_MB", "committed", "recovery_s", "restore_s")
 
 
 @dataclass
@@ -36,6 +36,13 @@ class RunFigures:
     layer_wait_ms_per_step: float | None = None
     page_cache_MB: float | None = None  # the machine's page-cache growth during the run (bench/procmem.py)
     io_engine: str | None = None  # the engine's file writer that ran (native, python); None: not a ckptrun run
+    # Effective checkpoint throughput (DataStates-LLM's headline): checkpoint bytes written per second the
+    # trainer was blocked for them; None: nothing written, or no measurable blocking
+    effective_MBps: float | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.bytes_per_step > 0 and self.stall_ms_per_step > 1e-3:
+            self.effective_MBps = self.bytes_per_step / 1e6 / (self.stall_ms_per_step / 1e3)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

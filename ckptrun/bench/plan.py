@@ -82,7 +82,10 @@ VARIANTS = {"lowdiff+topk": ("lowdiff", ("--compress", "topk:0.01")),
             "lightcheck-whole": ("lightcheck", ("--layer-wait", "whole")),
             "lightcheck-region": ("lightcheck", ("--copy-to", "region")),
             "lightcheck-host": ("lightcheck", ("--copy-to", "host")),
-            "lowdiff+persist1": ("lowdiff+", ("--persist-every", "1"))}
+            "lowdiff+persist1": ("lowdiff+", ("--persist-every", "1")),
+            "gockpt-k1": ("gockpt", ("--spread", "1")),
+            "gockpt-k4": ("gockpt", ("--spread", "4")),
+            "gockpt-k7": ("gockpt", ("--spread", "7"))}
 
 
 def parse_io_engines(text: str) -> list[str]:

@@ -42,6 +42,22 @@ def decode_grad(recorded: Any, param: torch.Tensor) -> torch.Tensor | None:
     return recorded.to(device=param.device, dtype=param.dtype)
 
 
+# torch.optim's optimizers whose update of a parameter reads only that parameter's gradient and state,
+# element by element: any part of a parameter can be stepped on its own (lightcheck's layer-wise
+# update, gockpt's roll-forward of parameter blocks) and give the whole step's values.
+ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD"))
+
+
+def not_elementwise(opt: torch.optim.Optimizer) -> str | None:
+    """Why `opt`'s update cannot be run on parts of its parameters (None: it can)."""
+    if type(opt) not in ELEMENTWISE:
+        return f"{type(opt).__name__} is not one of torch.optim's per-parameter optimizers"
+    if getattr(opt, "_step_supports_amp_scaling", False):
+        return "its fused step takes the AMP scaler's arguments"
+    return None
+
+
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 

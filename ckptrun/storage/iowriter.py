@@ -19,8 +19,10 @@ from ..log import log
 
 ENGINES = ("auto", "native", "python")
 ENV = "CKPTRUN_IO_ENGINE"
-# What `auto` means when CKPTRUN_IO_ENGINE is unset: chosen by measurement (README, "Native writer").
-DEFAULT = "python"
+# What `auto` means when CKPTRUN_IO_ENGINE is unset: chosen by measurement (README, "Native writer":
+# faster writes, less stall and step time, no page-cache growth); where native cannot run, auto
+# quietly takes Python (only an explicit `native` warns).
+DEFAULT = "native"
 
 
 class OutFile:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from ..log import log
-from . import datastates, lightcheck, lowdiff, lowdiff_plus, pccheck
+from . import datastates, gockpt, lightcheck, lowdiff, lowdiff_plus, pccheck
 from .options import Option
 
 GROUP = "ckptrun.strategies"
@@ -75,6 +75,11 @@ BUILTIN: dict[str, Entry] = {
                         "serialized on the side into one self-describing file per rank (header at the end)",
                         engine_handler="ckptrun.strategies.datastates.engine:DataStatesHandler",
                         options=datastates.OPTIONS, short_run_flags=("--stream-mb", "1")),
+    "gockpt": Entry("ckptrun.strategies.gockpt.trainer:GoCkpt",
+                    "one checkpoint spread over k steps in blocks (parameter + optimizer slices); gradients of "
+                    "blocks already sent shipped each step; the engine rolls every block forward to one version",
+                    engine_handler="ckptrun.strategies.gockpt.engine:GoCkptHandler", options=gockpt.OPTIONS,
+                    short_run_flags=("--spread", "4", "--block-mb", "0.05")),
 }
 
 

@@ -115,14 +115,18 @@ class StrategyContext:
     def capture(self, step: int, *, background: bool,
                 stream: Callable[[Snapshot], Callable[[int], None]] | None = None,
                 into: Callable[[int], torch.Tensor | None] | None = None,
-                order: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> Snapshot:
+                order: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+                lazy: bool = False) -> Snapshot:
         """`stream(snap)`, called once the slot is taken, returns a callback told each time the
         slot's first N bytes are final (for a handler persisting chunks while the copy runs);
         such a slot is freed only by the engine. `order(tensors)` returns them in the order to
         lay out and copy (e.g. the order the next update needs them); `into(nbytes)` returns the
         buffer to copy into instead of a staging slot (a mapped region slot), or None. A
-        snapshot that outgrows that buffer moves to a staging slot (`snap.buf` is None then)."""
-        return self._rt.capture(step, background=background, stream=stream, into=into, order=order)
+        snapshot that outgrows that buffer moves to a staging slot (`snap.buf` is None then).
+        `lazy` (background, no `into`): only buffers and RNG are taken now; the rest of the state
+        is gathered and copied on the copier thread (the slot is taken there: `stream` is called
+        from it, with the skeleton known); `wait_copy` before the next update."""
+        return self._rt.capture(step, background=background, stream=stream, into=into, order=order, lazy=lazy)
 
     @property
     def staging_bytes(self) -> int:

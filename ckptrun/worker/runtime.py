@@ -80,6 +80,7 @@ class Snapshot:
     progress: Callable[[int], None] | None = None
     buf: Any = None  # where it is copied when not a staging slot (`capture(into=...)`; slot is then -1)
     done_at: float | None = None  # when its post-step state was seen complete in the slot ("snapshot done")
+    retry: tuple | None = None  # a lazy capture to finish on the training thread (`wait_copy`)
 
 
 @dataclass
@@ -198,6 +199,7 @@ class Runtime:
         self._volatile: set[int] = set()
         self._sizes: dict[str, int] = {}  # bytes the last submitted snapshot of each kind took
         self._buffer_keys: dict[str, list[str]] | None = None  # per model: its state_dict keys that are buffers
+        self._lazy_ok: bool | None = None  # every such key names a module buffer (a lazy capture can take them)
         self._index_bytes = 0  # about the JSON index bytes of a full snapshot (the first one's)
         self._cuda = torch.cuda.is_available()
         self._stream = None
@@ -411,6 +413,7 @@ class Runtime:
             if all(m is not known for known in self.models.values()):
                 self.models["model" if not self.models else f"model_{len(self.models)}"] = m
         self._volatile = discovery.module_buffers(list(self.models.values()))
+        self._buffer_keys = self._lazy_ok = None
         self.optimizer_info[_indexed("optimizer", idx)] = self._describe(opt)
         orphans = discovery.orphan_params(opt, list(self.models.values()))
         if orphans:
@@ -520,11 +523,16 @@ class Runtime:
                 obj.load_state_dict(extra[name])
 
     # ---- capture -----------------------------------------------------------------------
-    def early_state(self) -> dict:
+    def early_state(self, taken: dict | None = None) -> dict:
+        """Parameters, optimizer state, buffers and RNG; `taken`: buffers and RNG taken earlier
+        (`_volatile_now`), in place of the live ones."""
+        models = {n: m.state_dict() for n, m in self.models.items()}
+        if taken is not None:
+            models = {n: {k: taken["buffers"][n].get(k, v) for k, v in sd.items()} for n, sd in models.items()}
         return {
-            "models": {n: m.state_dict() for n, m in self.models.items()},
+            "models": models,
             "optimizers": {_indexed("optimizer", i): o.state_dict() for i, o in enumerate(self.optimizers)},
-            "rng": discovery.rng_state(),
+            "rng": discovery.rng_state() if taken is None else taken["rng"],
         }
 
     def late_state(self) -> dict:
@@ -580,12 +588,15 @@ class Runtime:
     def post_step_state(self) -> dict:
         """What a replay of the step's gradients cannot rebuild: module buffers (changed by the
         forward) and RNG, as they are right after the step."""
+        return {"buffers": {n: {k: v for k, v in self.models[n].state_dict().items() if k in keys}
+                            for n, keys in self.buffer_keys().items()},
+                "rng": discovery.rng_state()}
+
+    def buffer_keys(self) -> dict[str, list[str]]:
         if self._buffer_keys is None:
             self._buffer_keys = {n: [k for k in m.state_dict() if k not in dict(m.named_parameters(
                 remove_duplicate=False))] for n, m in self.models.items()}
-        return {"buffers": {n: {k: v for k, v in self.models[n].state_dict().items() if k in keys}
-                            for n, keys in self._buffer_keys.items()},
-                "rng": discovery.rng_state()}
+        return self._buffer_keys
 
     def reserve(self, snap: Snapshot, skeleton: dict, like: dict[str, torch.Tensor]) -> dict[str, TensorSpec]:
         """Lay out places for tensors shaped like `like` after what `snap` holds (`skeleton`
@@ -676,13 +687,17 @@ class Runtime:
     def capture(self, step: int, *, background: bool,
                 stream: Callable[[Snapshot], Callable[[int], None]] | None = None,
                 into: Callable[[int], torch.Tensor | None] | None = None,
-                order: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> Snapshot:
+                order: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+                lazy: bool = False) -> Snapshot:
         """Copy the post-step state of `step` (parameters, optimizer state, buffers, RNG) into a
         free slot; `seal` adds what settles later. `stream(snap)` (called once the slot is taken)
         returns a callback told each time the slot's first N bytes are final, so the engine can
         persist them while the rest is still being copied (a chunked pipeline). `order` puts the
         tensors in the order they are laid out and copied; `into(nbytes)` gives the buffer to
-        copy them into instead of a staging slot (None: a staging slot after all)."""
+        copy them into instead of a staging slot (None: a staging slot after all). `lazy` (with
+        `background`, without `into`): see `_capture_lazily`."""
+        if lazy and background and into is None and self._can_be_lazy():
+            return self._capture_lazily(step, stream, order)
         skeleton, tensors = flatten(self.early_state())
         if order is not None:
             tensors = order(tensors)
@@ -699,6 +714,63 @@ class Runtime:
         self._append(snap, skeleton, tensors, background=background)
         self.metrics.last_snapshot_step = self.checkpointed_step = step
         return snap
+
+    def _can_be_lazy(self) -> bool:
+        """Whether every buffer in the models' state_dicts is a module buffer by its key (a module
+        with extra state or state_dict hooks is captured the ordinary way)."""
+        if self._lazy_ok is None:
+            try:
+                for n, keys in self.buffer_keys().items():
+                    for k in keys:
+                        self.models[n].get_buffer(k)
+                self._lazy_ok = True
+            except (AttributeError, TypeError):
+                self._lazy_ok = False
+                log.info("lazy capture off: a model's state_dict holds entries that are not module buffers")
+        return self._lazy_ok
+
+    def _volatile_now(self) -> dict:
+        """What the next forward changes: module buffers (copied now) and RNG."""
+        with torch.no_grad():
+            buffers = {n: {k: self.models[n].get_buffer(k).detach().clone() for k in keys}
+                       for n, keys in self.buffer_keys().items()}
+        return {"buffers": buffers, "rng": discovery.rng_state()}
+
+    def _capture_lazily(self, step: int, stream: Callable | None, order: Callable | None) -> Snapshot:
+        """DataStates-LLM's lazy capture: only what the next forward changes (buffers, RNG) is taken
+        on the training thread; the parameters and optimizer state, immutable until the next
+        update, are gathered (state_dicts, skeleton, layout, a staging slot) and copied on the
+        copier thread while the forward/backward runs. `wait_copy` is where the update waits."""
+        snap = Snapshot(step, -1, {}, Layout((), 0), time.time(), kind="full")
+        taken = self._volatile_now()
+        snap.copy = self._last_copy = self._copier.submit(self._fill, snap, taken, stream, order, True)
+        self.metrics.last_snapshot_step = self.checkpointed_step = step
+        return snap
+
+    def _fill(self, snap: Snapshot, taken: dict, stream: Callable | None, order: Callable | None,
+              off_thread: bool) -> None:
+        """Gather and copy a lazy snapshot. Read off the training thread, a module dict that the
+        forward changes meanwhile (a buffer registered on the fly) fails the read: it is then
+        done again at `wait_copy`, before the update (the state is still the step's then)."""
+        try:
+            skeleton, tensors = flatten(self.early_state(taken))
+        except RuntimeError:
+            if not off_thread:
+                raise
+            snap.retry = (taken, stream, order)
+            return
+        if order is not None:
+            tensors = order(tensors)
+        layout = Layout.of(tensors)
+        self._ensure_slots(max(layout.nbytes, self._sizes.get(snap.kind, 0)))
+        snap.slot = self.slots.acquire(self.lost)  # (no free slot: the update waits at `wait_copy`)
+        snap.skeleton, snap.layout, snap.nbytes = skeleton, layout, layout.nbytes
+        if stream is not None:
+            snap.progress = stream(snap)
+        if any(t.is_cuda for t in tensors.values()):
+            snap.event = self._last_event = self._copy_cuda_async(self._buffer(snap), layout, tensors, snap.progress)
+        else:
+            self._copy(self._buffer(snap), layout, tensors, snap.progress)
 
     @staticmethod
     def _copy(buf: torch.Tensor, layout: Layout, tensors: dict[str, torch.Tensor],
@@ -756,6 +828,9 @@ class Runtime:
         if snap.copy is not None:
             snap.copy.result()
             snap.copy = None
+        if snap.retry is not None:
+            args, snap.retry = snap.retry, None
+            self._fill(snap, *args, off_thread=False)
         if snap.event is not None:
             snap.event.synchronize()
             snap.event = None

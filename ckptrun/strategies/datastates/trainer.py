@@ -1,8 +1,10 @@
-"""`datastates` trainer side (DataStates-LLM §V-A2, §V-A3, §V-A5): right after step t the
-parameters and optimizer state are copied into a staging slot of the reused host cache
-(page-locked on GPU, on a side stream) while the forward/backward of step t+1 runs; module
-buffers, which the next forward changes, are copied before it. The update of step t+1 waits
-only for what is not copied yet. As the copy advances, each chunk of it is announced to the
+"""`datastates` trainer side (DataStates-LLM §V-A2, §V-A3, §V-A5): right after step t only what
+the next forward changes (module buffers, RNG) is taken on the training thread; the parameters
+and optimizer state, immutable until the next update, are gathered (state_dicts, skeleton,
+layout) and copied into a staging slot of the reused host cache (page-locked on GPU, on a side
+stream) on the copier thread while the forward/backward of step t+1 runs
+(`StrategyContext.capture(lazy=True)`). The update of step t+1 waits only for what is not
+copied yet. As the copy advances, each chunk of it is announced to the
 engine, which writes it at once; the state's objects (skeletons, RNG, schedulers,
 param_groups, tracked objects) are serialized to JSON on a thread of their own while tensors
 stream, and appended by the engine after them. The engine ends the file with its header and
@@ -46,13 +48,11 @@ class DataStates(SnapshotStrategy):
     # ---- step t: lazy capture ------------------------------------------------------------
     def after_step(self, step: int) -> None:
         if self.ctx.due(step):
-            self._capture(step, background=True)
+            self._capture(step)
 
-    def _capture(self, step: int, *, background: bool) -> None:
+    def _capture(self, step: int) -> None:
         self.captured_at = time.perf_counter()
-        snap = self.ctx.capture(step, background=background, stream=self._stream, order=self._order)
-        self.pending = snap
-        self._objects(snap, late=False)
+        self.pending = self.ctx.capture(step, background=True, stream=self._stream, order=self._order, lazy=True)
 
     def _order(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         ordered = self.providers.tensors(tensors)
@@ -60,10 +60,13 @@ class DataStates(SnapshotStrategy):
         return ordered
 
     def _stream(self, snap: Snapshot) -> Callable[[int], None]:
-        """Tell the engine the snapshot has begun; return the copier's progress callback, which
+        """Tell the engine the snapshot has begun and start serializing its early objects (a lazy
+        capture knows its skeleton by now); return the copier's progress callback, which
         announces each `chunk` bytes copied (everything at once past the fixed part)."""
         ctx, fixed = self.ctx, self.fixed
         ctx.send(Begin(step=snap.step, slot=snap.slot, fixed=fixed))
+        if snap.skeleton:
+            self._objects(snap, late=False)
         sent = 0
 
         def progress(upto: int) -> None:
@@ -98,6 +101,8 @@ class DataStates(SnapshotStrategy):
         ctx, snap, self.pending = self.ctx, self.pending, None
         ctx.wait_copy(snap)  # the lazy capture's one blocking point: "snapshot done"
         snapshot_s = time.perf_counter() - self.captured_at
+        if not self.paths:  # (captured the ordinary way: its skeleton came with the copy)
+            self._objects(snap, late=False)
         ctx.seal(snap, wait=False)  # what settled after the step: cloned now, copied behind
         self._objects(snap, late=True)
         paths, self.paths = self.paths, []
@@ -107,7 +112,7 @@ class DataStates(SnapshotStrategy):
     def finish(self) -> None:
         ctx = self.ctx
         if ctx.final_checkpoint and self.pending is None and ctx.step > 0 and ctx.checkpointed_step != ctx.step:
-            self._capture(ctx.step, background=False)
+            self._capture(ctx.step)
         self._hand_over()
         if self.sealed is not None:
             ctx.wait_copy(self.sealed)  # every chunk announced before the engine is flushed

@@ -25,6 +25,7 @@ from ckptrun.tuning.intervals import check_positive
 __all__ = [
     "stall_time",
     "optimal_k",
+    "ratio_k",
     "continuous_optimal_k",
     "paper_delta_t",
     "interval_steps",
@@ -85,6 +86,14 @@ def optimal_k(state_bytes: float, grad_bytes: float, bandwidth: float, step_s: f
     candidates = {math.floor(k_c), math.ceil(k_c), k_max - 1, k_max}
     ks = sorted({min(max(1, k), k_max) for k in candidates})
     return min(ks, key=lambda k: stall_time(k, state_bytes, grad_bytes, bandwidth, step_s, overlap_s))
+
+
+def ratio_k(state_bytes: float, grad_bytes: float) -> int:
+    """The integer k minimising `stall_time` while the transfer outlasts the spread (no cap): the
+    floor or ceiling of k* = 1/r + 1/2, ties to the smaller. What k is before anything is timed."""
+    r = check_positive("grad_bytes", grad_bytes) / check_positive("state_bytes", state_bytes)
+    k_c = continuous_optimal_k(state_bytes, grad_bytes)
+    return min(sorted({max(1, math.floor(k_c)), max(1, math.ceil(k_c))}), key=lambda k: r * k * (k - 1) / 2 - k)
 
 
 def paper_delta_t(n: float, r: float = 1 / 7) -> float:

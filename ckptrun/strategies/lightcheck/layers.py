@@ -5,7 +5,7 @@ at which to wait. `LayerSteps` makes one: it runs the optimizer's own step funct
 without the step hooks) over part of its parameters at a time, by narrowing each param group's
 "params" list for the call; the real `step()` that follows finds no gradients (they are set
 aside until its post-hook) and updates nothing. For optimizers whose update of a parameter reads
-only that parameter's gradient and state (`ELEMENTWISE`) every call computes exactly what the
+only that parameter's gradient and state (`ckptrun.restore.replay.ELEMENTWISE`) every call computes exactly what the
 whole step would (tests/test_lightcheck.py checks it bit for bit, foreach on and off). Anything
 else (another class, fused steps taking AMP arguments, extra step hooks) keeps the whole step
 and waits for the whole copy first (`why_not`).
@@ -18,18 +18,15 @@ from collections.abc import Callable
 import torch
 from torch.optim import optimizer as optim_mod
 
-ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
-    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD"))
+from ...restore.replay import not_elementwise
 
 
 def why_not(opt: torch.optim.Optimizer) -> str | None:
     """Why `opt`'s step cannot be split by layer (None: it can)."""
-    if type(opt) not in ELEMENTWISE:
-        return f"{type(opt).__name__} is not one of torch.optim's per-parameter optimizers"
+    if (why := not_elementwise(opt)) is not None:
+        return why
     if not getattr(type(opt).step, "hooked", False) or not hasattr(type(opt).step, "__wrapped__"):
         return "its step function is not torch's hooked one"
-    if getattr(opt, "_step_supports_amp_scaling", False):
-        return "its fused step takes the AMP scaler's arguments"
     hooks = [*opt._optimizer_step_pre_hooks.values(), *opt._optimizer_step_post_hooks.values(),
              *optim_mod._global_optimizer_pre_hooks.values(), *optim_mod._global_optimizer_post_hooks.values()]
     if any(not getattr(h, "__module__", "").startswith("ckptrun.") for h in hooks):

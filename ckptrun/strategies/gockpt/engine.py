@@ -1,0 +1,186 @@
+"""Engine side of `gockpt` (gockpt.txt §4.3): roll every block of a spread forward to version V.
+
+Each step of a spread brings (one `Spread` message, one staging slot, copied out and freed at
+once) the gradients that step consumed for the blocks already here, then the blocks sent at that
+step. The blocks sent at one step form a cohort: an optimizer of the trainer's class over their
+parameter slices, holding their optimizer-state slices; each step's gradients and
+hyper-parameters step every cohort forward (`ckptrun.restore.replay.apply_diff`, the replay
+lowdiff's restore and lowdiff+'s replica use), so when V's blocks arrive every cohort is at V.
+V's message also holds the rest of V's state, shaped as a full snapshot with the blocks' places
+empty: they are filled from the cohorts and the whole is written as an ordinary full record.
+The updates of an elementwise optimizer on a slice equal the whole tensor's (split points at
+multiples of 4096 elements, `blocks.py`): on CPU training the record is bit-exact.
+
+A spread is dropped, never half-written: when its worker goes (a flush: a new Hello or resume),
+when a message does not fit it, or when a new spread starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...engine.handlers import EngineContext, EngineHandler
+from ...ipc.messages import RecordSpec, StrategyMessage
+from ...restore.recovery import optimizer_classes
+from ...restore.replay import apply_diff
+from ...storage.layout import Layout, TensorSpec, view
+from ...storage.store import full_name
+from ...storage.tree import flatten, unflatten
+from .messages import Spread
+
+OWN_KEYS = ("grads", "hyper", "blocks", "rest", "block_hyper")  # a message's parts that are not the state of V
+
+
+@dataclass
+class Cohort:
+    """The blocks sent at one step, stepped forward together."""
+
+    version: int
+    pieces: list[dict]  # {"i", "start", "stop", "shape"} per parameter slice, in the optimizer's order
+    optimizer: torch.optim.Optimizer
+    groups: list[int]  # the trainer's param group of each of its groups
+
+
+@dataclass
+class Rolling:
+    start: int
+    cls: type
+    cohorts: list[Cohort] = field(default_factory=list)
+
+    def roll(self, step: int, grads: list, hyper: list[dict]) -> None:
+        """Step every cohort with the gradients and hyper-parameters step `step` consumed."""
+        at = 0
+        for c in self.cohorts:
+            if c.version != step - 1:
+                raise ValueError(f"blocks of step {c.version} got the gradients of step {step}")
+            part, at = grads[at: at + len(c.pieces)], at + len(c.pieces)
+            apply_diff(c.optimizer, {"grads": part, "groups": [hyper[g] for g in c.groups]})
+            c.version = step
+        if at != len(grads):
+            raise ValueError(f"{len(grads)} gradients for {at} parameter slices")
+
+    def add(self, step: int, blocks: list[dict], hyper: list[dict]) -> None:
+        if not blocks:
+            return
+        groups = list(dict.fromkeys(b["g"] for b in blocks))
+        params = [b["param"] for b in blocks]
+        if [b["g"] for b in blocks] != sorted(b["g"] for b in blocks):
+            raise ValueError("blocks out of their param groups' order")
+        opt = self.cls([{**hyper[g], "params": [p for p, b in zip(params, blocks, strict=True) if b["g"] == g]}
+                        for g in groups])
+        for p, b in zip(params, blocks, strict=True):
+            opt.state[p] = dict(b["state"])
+        pieces = [{k: b[k] for k in ("i", "start", "stop", "shape")} for b in blocks]
+        self.cohorts.append(Cohort(step, pieces, opt, groups))
+
+    def fill(self, state: dict, aliases: list[list[list[str]]], exact: bool) -> None:
+        """Put the rolled blocks into the places V's state left empty (None). With `exact`, the
+        blocks' own scalar state (Adam's `step`) must equal V's: every block is at V."""
+        version = {c.version for c in self.cohorts}
+        if len(version) > 1:
+            raise ValueError(f"blocks at steps {sorted(version)}")
+        whole: dict[int, dict[str, torch.Tensor]] = {}
+        scalars: dict[int, dict[str, torch.Tensor]] = {}
+        saved = state["optimizers"]["optimizer"]["state"]
+        for c in self.cohorts:
+            for piece, p in zip(c.pieces, [q for g in c.optimizer.param_groups for q in g["params"]], strict=True):
+                i, sl = piece["i"], slice(piece["start"], piece["stop"])
+                numel = int(torch.Size(piece["shape"]).numel())
+                into = whole.setdefault(i, {})
+                for name, t in {"param": p, **c.optimizer.state.get(p, {})}.items():
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    if name != "param" and (t.shape != p.shape or saved.get(i, {}).get(name, 0) is not None):
+                        scalars.setdefault(i, {})[name] = t
+                        continue
+                    if name not in into:
+                        into[name] = torch.empty(numel, dtype=t.dtype)
+                    into[name][sl] = t
+        for i, parts in whole.items():
+            shape = next(pc["shape"] for c in self.cohorts for pc in c.pieces if pc["i"] == i)
+            covered = sum(pc["stop"] - pc["start"] for c in self.cohorts for pc in c.pieces if pc["i"] == i)
+            if covered != int(torch.Size(shape).numel()):
+                raise ValueError(f"parameter {i}: blocks cover {covered} of its elements")
+            for name, t in scalars.get(i, {}).items() if exact else ():
+                if name in saved.get(i, {}) and not torch.equal(t, saved[i][name]):
+                    raise ValueError(f"parameter {i}: a block's {name} is not at step V")
+            param = parts.pop("param").view(shape)
+            for model, key in aliases[i]:
+                if state["models"][model][key] is not None:
+                    raise ValueError(f"{model}.{key} is both a block and in the state of V")
+                state["models"][model][key] = param
+            for name, t in parts.items():
+                saved[i][name] = t.view(shape)
+        empty = [f"{m}.{k}" for m, sd in state["models"].items() for k, v in sd.items() if v is None]
+        if empty:
+            raise ValueError(f"no block holds {empty[0]}")
+
+
+class GoCkptHandler(EngineHandler):
+    def __init__(self, ctx: EngineContext) -> None:
+        super().__init__(ctx)
+        torch.set_num_threads(1)  # the roll-forward runs beside training: one core
+        self.classes = optimizer_classes()
+        self.rolling: Rolling | None = None
+
+    def handle(self, msg: StrategyMessage) -> None:
+        if not isinstance(msg, Spread):
+            super().handle(msg)
+        step = msg.spec.step
+        try:
+            tree = self._copy_out(msg)
+        finally:
+            self.ctx.free_slot(msg.slot)
+        try:
+            self._step(msg, tree)
+        except Exception as e:  # noqa: BLE001 - reported; the spread is dropped, the next one starts afresh
+            self.rolling = None
+            self.ctx.save_error(step, full_name(step), f"gockpt spread from step {msg.start} dropped "
+                                                       f"({type(e).__name__}: {e})")
+
+    def _copy_out(self, msg: Spread) -> dict:
+        buf = torch.frombuffer(self.ctx.slot_view(msg.slot), dtype=torch.uint8)
+        tensors = {k: view(buf, TensorSpec.from_json(k, t)).clone() for k, t in msg.spec.tensors.items()}
+        return unflatten(msg.spec.skeleton, tensors)
+
+    def _step(self, msg: Spread, tree: dict) -> None:
+        step, meta = msg.spec.step, msg.spec.meta
+        if step == msg.start:  # a new spread (one at a time: any other is dropped)
+            self.rolling = Rolling(msg.start, self.classes[meta["optimizers"]["optimizer"]["class"]])
+        r = self.rolling
+        if r is None or r.start != msg.start:
+            return  # the rest of a spread already dropped
+        if "grads" in tree:
+            r.roll(step, tree["grads"], tree["hyper"])
+        r.add(step, tree["blocks"] + tree.get("rest", []), tree["block_hyper"])
+        if msg.last:
+            self.rolling = None
+            self._write(msg, {k: v for k, v in tree.items() if k not in OWN_KEYS}, r)
+
+    def _write(self, msg: Spread, state: dict, r: Rolling) -> None:
+        """V's state with its blocks filled in, written as the ordinary full record of V."""
+        spec = msg.spec
+        r.fill(state, spec.meta["optimizers"]["optimizer"]["params"], msg.exact)
+        skeleton, tensors = flatten(state)
+        layout = Layout.of(tensors)
+        buf = torch.empty(max(1, layout.nbytes), dtype=torch.uint8)
+        with torch.no_grad():
+            for s in layout.specs:
+                view(buf, s).copy_(tensors[s.key])
+        meta: dict[str, Any] = {**spec.meta, "gockpt": {"first_step": msg.start, "rolled_on": "cpu",
+                                                       "exact": msg.exact}}
+        record = RecordSpec(record=full_name(spec.step), kind="full", step=spec.step, skeleton=skeleton,
+                            tensors={s.key: s.to_json() for s in layout.specs}, meta=meta)
+        self.ctx.emit(type="gockpt_spread", rank=self.ctx.rank, first_step=msg.start, step=spec.step,
+                      cohorts=len(r.cohorts), nbytes=layout.nbytes)
+        self.ctx.write(record, memoryview(buf.numpy())[: layout.nbytes])
+
+    def flush(self) -> None:
+        """A spread still rolling when the worker flushes (a restarted worker's Hello or resume
+        question, or the end) cannot be finished: its worker is gone. Dropped."""
+        if self.rolling is not None:
+            self.ctx.emit(type="gockpt_dropped", rank=self.ctx.rank, first_step=self.rolling.start)
+            self.rolling = None
