@@ -52,7 +52,7 @@ def table(rows: list[dict[str, Any]], title: str) -> Table:
 
 def print_table(rows: list[dict[str, Any]], title: str, console: Console) -> None:
     if not console.is_terminal:  # piped or logged: full rows rather than 80 columns of truncated cells
-        console = Console(file=console.file, width=max(console.width, 160), highlight=False)
+        console = Console(file=console.file, width=max(console.width, 200), highlight=False)
     console.print(table(rows, title))
 
 
