@@ -743,6 +743,10 @@ class Runtime:
         copier thread while the forward/backward runs. `wait_copy` is where the update waits."""
         snap = Snapshot(step, -1, {}, Layout((), 0), time.time(), kind="full")
         taken = self._volatile_now()
+        if self._cuda and torch.cuda.is_initialized():  # where the trainer's stream has step t's state, and its device
+            taken["ready"] = torch.cuda.Event()
+            taken["ready"].record()
+            taken["device"] = torch.cuda.current_device()
         snap.copy = self._last_copy = self._copier.submit(self._fill, snap, taken, stream, order, True)
         self.metrics.last_snapshot_step = self.checkpointed_step = step
         return snap
@@ -768,7 +772,9 @@ class Runtime:
         if stream is not None:
             snap.progress = stream(snap)
         if any(t.is_cuda for t in tensors.values()):
-            snap.event = self._last_event = self._copy_cuda_async(self._buffer(snap), layout, tensors, snap.progress)
+            with torch.cuda.device(taken["device"]):  # (this thread's own current device is not the trainer's)
+                snap.event = self._last_event = self._copy_cuda_async(self._buffer(snap), layout, tensors,
+                                                                      snap.progress, after=taken["ready"])
         else:
             self._copy(self._buffer(snap), layout, tensors, snap.progress)
 
@@ -787,12 +793,17 @@ class Runtime:
             progress(layout.nbytes)
 
     def _copy_cuda_async(self, buf: torch.Tensor, layout: Layout, tensors: dict[str, torch.Tensor],
-                         progress: Callable[[int], None] | None = None):
+                         progress: Callable[[int], None] | None = None, after: Any = None):
         """Device-to-host copies on a side stream into the pinned slot; returns their event. With
-        `progress`, an event per tensor is waited on by the copier thread, which reports each."""
+        `progress`, an event per tensor is waited on by the copier thread, which reports each.
+        The copies start after the work queued so far on the current stream, or after the event
+        `after` (recorded by the training thread when the state was final: a lazy capture)."""
         if self._stream is None:
             self._stream = torch.cuda.Stream()
-        self._stream.wait_stream(torch.cuda.current_stream())
+        if after is not None:
+            self._stream.wait_event(after)
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream())
         marks = []
         with torch.no_grad(), torch.cuda.stream(self._stream):
             for spec in layout.specs:
