@@ -189,3 +189,18 @@ def test_an_optimizer_that_is_not_elementwise_is_refused(tmp_path):
     line = error_line(proc)
     assert proc.returncode == 2 and "Mine is not one of torch.optim's per-parameter optimizers" in line, line
     assert "--strategy checkfreq" in line
+
+
+def test_tune_spreads_by_the_corrected_stall_model():
+    """`ckptrun tune` sets --spread from k* = 1/r + 1/2 on the measured sizes, at most 7, and keeps
+    the interval its measured stall gave."""
+    from types import SimpleNamespace
+
+    from ckptrun.strategies.gockpt.tuning import settle
+    from ckptrun.tuning.plan import Prediction, StrategyPlan
+
+    sp = StrategyPlan("gockpt", 0.01, 0.1, 1.0, 1, 1.0, 1, 1, 1, {"every": 5}, "Daly", Prediction(1.0, 0.01, 1.0, 0.02))
+    third = settle(sp, None, SimpleNamespace(ckpt_bytes=3_000, diff_bytes=1_000), None)  # k* = 3.5: 3 and 4 tie
+    assert third.settings == {"every": 5, "spread": 3} and "k* = 1/r + 1/2 = 3.5" in third.rule
+    tenth = settle(sp, None, SimpleNamespace(ckpt_bytes=10_000, diff_bytes=1_000), None)  # k* = 10.5: capped
+    assert tenth.settings["spread"] == 7 and tenth.prediction == sp.prediction

@@ -53,8 +53,6 @@ def not_elementwise(opt: torch.optim.Optimizer) -> str | None:
     """Why `opt`'s update cannot be run on parts of its parameters (None: it can)."""
     if type(opt) not in ELEMENTWISE:
         return f"{type(opt).__name__} is not one of torch.optim's per-parameter optimizers"
-    if getattr(opt, "_step_supports_amp_scaling", False):
-        return "its fused step takes the AMP scaler's arguments"
     return None
 
 

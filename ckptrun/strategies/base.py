@@ -40,9 +40,6 @@ class Strategy:
     # Replays one optimizer's consumed gradients: refuses a second optimizer and multi-evaluation
     # closures (LBFGS) at start instead of saving something it cannot restore.
     single_optimizer: ClassVar[bool] = False
-    # One checkpoint takes several steps (gockpt's spread): due steps while one runs are skipped,
-    # so a run with a checkpoint due every step commits only some of its steps.
-    spreads: ClassVar[bool] = False
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx

@@ -39,7 +39,6 @@ STEP_TIMES_KEPT = 8
 class GoCkpt(Strategy):
     name = "gockpt"
     single_optimizer = True
-    spreads = True
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
@@ -87,6 +86,10 @@ class GoCkpt(Strategy):
         if self.start is None:
             return
         ctx, opt = self.ctx, self.ctx.primary
+        if getattr(opt, "grad_scale", None) is not None:  # set by GradScaler.step around a fused step
+            raise CkptrunError("--strategy gockpt ships the gradients the optimizer consumes, and this fused "
+                               "optimizer unscales them inside its step (GradScaler); call scaler.unscale_(optimizer) "
+                               "before scaler.step, or use --strategy checkfreq", exit_code=2)
         snap = self.filling = ctx.begin(step, "spread")
         grads = []
         for piece in self.sent:
@@ -105,7 +108,9 @@ class GoCkpt(Strategy):
         if self.start is None:
             if not self.ctx.due(step):
                 return
-            self._start(step, self.k if self.fixed_k or self.measured else self._ratio_k(step))
+            if not (self.fixed_k or self.measured) and (k := self._ratio_k()) != self.k:
+                self._set_k(k, step, "byte ratio")
+            self._start(step, self.k)
         self._hand_share(step, self.shares[step - self.start], last=step == self.version)
 
     def finish(self) -> None:
@@ -130,8 +135,6 @@ class GoCkpt(Strategy):
     # ---- pieces ------------------------------------------------------------------------
     def _start(self, step: int, k: int) -> None:
         """Plan a spread of the state of now over k steps, from `step` to V = step + k - 1."""
-        if k != self.k:
-            self._set_k(k, step, "stall model" if self.measured else "byte ratio")
         opt = self.ctx.primary
         blocks = plan(self.params, self.groups, [block_states(p, opt.state.get(p, {})) for p in self.params],
                       self.block_bytes)
@@ -196,7 +199,7 @@ class GoCkpt(Strategy):
         if last and self.fixed_k is None and not self.measured and self.ctx.world_size == 1:
             self._measure(snap.step)
 
-    def _ratio_k(self, step: int) -> int:
+    def _ratio_k(self) -> int:
         """k* = 1/r + 1/2 from the byte ratio alone (before anything is measured; the same on every
         rank), at most MAX_AUTO_SPREAD. Before the optimizer's first step its state does not
         exist yet: two state tensors per parameter (Adam's) are assumed."""

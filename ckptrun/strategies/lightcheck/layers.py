@@ -27,6 +27,8 @@ def why_not(opt: torch.optim.Optimizer) -> str | None:
         return why
     if not getattr(type(opt).step, "hooked", False) or not hasattr(type(opt).step, "__wrapped__"):
         return "its step function is not torch's hooked one"
+    if getattr(opt, "_step_supports_amp_scaling", False):
+        return "its fused step takes the AMP scaler's arguments"
     hooks = [*opt._optimizer_step_pre_hooks.values(), *opt._optimizer_step_post_hooks.values(),
              *optim_mod._global_optimizer_pre_hooks.values(), *optim_mod._global_optimizer_post_hooks.values()]
     if any(not getattr(h, "__module__", "").startswith("ckptrun.") for h in hooks):

@@ -1,0 +1,24 @@
+"""gockpt in `ckptrun tune`: the spread k from the corrected stall model (gockpt.txt §4.2.3,
+`model.py`) on the measured checkpoint and gradient sizes; the interval stays the one its
+measured stall per checkpoint gives (§3.1's N* is Young's interval)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from . import MAX_AUTO_SPREAD
+from .model import continuous_optimal_k, ratio_k
+
+if TYPE_CHECKING:
+    from ...tuning.plan import ModelPlans, StrategyPlan
+    from ...tuning.profile import Costs, StrategyCosts
+
+
+def settle(sp: StrategyPlan, sc: StrategyCosts, costs: Costs, models: ModelPlans) -> StrategyPlan:
+    k = min(MAX_AUTO_SPREAD, ratio_k(costs.ckpt_bytes, costs.diff_bytes))
+    k_c = continuous_optimal_k(costs.ckpt_bytes, costs.diff_bytes)
+    return replace(sp, settings={**sp.settings, "spread": k},
+                   rule=f"{sp.rule}; each checkpoint spread over {k} steps (k* = 1/r + 1/2 = {k_c:.1f}, r = gradient "
+                        f"bytes / checkpoint bytes = {costs.diff_bytes / costs.ckpt_bytes:.2f}; at most "
+                        f"{MAX_AUTO_SPREAD})")
