@@ -96,6 +96,16 @@ def ckptrun(cwd: Path, *args: Any, fault: str | None = None) -> subprocess.Compl
     return run_cmd([sys.executable, "-m", "ckptrun", *args], cwd, fault=fault)
 
 
+def subclassed_optimizer_script(tmp_path: Path) -> Path:
+    """A script whose optimizer is a subclass of SGD (torch.optim's own step, another class)."""
+    script = tmp_path / "custom.py"
+    script.write_text("import torch\n"
+                      "class Mine(torch.optim.SGD):\n    pass\n"
+                      "p = torch.nn.Parameter(torch.ones(2))\n"
+                      "Mine([p], lr=0.1)\n")
+    return script
+
+
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc

@@ -25,6 +25,7 @@ from conftest import (
     ok,
     restore,
     run_events,
+    subclassed_optimizer_script,
 )
 from test_crash_matrix import assert_clean_and_final
 from test_datastates import Loopback
@@ -179,12 +180,7 @@ def test_a_worker_killed_mid_spread_resumes_from_the_last_version(example_truth,
 
 
 def test_an_optimizer_that_is_not_elementwise_is_refused(tmp_path):
-    script = tmp_path / "custom.py"
-    script.write_text(
-        "import torch\n"
-        "class Mine(torch.optim.SGD):\n    pass\n"
-        "p = torch.nn.Parameter(torch.ones(2))\n"
-        "Mine([p], lr=0.1)\n")
+    script = subclassed_optimizer_script(tmp_path)
     proc = ckptrun(tmp_path, "--strategy", "gockpt", "--dir", "ckpts", script)
     line = error_line(proc)
     assert proc.returncode == 2 and "Mine is not one of torch.optim's per-parameter optimizers" in line, line

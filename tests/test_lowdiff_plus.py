@@ -29,6 +29,7 @@ from conftest import (
     ok,
     run_events,
     spawn,
+    subclassed_optimizer_script,
 )
 from test_crash_matrix import assert_clean_and_final, resume_run
 from test_runtime_capture import FakeEngine
@@ -292,12 +293,7 @@ def test_host_memory_too_small_is_refused():
 
 
 def test_an_optimizer_the_engine_cannot_build_is_refused(tmp_path):
-    script = tmp_path / "custom.py"
-    script.write_text(
-        "import torch\n"
-        "class Mine(torch.optim.SGD):\n    pass\n"
-        "p = torch.nn.Parameter(torch.ones(2))\n"
-        "Mine([p], lr=0.1)\n")
+    script = subclassed_optimizer_script(tmp_path)
     proc = ckptrun(tmp_path, "--strategy", "lowdiff+", "--dir", "ckpts", script)
     line = error_line(proc)
     assert proc.returncode == 2 and "__main__.Mine is not a torch.optim optimizer" in line, line
