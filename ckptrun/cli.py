@@ -290,7 +290,8 @@ def bench(
                                                  "`none` (no checkpointing) always runs.")] = "all",
     every: Annotated[str, typer.Option(help="Checkpoint interval(s) in steps, comma-separated, e.g. 1,5,10,50; "
                                             "each configuration runs at each.")] = "1",
-    steps: Annotated[int, typer.Option(help="Training steps per run.")] = 30,
+    steps: Annotated[int, typer.Option(help="Training steps per run (not with --failures: those runs last "
+                                            "--duration).")] = 30,
     repeat: Annotated[int, typer.Option(help="Repetitions, interleaved; figures are their median "
                                              "[min-max].")] = 3,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
@@ -302,17 +303,36 @@ def bench(
                                                    "folder on disk, not tmpfs, removed afterwards).")] = "",
     json_file: Annotated[str, typer.Option("--json", help="Write all figures and the machine description "
                                                           "to this JSON file.")] = "",
-    plot: Annotated[str, typer.Option(help="Write a PNG bar chart of overhead and stall here (needs "
-                                           "matplotlib: pip install 'ckptrun[plot]').")] = "",
+    plot: Annotated[str, typer.Option(help="Write a PNG chart here: overhead and stall per configuration; "
+                                           "with --failures, goodput against MTBF (needs matplotlib: pip "
+                                           "install 'ckptrun[plot]').")] = "",
     io_engine: Annotated[str, typer.Option(help="The strategies' file writer: auto, native or python; "
                                                 "several, comma-separated (e.g. native,python), run each "
                                                 "strategy with each, named STRATEGY:ENGINE.")] = "auto",
+    failures: Annotated[str, typer.Option(help="Goodput mode: train each configuration for --duration while "
+                                               "kills come at exponential times of mean --mtbf (seeded, the "
+                                               "same for every configuration): `worker` kills the training "
+                                               "processes (the launcher restarts them), `node` the whole "
+                                               "process tree (the bench starts it again).")] = "",
+    mtbf: Annotated[str, typer.Option(help="With --failures: mean time between failures, e.g. 30s; several, "
+                                           "comma-separated, give goodput against MTBF.")] = "30s",
+    duration: Annotated[str, typer.Option(help="With --failures: wall-clock budget of each run, e.g. "
+                                               "2m.")] = "2m",
+    seed: Annotated[int, typer.Option(help="With --failures: seed of the kill schedule (repetition r uses "
+                                           "seed + r).")] = 0,
+    failure_log: Annotated[str, typer.Option(help="With --failures: replay this failure trace (ISO-8601 "
+                                                  "timestamps, one per line, as `tune --failure-log` reads; "
+                                                  "--traces writes them) instead of drawing kills.")] = "",
+    traces: Annotated[str, typer.Option(help="With --failures: write each kill schedule used to this folder "
+                                             "as a failure trace.")] = "",
 ) -> None:
-    """Measure every strategy against no checkpointing, torch.save and DCP async_save."""
+    """Measure every strategy against no checkpointing, torch.save and DCP async_save; with
+    --failures, their goodput when failures really happen."""
     from .bench import BenchOptions, run_bench
 
     raise typer.Exit(run_bench(BenchOptions(model, strategies, every, steps, repeat, device, trainer_threads,
-                                            warmup, dir, json_file, plot, io_engine), out, err))
+                                            warmup, dir, json_file, plot, io_engine, failures, mtbf, duration,
+                                            seed, failure_log, traces), out, err))
 
 
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})

@@ -14,10 +14,11 @@ itself every `--ref-every` steps into `--ref-dir`, keeping the newest two saves 
 
 Recorded as JSON lines appended to `--timing-json` (one `start` line per process, so a killed
 and restarted run leaves both attempts): each iteration's wall time and the part of it the loop
-was blocked by reference checkpointing (`step`: wall_s, stall_s); each save's bytes and write
-time, hand-off to on disk (`save`); with `--ref-resume`, the recovery time: start of main() to
-the end of the first resumed step, before that step's own save, less the daemon's start
-(`recovery`).
+was blocked by reference checkpointing (`step`: wall_s, stall_s, and `t`, the wall clock when it
+ended, as `start` has, for `bench --failures`); each save's bytes and write time, hand-off to on
+disk (`save`); with `--ref-resume`, the recovery time: start of main() to the end of the first
+resumed step, before that step's own save, less the daemon's start (`recovery`: recovery_s, and
+of it setup_s, main() to the optimizer's existence, and restore_s, the reference's own load).
 """
 
 from __future__ import annotations
@@ -208,6 +209,8 @@ class Probe:
                           else DcpAsyncSave(root, state, record, args.ref_save.removeprefix("dcp-"),
                                             warm=args.ref_every <= args.steps))
         self.params = sum(p.numel() for p in model.parameters())
+        self.setup_s = time.perf_counter() - t_main - (self.saver.startup_s if self.saver else 0.0)
+        self.restore_s = 0.0
         self._resumed = False
         self._t = 0.0
         self._stall = 0.0
@@ -219,11 +222,13 @@ class Probe:
     def resume(self, start: int) -> int:
         """The step to start from: the newest reference save's with `--ref-resume`, else `start`."""
         if self.args.ref_resume and self.saver is not None:
+            t0 = time.perf_counter()
             step = self.saver.restore()
+            self.restore_s = time.perf_counter() - t0
             if step is not None:
                 start, self._resumed = step, True
         self._emit("start", pid=os.getpid(), start_step=start, params=self.params, ref=self.args.ref_save,
-                   every=self.args.ref_every)
+                   every=self.args.ref_every, t=time.time())
         return start
 
     def begin_step(self) -> None:
@@ -237,10 +242,11 @@ class Probe:
     def end_step(self, step: int) -> None:
         if self._resumed:  # the step is done; its own save is not part of recovery
             self._resumed = False
-            self._emit("recovery", step=step, recovery_s=time.perf_counter() - self.t_main - self.saver.startup_s)
+            self._emit("recovery", step=step, recovery_s=time.perf_counter() - self.t_main - self.saver.startup_s,
+                       setup_s=self.setup_s, restore_s=self.restore_s)
         if self.saver is not None and step % self.args.ref_every == 0:
             self._stall += self.saver.save(step)
-        self._emit("step", step=step, wall_s=time.perf_counter() - self._t, stall_s=self._stall)
+        self._emit("step", step=step, wall_s=time.perf_counter() - self._t, stall_s=self._stall, t=time.time())
 
     def finish(self) -> None:
         """Wait for outstanding saves (they are recorded), then close the timing file."""

@@ -97,6 +97,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ref-every", type=int, default=1, help="steps between reference saves")
     p.add_argument("--ref-dir", default="ref-ckpts", help="where reference saves go")
     p.add_argument("--ref-resume", action="store_true", help="start from the newest reference save in --ref-dir")
+    p.add_argument("--compress", default="", help="train with top-k gradient compression, e.g. topk:0.01 (ckptrun "
+                   "bench's none+topk:R reference; under ckptrun, pass lowdiff's own --compress instead)")
     return p.parse_args()
 
 
@@ -117,6 +119,14 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = GPT(args.vocab, args.seq, args.layers, args.d_model, args.heads, args.dropout).to(device)
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    compressor = None
+    if args.compress:
+        from ckptrun.compress import TopK
+
+        compressor = TopK.parse(args.compress)
+        if world > 1:
+            net.register_comm_hook(None, compressor.ddp_hook({id(p): i for i, p in enumerate(model.parameters())}))
+            compressor = None  # the hook compresses
     if args.optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     else:
@@ -145,6 +155,8 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if compressor:
+            compressor.apply(list(model.parameters()))
         if probe:
             probe.before_update()
         opt.step()

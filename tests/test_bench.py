@@ -44,6 +44,11 @@ def test_tiny_bench_writes_every_figure_with_ratios_against_its_own_none(tmp_pat
     assert none["stall_ms_per_step"] == 0 and none["write_MBps"] is None
     assert sync["committed"] == 4 and sync["bytes_per_step"] > 0 and sync["write_MBps"] > 0
     assert sync["stall_ms_per_step"] > 0 and 0 < sync["restore_s"] < sync["recovery_s"] and sync["peak_rss_MB"] > 0
+    # The recovery's parts: the restart until the optimizer exists, ckptrun's restore, the first step.
+    assert sync["setup_s"] > 0 and sync["setup_s"] + sync["restore_s"] < sync["recovery_s"]
+    # The staging slots are shared memory, counted once in the memory held (RSS counts them per process).
+    assert none["staging_MB"] == 0 and sync["staging_MB"] > 0 and 0 < sync["peak_MB"]
+    assert none["against"] is None and sync["against"] == "none"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list(runs.iterdir()) == []  # successful runs leave nothing behind
 
@@ -114,4 +119,84 @@ def test_reference_resumes_from_its_newest_save_like_an_uninterrupted_run(tmp_pa
     assert [s["step"] for s in first.saves] == [2, 4, 6] and all(s["bytes"] > 0 for s in first.saves)
     assert [s["step"] for s in first.steps] == [1, 2, 3, 4, 5, 6]
     assert resumed.start_step == 4 and [s["step"] for s in resumed.steps] == [5, 6]
-    assert resumed.recovery_s > 0 and resumed.saves == []
+    assert resumed.saves == [] and resumed.recovery["recovery_s"] > 0
+    assert 0 < resumed.recovery["setup_s"] and 0 < resumed.recovery["restore_s"] < resumed.recovery["recovery_s"]
+
+
+def test_compressed_training_is_compared_with_compressed_training_without_checkpointing():
+    """`lowdiff+topk` changes training (`Option.trains`): its overhead is against `none+topk:0.01`,
+    the example script trained with the same compression, which `none+topk:0.01` is measured
+    against `none` (the cost of compression itself)."""
+    configs = {c.name: c for c in plan.configurations("checkfreq,lowdiff+topk", "1")}
+    assert list(configs) == ["none", "none+topk:0.01", "checkfreq", "lowdiff+topk"]
+    ref = configs["none+topk:0.01"]
+    assert (ref.kind, ref.flags, ref.reference) == ("baseline", ("--compress", "topk:0.01"), "none")
+    assert configs["lowdiff+topk"].reference == "none+topk:0.01" and configs["checkfreq"].reference == "none"
+    steps = {"none": 1.0, "none+topk:0.01": 2.0, "checkfreq": 1.5, "lowdiff+topk": 3.0}
+    outcomes = {name: [Outcome(_figures(s, None if name.startswith("none") else 1.0), None, 1.0)]
+                for name, s in steps.items()}
+    rows = {r["name"]: r for r in stats.summarize(list(configs.values()), outcomes)}
+    assert rows["lowdiff+topk"]["overhead_ratio"] == 1.5 and rows["lowdiff+topk"]["against"] == "none+topk:0.01"
+    assert rows["none+topk:0.01"]["overhead_ratio"] == 2.0 and rows["checkfreq"]["overhead_ratio"] == 1.5
+
+
+def test_the_compressed_reference_trains_exactly_as_lowdiff_does(tmp_path):
+    """The fair reference is fair only if it computes what lowdiff+topk computes: the example
+    script's own `--compress` and lowdiff's `--compress` end in the same state, bit for bit."""
+    args = [*REF_ARGS, "--save-at", 6]
+    python(tmp_path, EXAMPLE, *args, "--compress", "topk:0.05", "--save-path", tmp_path / "plain.pt")
+    ok(ckptrun(tmp_path, "--strategy", "lowdiff", "--compress", "topk:0.05", "--dir", "ck", EXAMPLE, *args,
+               "--save-path", tmp_path / "lowdiff.pt"))
+    assert_training_state(load(tmp_path / "lowdiff.pt"), load(tmp_path / "plain.pt"))
+    python(tmp_path, EXAMPLE, *args, "--save-path", tmp_path / "uncompressed.pt")
+    with pytest.raises(AssertionError):  # (the compression does change training)
+        assert_training_state(load(tmp_path / "uncompressed.pt"), load(tmp_path / "plain.pt"))
+
+
+SHARER = """
+import mmap, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+m = mmap.mmap(fd, 0)
+for i in range(0, len(m), 4096):
+    m[i] = 1
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_memory_counts_shared_staging_once(tmp_path):
+    """Two processes map one 16 MiB shared-memory file (as a worker and its engine map a staging
+    slot): RSS counts it twice, the memory held once, and it is the staging figure."""
+    import subprocess
+
+    from ckptrun.bench.procmem import PeakMemory
+    from ckptrun.ipc.staging import shm_root
+
+    slot = shm_root() / f"ckptrun-test-{tmp_path.name}"
+    slot.write_bytes(b"\0" * (16 << 20))
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                               "ps = [subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], "
+                               "stdout=subprocess.PIPE) for _ in range(2)]\n"
+                               "[p.stdout.readline() for p in ps]\nprint('ready', flush=True)\ntime.sleep(60)",
+                               SHARER, str(slot)], stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout.readline().strip() == b"ready"
+        sampler = PeakMemory(parent.pid, include_root=False)
+        rss, held, staging = sampler.sample()
+    finally:
+        for p in psutil_children(parent.pid):
+            p.kill()
+        parent.kill()
+        parent.wait()
+        slot.unlink()
+    assert staging == 16 << 20
+    assert rss >= 2 * (16 << 20) and staging < held < rss - (16 << 20) + (4 << 20)
+
+
+def psutil_children(pid: int) -> list:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []

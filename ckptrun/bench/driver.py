@@ -16,7 +16,10 @@ from rich.console import Console
 
 from ..errors import UsageError
 from ..storage import iowriter
+from ..tuning.durations import parse_duration
 from . import machine, plan, report, stats
+from .failure_driver import run_failure_bench
+from .failure_runner import MODES
 from .runner import Outcome, run_configuration
 
 
@@ -34,6 +37,13 @@ class BenchOptions:
     json: str = ""
     plot: str = ""
     io_engine: str = "auto"  # the strategies' file writer(s), comma-separated (plan.configurations)
+    # Goodput under failures (failure_driver): "" (off), "worker" or "node"
+    failures: str = ""
+    mtbf: str = "30s"  # comma-separated durations
+    duration: str = "2m"  # wall-clock budget of each run
+    seed: int = 0
+    failure_log: str = ""  # replay this failure trace instead of drawing kills
+    traces: str = ""  # write each kill schedule here as a failure trace
 
     def validate(self) -> None:
         if self.model not in plan.MODELS:
@@ -45,6 +55,19 @@ class BenchOptions:
         if self.steps <= self.warmup:
             raise UsageError(f"--steps ({self.steps}) must exceed --warmup ({self.warmup}): "
                              "the figures come from the steps after the warm-up")
+        if self.failures not in ("", *MODES):
+            raise UsageError(f"--failures must be {' or '.join(MODES)} (got {self.failures!r})")
+        if self.failures:
+            self.duration_s()
+            self.mtbf_s()
+        elif self.failure_log or self.traces:
+            raise UsageError("--failure-log and --traces belong to the goodput mode: add --failures worker|node")
+
+    def duration_s(self) -> float:
+        return _durations("--duration", self.duration)[0]
+
+    def mtbf_s(self) -> list[float]:
+        return _durations("--mtbf", self.mtbf)
 
     def command(self) -> str:
         """The invocation that reproduces this bench (paths as given)."""
@@ -52,7 +75,11 @@ class BenchOptions:
                 "--steps", str(self.steps), "--repeat", str(self.repeat), "--device", self.device,
                 "--trainer-threads", str(self.trainer_threads), "--warmup", str(self.warmup),
                 "--io-engine", self.io_engine]
-        for flag, value in (("--dir", self.dir), ("--json", self.json), ("--plot", self.plot)):
+        if self.failures:
+            argv += ["--failures", self.failures, "--duration", self.duration, "--seed", str(self.seed)]
+            argv += ["--failure-log", self.failure_log] if self.failure_log else ["--mtbf", self.mtbf]
+        for flag, value in (("--dir", self.dir), ("--json", self.json), ("--plot", self.plot),
+                            ("--traces", self.traces)):
             argv += [flag, value] if value else []
         return " ".join(argv)
 
@@ -65,6 +92,8 @@ def run_bench(o: BenchOptions, console: Console | None = None, progress: Console
     console = console or Console(highlight=False)
     progress = progress or Console(stderr=True, highlight=False)
     o.validate()
+    if o.failures:
+        return run_failure_bench(o, console, progress)
     configs = plan.configurations(o.strategies, o.every, o.io_engine)
     if o.plot:
         report.require_matplotlib()
@@ -85,7 +114,7 @@ def run_bench(o: BenchOptions, console: Console | None = None, progress: Console
     title = (f"ckptrun bench: model {o.model}, {o.steps} steps (first {o.warmup} untimed), median of {o.repeat} "
              f"[min-max], {o.device}, {o.trainer_threads} trainer thread(s), dir on {fs}, writer {o.io_engine} "
              f"({desc['io_engine']})")
-    report.print_table(rows, title, console)
+    report.print_table(report.table(rows, title), console)
     params = next((out.params for runs in outcomes.values() for out in runs if out.params), None)
     settings = {**asdict(o), "model_args": plan.MODELS[o.model], "params": params, "dir": str(root)}
     if o.json:
@@ -122,3 +151,13 @@ def _line(out: Outcome) -> str:
     recovery = "-" if f.recovery_s is None else f"{f.recovery_s:.2f} s"
     return (f"{f.step_s * 1e3:.1f} ms/step, stall {f.stall_ms_per_step:.1f} ms/step, "
             f"{f.bytes_per_step / 1e6:.1f} MB/step, recovery {recovery} ({out.wall_s:.0f} s)")
+
+
+def _durations(flag: str, text: str) -> list[float]:
+    try:
+        values = [parse_duration(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise UsageError(f"{flag}: {e}") from None
+    if not values:
+        raise UsageError(f"{flag} needs a duration, e.g. 30s (got {text!r})")
+    return values

@@ -16,10 +16,11 @@ from typing import Any
 
 from ..errors import CkptrunError
 from ..launcher.console.metrics_feed import MetricsTailer
+from .procmem import Memory
 
 # Per-run figures, in report order (the summary's `median_step_s` is the median of `step_s`).
 FIGURES = ("step_s", "stall_ms_per_step", "layer_wait_ms_per_step", "bytes_per_step", "write_MBps", "effective_MBps",
-           "peak_rss_MB", "page_cache_MB", "committed", "recovery_s", "restore_s")
+           "peak_rss_MB", "peak_MB", "staging_MB", "page_cache_MB", "committed", "recovery_s", "setup_s", "restore_s")
 
 
 @dataclass
@@ -28,10 +29,16 @@ class RunFigures:
     stall_ms_per_step: float
     bytes_per_step: float
     write_MBps: float | None  # None: nothing written in the timed steps
-    peak_rss_MB: float
+    peak_rss_MB: float  # RSS summed over the run's processes (shared staging once per process)
     committed: int
+    peak_MB: float | None = None  # memory the run holds: shared staging counted once (bench/procmem.py)
+    staging_MB: float | None = None  # of it, the shared-memory staging alone
     recovery_s: float | None = None  # None: nothing to recover from (no checkpoint)
-    restore_s: float | None = None  # of it, ckptrun's own restore (decide, read, load, replay); None: a script's
+    # Of recovery_s: the restart (process start and the script's set-up until its first optimizer
+    # exists) and the state restore (ckptrun's decide, read, validate, load, replay; the script's
+    # own load for the references). The rest is the first resumed step.
+    setup_s: float | None = None
+    restore_s: float | None = None
     # The part of the stall that updates waited for their own layer's copy (lightcheck); None: no such cause
     layer_wait_ms_per_step: float | None = None
     page_cache_MB: float | None = None  # the machine's page-cache growth during the run (bench/procmem.py)
@@ -56,7 +63,7 @@ class Attempt:
     params: int
     steps: list[dict] = field(default_factory=list)
     saves: list[dict] = field(default_factory=list)
-    recovery_s: float | None = None
+    recovery: dict | None = None  # the script's `recovery` event (the references' resume), if any
 
     def window(self, warmup: int) -> tuple[list[dict], int, int]:
         """The timed steps, and the step numbers that bound them (first, last)."""
@@ -81,7 +88,7 @@ def attempts(path: Path) -> list[Attempt]:
         elif e["event"] == "save":
             out[-1].saves.append(e)
         elif e["event"] == "recovery":
-            out[-1].recovery_s = e["recovery_s"]
+            out[-1].recovery = e
     if not out:
         raise CkptrunError(f"the run wrote nothing to its timing file {path}")
     return out
@@ -94,18 +101,22 @@ def _io(writes: list[tuple[int, int, float]], first: int, last: int) -> tuple[in
     return nbytes, (nbytes / seconds / 1e6 if seconds > 0 else None)
 
 
-def reference_figures(timing: Attempt, warmup: int, peak_rss_MB: float, page_cache_MB: float) -> RunFigures:
+def _memory(mem: Memory) -> dict[str, float]:
+    return {"peak_rss_MB": mem.peak_rss_MB, "peak_MB": mem.peak_MB, "staging_MB": mem.staging_MB,
+            "page_cache_MB": mem.page_cache_MB}
+
+
+def reference_figures(timing: Attempt, warmup: int, mem: Memory) -> RunFigures:
     """`none` and the references: everything is in the script's timing file."""
     timed, first, last = timing.window(warmup)
     nbytes, mbps = _io([(s["step"], s["bytes"], s["write_s"]) for s in timing.saves], first, last)
     return RunFigures(step_s=fmean(s["wall_s"] for s in timed),
                       stall_ms_per_step=1e3 * fmean(s["stall_s"] for s in timed),
-                      bytes_per_step=nbytes / len(timed), write_MBps=mbps, peak_rss_MB=peak_rss_MB,
-                      page_cache_MB=page_cache_MB, committed=len(timing.saves))
+                      bytes_per_step=nbytes / len(timed), write_MBps=mbps, committed=len(timing.saves),
+                      **_memory(mem))
 
 
-def ckptrun_figures(timing: Attempt, metrics_dir: Path, warmup: int, peak_rss_MB: float,
-                    page_cache_MB: float) -> RunFigures:
+def ckptrun_figures(timing: Attempt, metrics_dir: Path, warmup: int, mem: Memory) -> RunFigures:
     """ckptrun runs: step time from the script, stall from the worker (per cause, summed), bytes
     and write time from the engine's `write` events, commits from its `commit` events (up to the
     last timed step: the restarted worker's own are not counted), the writer from `io_engine`."""
@@ -120,20 +131,21 @@ def ckptrun_figures(timing: Attempt, metrics_dir: Path, warmup: int, peak_rss_MB
                        first, last)
     return RunFigures(step_s=fmean(s["wall_s"] for s in timed),
                       stall_ms_per_step=1e3 * fmean(stall[s["step"]] for s in timed),
-                      bytes_per_step=nbytes / len(timed), write_MBps=mbps, peak_rss_MB=peak_rss_MB,
-                      page_cache_MB=page_cache_MB, io_engine=next((str(e["engine"]) for e in events
-                                                                   if e.get("type") == "io_engine"), None),
+                      bytes_per_step=nbytes / len(timed), write_MBps=mbps, **_memory(mem),
+                      io_engine=next((str(e["engine"]) for e in events if e.get("type") == "io_engine"), None),
                       committed=sum(1 for e in events if e.get("type") == "commit" and e["step"] <= last),
                       layer_wait_ms_per_step=(1e3 * fmean(steps[s["step"]].get("layer_wait", 0.0) for s in timed)
                                               if any("layer_wait" in c for c in steps.values()) else None))
 
 
-def ckptrun_recovery(metrics_dir: Path) -> tuple[float, float]:
-    """Restarted worker's start to the end of its first resumed step, and of it the state restore
-    (ckptrun's `restart` event); the rest is the restart itself (script set-up, the first step)."""
+def ckptrun_recovery(metrics_dir: Path) -> tuple[float, float | None, float]:
+    """Restarted worker's start to the end of its first resumed step, and of it the restart (its
+    set-up until the first optimizer exists) and the state restore (ckptrun's `restart` event)."""
     restarts = [e for e in MetricsTailer(metrics_dir).poll() if e.get("type") == "restart"]
     if not restarts:
         raise CkptrunError(f"the crashed worker was not restarted and resumed (no restart event in {metrics_dir})")
     if not restarts[0]["resume_step"]:
         raise CkptrunError("the restarted worker found no committed step and started over from step 0")
-    return float(restarts[0]["recovery_s"]), float(restarts[0].get("restore_s") or 0.0)
+    first = restarts[0]
+    setup = first.get("setup_s")
+    return float(first["recovery_s"]), None if setup is None else float(setup), float(first.get("restore_s") or 0.0)

@@ -3,7 +3,10 @@ references, every ckptrun strategy) and the command line of each run.
 
 The references are checkpointing that the example script does itself (`--ref-save`, see
 examples/bench_refs.py); `none` is the same script without checkpointing, the denominator of
-every ratio. Strategies run the same script under the ckptrun launcher, with the engine's file
+every ratio, except for a strategy run with options that change training itself (gradient
+compression: `Option.trains`): its denominator is `none+VALUE`, the script trained the same way
+(the same flag) without checkpointing, so the ratio is the cost of checkpointing alone.
+Strategies run the same script under the ckptrun launcher, with the engine's file
 writer given by `--io-engine` (several, comma-separated: each strategy runs with each, named
 `STRATEGY:ENGINE`, to compare the native and the Python writer on the same strategy).
 """
@@ -40,7 +43,8 @@ class Configuration:
     method: str  # "none", a REFERENCES key, or a strategy name
     kind: str  # "baseline", "reference" or "ckptrun"
     every: int | None
-    flags: tuple[str, ...] = ()  # a strategy's own run options (VARIANTS)
+    flags: tuple[str, ...] = ()  # a strategy's own run options (VARIANTS); a baseline's script flags
+    reference: str = BASELINE  # the configuration its overhead ratio is measured against
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,8 @@ def configurations(methods: str, every: str, io_engines: str = "auto") -> list[C
         raise UsageError(f"unknown --strategies {', '.join(unknown)}; choose from: all, {BASELINE}, "
                          f"{', '.join(known)}")
     intervals, engines = parse_every(every), parse_io_engines(io_engines)
-    configs = [Configuration(BASELINE, BASELINE, "baseline", None)]
+    baselines = {BASELINE: Configuration(BASELINE, BASELINE, "baseline", None)}
+    configs = []
     for method in dict.fromkeys(m for m in wanted if m != BASELINE):
         for e in intervals:
             name = method if len(intervals) == 1 else f"{method}@{e}"
@@ -117,10 +122,25 @@ def configurations(methods: str, every: str, io_engines: str = "auto") -> list[C
                 configs.append(Configuration(name, method, "reference", e))
                 continue
             base, flags = VARIANTS.get(method, (method, ()))
+            reference = matching_baseline(base, flags)
+            baselines.setdefault(reference.name, reference)
             for io in engines:
                 configs.append(Configuration(name if len(engines) == 1 else f"{name}:{io}", base, "ckptrun", e,
-                                             (*flags, "--io-engine", io)))
-    return configs
+                                             (*flags, "--io-engine", io), reference.name))
+    return [*baselines.values(), *configs]
+
+
+def matching_baseline(strategy: str, flags: tuple[str, ...]) -> Configuration:
+    """`none`, or `none+VALUE` where `flags` set options of `strategy` that change training
+    (`Option.trains`): the example script run with those same flags, without checkpointing."""
+    from ..strategies import REGISTRY
+
+    trains = {o.flag for o in REGISTRY[strategy].options if o.trains}
+    pairs = [(flag, value) for flag, value in zip(flags[::2], flags[1::2], strict=False) if flag in trains]
+    if not pairs:
+        return Configuration(BASELINE, BASELINE, "baseline", None)
+    name = "+".join([BASELINE, *(value for _, value in pairs)])
+    return Configuration(name, BASELINE, "baseline", None, tuple(a for pair in pairs for a in pair))
 
 
 @dataclass(frozen=True)
@@ -138,19 +158,43 @@ def launch(cfg: Configuration, work: Workload, run_dir: Path, steps: int, *, rec
     the newest committed step. A script (the references) is instead run again with `recovery`:
     it restores its newest save and takes one step, without periodic saves of its own.
     """
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTRUN_")}
-    timing, ckpt = run_dir / "timing.jsonl", str(run_dir / "ckpt")
+    env = _env()
     if cfg.kind == "ckptrun":
         crash = steps + 1 if cfg.every <= steps else None  # nothing to recover from otherwise
         if crash:
             env[FAULT_ENV] = f"kill:step={crash}"
-        argv = [sys.executable, "-m", "ckptrun", "run", "--strategy", cfg.method, *cfg.flags, "--dir", ckpt,
-                "--every", str(cfg.every), "--max-restarts", "1" if crash else "0",
-                "--metrics-dir", str(run_dir / "metrics"), str(work.script), *work.script_args(crash or steps, timing)]
-        return Launch(argv, env, crash)
-    argv = [sys.executable, str(work.script), *work.script_args(steps, timing)]
-    if cfg.kind == "reference":
-        argv += ["--ref-save", REFERENCES[cfg.method], "--ref-every", str(steps + 1 if recovery else cfg.every),
-                 "--ref-dir", ckpt]
-        argv += ["--ref-resume"] if recovery else []
-    return Launch(argv, env)
+        return Launch(_ckptrun_argv(cfg, work, run_dir, crash or steps, 1 if crash else 0), env, crash)
+    return Launch(_script_argv(cfg, work, run_dir, steps, every=steps + 1 if recovery else cfg.every,
+                               resume=recovery), env)
+
+
+def failure_launch(cfg: Configuration, work: Workload, run_dir: Path, steps: int, *, again: bool) -> Launch:
+    """How `bench --failures` runs `cfg` (`again`: after its whole process tree was killed). The
+    launcher restarts a killed worker (no restart limit); a script is started `again` by the bench,
+    the references from their newest save, `none` from step 0 (it has nothing to resume from)."""
+    if cfg.kind == "ckptrun":
+        return Launch(_ckptrun_argv(cfg, work, run_dir, steps, FAILURE_RESTARTS), _env())
+    return Launch(_script_argv(cfg, work, run_dir, steps, every=cfg.every, resume=again), _env())
+
+
+FAILURE_RESTARTS = 1_000_000  # `--max-restarts` under `bench --failures`: the bench decides when a run ends
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("CKPTRUN_")}
+
+
+def _ckptrun_argv(cfg: Configuration, work: Workload, run_dir: Path, steps: int, max_restarts: int) -> list[str]:
+    return [sys.executable, "-m", "ckptrun", "run", "--strategy", cfg.method, *cfg.flags,
+            "--dir", str(run_dir / "ckpt"), "--every", str(cfg.every), "--max-restarts", str(max_restarts),
+            "--metrics-dir", str(run_dir / "metrics"), str(work.script),
+            *work.script_args(steps, run_dir / "timing.jsonl")]
+
+
+def _script_argv(cfg: Configuration, work: Workload, run_dir: Path, steps: int, *, every: int | None,
+                 resume: bool) -> list[str]:
+    argv = [sys.executable, str(work.script), *work.script_args(steps, run_dir / "timing.jsonl")]
+    if cfg.kind == "baseline":
+        return [*argv, *cfg.flags]
+    argv += ["--ref-save", REFERENCES[cfg.method], "--ref-every", str(every), "--ref-dir", str(run_dir / "ckpt")]
+    return [*argv, "--ref-resume"] if resume else argv

@@ -1,11 +1,19 @@
-"""Peak resident memory of a run's trainer and checkpoint engine, and the machine's page-cache
-growth while it runs, sampled from outside.
+"""Peak memory of a run's trainer and checkpoint engine, and the machine's page-cache growth
+while it runs, sampled from outside.
 
-The sum of RSS over the process tree, leaving out multiprocessing's resource tracker and, for
-ckptrun runs, the launcher (it supervises; torchrun's agent would be there anyway). The trainer's
+Counted: the process tree, leaving out multiprocessing's resource tracker and, for ckptrun
+runs, the launcher (it supervises; torchrun's agent would be there anyway). The trainer's
 helpers that hold checkpoint data (ckptrun's engine, DCP's checkpoint daemon) are counted.
-Shared memory mapped by two of them (staging slots) counts once per process that touched it,
-as RSS does.
+
+Three figures, all peaks of a sum over those processes:
+- RSS, as `ps` shows it: shared memory mapped by two processes (ckptrun's staging slots, which
+  the trainer fills and the engine writes out) counts once per process that touched it.
+- Memory held: private and file-backed resident pages per process (/proc/PID/status RssAnon +
+  RssFile) plus every shared-memory file the processes map, counted once at its mapped size:
+  RSS with the staging counted once. (PSS would also split shared libraries, but walking a
+  process's page tables 10 times a second costs ~10 ms per GB and would slow the run measured.)
+- Staging: those shared-memory files alone (the slots, lowdiff+'s replica), what /dev/shm and
+  host memory must hold for the run's checkpoints.
 
 Page cache is the machine's file-backed cache (/proc/meminfo Cached less Shmem: the staging
 slots are shared memory, not checkpoint files): its peak during the run less its value at the
@@ -15,9 +23,14 @@ start, what buffered checkpoint writes leave behind. It counts every process of 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+
+from ..ipc.staging import shm_root
+
+MB = 2**20
 
 
 def file_cache_bytes() -> int:
@@ -29,53 +42,98 @@ def file_cache_bytes() -> int:
         return 0
 
 
-class PeakRss:
-    """Samples in a thread until `stop()`; `peak_MB` is the largest sum seen, `cache_growth_MB`
-    the page cache's largest growth over its value when it was made."""
+def own_resident_bytes(pid: int) -> int | None:
+    """RssAnon + RssFile of `pid` (its resident pages less shared memory); None where unreadable."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                      if line.startswith(("RssAnon", "RssFile")))
+        return sum(int(v.split()[0]) for v in fields.values()) * 1024
+    except (OSError, ValueError):
+        return None
+
+
+def shared_mappings(pid: int, root: Path) -> dict[tuple[str, str], int]:
+    """{(device, inode): mapped bytes} of the files under `root` (shared memory) that `pid` maps."""
+    out: dict[tuple[str, str], int] = {}
+    try:
+        text = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return out
+    prefix = f"{root}/"
+    for line in text.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith(prefix):
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            key = (parts[3], parts[4])
+            out[key] = max(out.get(key, 0), hi - lo)
+    return out
+
+
+@dataclass
+class Memory:
+    """A run's peaks (MB) and page-cache growth (MB); see the module docstring."""
+
+    peak_rss_MB: float = 0.0
+    peak_MB: float = 0.0
+    staging_MB: float = 0.0
+    page_cache_MB: float = 0.0
+
+
+class PeakMemory:
+    """Samples in a thread until `stop()`, which returns the `Memory` peaks."""
 
     def __init__(self, pid: int, *, include_root: bool, interval_s: float = 0.1) -> None:
         self.root = psutil.Process(pid)
         self.include_root, self.interval_s = include_root, interval_s
-        self.peak_bytes = 0
+        self.shm = shm_root()
+        self.rss = self.held = self.staging = 0
         self.cache_start = self.cache_peak = file_cache_bytes()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ckptrun-bench-rss", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="ckptrun-bench-memory", daemon=True)
 
-    def start(self) -> PeakRss:
+    def start(self) -> PeakMemory:
         self._thread.start()
         return self
 
-    def stop(self) -> float:
+    def stop(self) -> Memory:
         self._stop.set()
         self._thread.join()
-        return self.peak_MB
+        return Memory(self.rss / MB, self.held / MB, self.staging / MB, (self.cache_peak - self.cache_start) / MB)
 
-    @property
-    def peak_MB(self) -> float:
-        return self.peak_bytes / 2**20
-
-    @property
-    def cache_growth_MB(self) -> float:
-        return (self.cache_peak - self.cache_start) / 2**20
-
-    def sample(self) -> int:
-        """Resident bytes of the counted processes now (processes that just exited count 0)."""
+    def processes(self) -> list[psutil.Process]:
+        """The counted processes now (see the module docstring)."""
         try:
             procs = ([self.root] if self.include_root else []) + self.root.children(recursive=True)
         except psutil.Error:
-            return 0
-        total = 0
+            return []
+        out = []
         for p in procs:
             try:
                 if not any("resource_tracker" in part for part in p.cmdline()):
-                    total += p.memory_info().rss
+                    out.append(p)
             except psutil.Error:
                 continue
-        return total
+        return out
+
+    def sample(self) -> tuple[int, int, int]:
+        """(RSS, memory held, staging) bytes of the counted processes now (gone ones count 0)."""
+        rss = own = 0
+        shared: dict[tuple[str, str], int] = {}
+        for p in self.processes():
+            try:
+                rss += p.memory_info().rss
+            except psutil.Error:
+                continue
+            own += own_resident_bytes(p.pid) or 0
+            for key, nbytes in shared_mappings(p.pid, self.shm).items():
+                shared[key] = max(shared.get(key, 0), nbytes)
+        staging = sum(shared.values())
+        return rss, own + staging, staging
 
     def _run(self) -> None:
         while True:
-            self.peak_bytes = max(self.peak_bytes, self.sample())
+            rss, held, staging = self.sample()
+            self.rss, self.held, self.staging = max(self.rss, rss), max(self.held, held), max(self.staging, staging)
             self.cache_peak = max(self.cache_peak, file_cache_bytes())
             if self._stop.wait(self.interval_s):
                 return

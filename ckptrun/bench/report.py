@@ -29,31 +29,32 @@ def _spread(row: dict[str, Any], key: str, fmt: str, scale: float = 1.0) -> str:
 
 
 def table(rows: list[dict[str, Any]], title: str) -> Table:
-    t = Table("configuration", "every", "writer", "step ms", "overhead", "stall ms/step", "of it layer wait",
-              "MB/step", "write MB/s", "effective MB/s", "peak RSS MB", "page cache MB", "commits", "recovery s",
-              "of it restore s",
-              title=title, title_justify="left")
+    columns = ("configuration", "every", "writer", "step ms", "overhead", "against", "stall ms/step",
+               "of it layer wait", "MB/step", "write MB/s", "effective MB/s", "memory MB", "staging MB",
+               "page cache MB", "commits", "recovery s", "of it restart s", "of it restore s")
+    t = Table(*columns, title=title, title_justify="left")
     for r in rows:
         if r["repetitions"] == 0:
             t.add_row(r["name"], _num(r["every"], "d"), "-", f"failed: {r['errors'][0].splitlines()[0][:60]}",
-                      *["-"] * 11)
+                      *["-"] * (len(columns) - 4))
             continue
         t.add_row(r["name"], _num(r["every"], "d"), ",".join(r["io_engines"]) or "-",
                   _spread(r, "median_step_s", ".1f", 1e3),
                   _spread(r, "overhead_ratio", ".2f") + ("x" if r["overhead_ratio"] is not None else ""),
+                  r["against"] or "-",
                   _spread(r, "stall_ms_per_step", ".1f"), _spread(r, "layer_wait_ms_per_step", ".1f"),
                   _spread(r, "bytes_per_step", ".1f", 1e-6),
                   _spread(r, "write_MBps", ".0f"), _spread(r, "effective_MBps", ".0f"),
-                  _num(r["peak_rss_MB"], ".0f"), _spread(r, "page_cache_MB", ".0f"),
+                  _num(r["peak_MB"], ".0f"), _num(r["staging_MB"], ".0f"), _spread(r, "page_cache_MB", ".0f"),
                   _num(r["committed"], ".0f"),
-                  _spread(r, "recovery_s", ".2f"), _spread(r, "restore_s", ".2f"))
+                  _spread(r, "recovery_s", ".2f"), _spread(r, "setup_s", ".2f"), _spread(r, "restore_s", ".2f"))
     return t
 
 
-def print_table(rows: list[dict[str, Any]], title: str, console: Console) -> None:
+def print_table(t: Table, console: Console) -> None:
     if not console.is_terminal:  # piped or logged: full rows rather than 80 columns of truncated cells
         console = Console(file=console.file, width=max(console.width, 200), highlight=False)
-    console.print(table(rows, title))
+    console.print(t)
 
 
 def document(settings: dict[str, Any], machine: dict[str, Any], rows: list[dict[str, Any]],

@@ -21,7 +21,7 @@ from ..errors import CkptrunError
 from . import figures
 from .figures import RunFigures
 from .plan import Configuration, Launch, Workload, launch
-from .procmem import PeakRss
+from .procmem import Memory, PeakMemory
 
 LOG_TAIL_LINES = 15
 
@@ -44,7 +44,7 @@ class RunFailed(CkptrunError):
     pass
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
+def kill_tree(proc: subprocess.Popen) -> None:
     """Kill the run we started and every process it started, by pid."""
     try:
         kids = psutil.Process(proc.pid).children(recursive=True)
@@ -58,54 +58,54 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _execute(spec: Launch, log: Path, cwd: Path, timeout_s: float, *, include_root: bool) -> tuple[float, float]:
-    """Run to completion with the output in `log`; returns the peak RSS and the page cache's
-    growth (MB)."""
+def _execute(spec: Launch, log: Path, cwd: Path, timeout_s: float, *, include_root: bool) -> Memory:
+    """Run to completion with the output in `log`; returns its memory peaks."""
     with log.open("w") as out:
         proc = subprocess.Popen(spec.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
                                 env=spec.env)
-        rss = PeakRss(proc.pid, include_root=include_root).start()
+        sampler = PeakMemory(proc.pid, include_root=include_root).start()
         try:
             rc = proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            _kill_tree(proc)
+            kill_tree(proc)
             rc = None
         except BaseException:  # Ctrl-C: leave no run behind
-            _kill_tree(proc)
+            kill_tree(proc)
             raise
         finally:
-            rss.stop()
+            mem = sampler.stop()
     if rc != 0:
         lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
         what = f"timed out after {timeout_s:.0f} s" if rc is None else f"exited with code {rc}"
         raise RunFailed(f"{' '.join(spec.argv[:6])} ... {what}; log {log}:\n" + "\n".join(lines))
-    return rss.peak_MB, rss.cache_growth_MB
+    return mem
 
 
 def _ckptrun_run(cfg: Configuration, work: Workload, run_dir: Path, steps: int, warmup: int,
                  timeout_s: float) -> tuple[RunFigures, int]:
     spec = launch(cfg, work, run_dir, steps)
-    peak, cache = _execute(spec, run_dir / "log.txt", run_dir, timeout_s, include_root=False)
+    mem = _execute(spec, run_dir / "log.txt", run_dir, timeout_s, include_root=False)
     first = figures.attempts(run_dir / "timing.jsonl")[0]
-    result = figures.ckptrun_figures(first, run_dir / "metrics", warmup, peak, cache)
+    result = figures.ckptrun_figures(first, run_dir / "metrics", warmup, mem)
     if spec.crash_step is not None:
-        result.recovery_s, result.restore_s = figures.ckptrun_recovery(run_dir / "metrics")
+        result.recovery_s, result.setup_s, result.restore_s = figures.ckptrun_recovery(run_dir / "metrics")
     return result, first.params
 
 
 def _script_run(cfg: Configuration, work: Workload, run_dir: Path, steps: int, warmup: int,
                 timeout_s: float) -> tuple[RunFigures, int]:
-    peak, cache = _execute(launch(cfg, work, run_dir, steps), run_dir / "log.txt", run_dir, timeout_s,
-                           include_root=True)
+    mem = _execute(launch(cfg, work, run_dir, steps), run_dir / "log.txt", run_dir, timeout_s, include_root=True)
     first = figures.attempts(run_dir / "timing.jsonl")[0]
-    result = figures.reference_figures(first, warmup, peak, cache)
+    result = figures.reference_figures(first, warmup, mem)
     last = max((s["step"] for s in first.saves), default=None)
     if last is not None:
         _execute(launch(cfg, work, run_dir, last + 1, recovery=True), run_dir / "log-recovery.txt", run_dir,
                  timeout_s, include_root=True)
-        result.recovery_s = figures.attempts(run_dir / "timing.jsonl")[-1].recovery_s
-        if result.recovery_s is None:
+        recovery = figures.attempts(run_dir / "timing.jsonl")[-1].recovery
+        if recovery is None:
             raise RunFailed(f"the recovery run in {run_dir} did not restore step {last}")
+        result.recovery_s, result.setup_s, result.restore_s = (recovery["recovery_s"], recovery.get("setup_s"),
+                                                               recovery.get("restore_s"))
     return result, first.params
 
 

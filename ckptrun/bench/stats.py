@@ -1,8 +1,10 @@
 """Fold the repetitions of each configuration into median, min and max per figure, and the
 overhead ratio against the `none` baseline of the same invocation.
 
-`overhead_ratio` = a configuration's `median_step_s` / `none`'s `median_step_s` (its min and max
-use the configuration's min and max step time over the same denominator). Figures that a run
+`overhead_ratio` = a configuration's `median_step_s` / its reference's `median_step_s`: `none`'s,
+or for a strategy that changes training `none+VALUE`'s (the same training without checkpointing,
+see `plan.matching_baseline`); its min and max use the configuration's min and max step time
+over the same denominator. Each row names its reference (`against`). Figures that a run
 does not have (no bytes written, nothing to recover) are left out of the median; a figure no
 run has is None.
 """
@@ -40,6 +42,7 @@ def summarize(configs: list[Configuration], outcomes: dict[str, list[Outcome]]) 
             k = _key(f)
             mid[k], low[k], high[k] = (median(values), min(values), max(values)) if values else (None, None, None)
         rows.append({"name": cfg.name, "method": cfg.method, "kind": cfg.kind, "every": cfg.every,
+                     "against": cfg.reference if cfg.name != BASELINE else None,
                      **{k: mid.get(k) for k in KEYS}, "min": low, "max": high, "repetitions": len(ok),
                      "io_engines": sorted({x.io_engine for x in ok if x.io_engine}),
                      "runs": [o.to_json() for o in runs],
@@ -49,8 +52,9 @@ def summarize(configs: list[Configuration], outcomes: dict[str, list[Outcome]]) 
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
-    base = next((r[STEP] for r in rows if r["name"] == BASELINE), None)
+    steps = {r["name"]: r[STEP] for r in rows}
     for r in rows:
+        base = steps.get(r["against"] or BASELINE)
         for where in (r, r["min"], r["max"]):
             where[RATIO] = where[STEP] / base if base and where[STEP] is not None else None
         r["min"] = {k: r["min"][k] for k in KEYS}

@@ -21,6 +21,10 @@ class Option:
     choices: tuple[str, ...] = ()  # the allowed values, checked by the launcher before anything starts
     ints: tuple[int, int] | None = None  # or: an integer in this range (or `auto`), checked the same way
     fraction: bool = False  # or: a number in (0, 1]
+    # Changes what training computes (e.g. gradient compression), not only what is saved: a fair
+    # reference trains the same way without checkpointing (`ckptrun bench`'s `none+VALUE`, the
+    # example script taking the same flag).
+    trains: bool = False
 
     @property
     def flag(self) -> str:

@@ -31,7 +31,7 @@ import os
 import re
 from datetime import datetime
 
-__all__ = ["parse_duration", "format_duration", "mtbf_from_failure_log"]
+__all__ = ["parse_duration", "format_duration", "mtbf_from_failure_log", "read_failure_log"]
 
 _UNIT_SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _ACCEPTED = "a positive number of seconds (120, 1.5) or with units: 500ms, 90s, 45m, 2h, 1.5d, 1h30m"
@@ -96,15 +96,16 @@ def format_duration(seconds: float) -> str:
     return " ".join(parts)
 
 
-def _parse_timestamp(text: str) -> datetime:
+def parse_timestamp(text: str) -> datetime:
     # Python < 3.11 does not read a trailing "Z" (UTC) in fromisoformat.
     if text[-1:] in "zZ":
         text = text[:-1] + "+00:00"
     return datetime.fromisoformat(text)
 
 
-def mtbf_from_failure_log(path: str | os.PathLike[str]) -> float:
-    """Mean time between failures, in seconds, from a file of failure timestamps (format above)."""
+def read_failure_log(path: str | os.PathLike[str]) -> list[datetime]:
+    """The failure timestamps of a failure log (format above), sorted; ValueError naming the line
+    where it cannot be read."""
     stamps: list[tuple[datetime, int]] = []
     with open(path, encoding="utf-8") as fh:
         for lineno, raw in enumerate(fh, start=1):
@@ -112,24 +113,29 @@ def mtbf_from_failure_log(path: str | os.PathLike[str]) -> float:
             if not line:
                 continue
             try:
-                stamps.append((_parse_timestamp(line), lineno))
+                stamps.append((parse_timestamp(line), lineno))
             except ValueError:
                 raise ValueError(
                     f"{os.fspath(path)}:{lineno}: {line!r} is not an ISO-8601 timestamp "
                     "(e.g. 2024-05-01T03:12:00Z)"
                 ) from None
-    if len(stamps) < 2:
-        raise ValueError(
-            f"{os.fspath(path)}: need at least two failure timestamps to compute an MTBF, "
-            f"found {len(stamps)}"
-        )
     aware = [ts.tzinfo is not None for ts, _ in stamps]
     if any(aware) and not all(aware):
         odd = next(lineno for (_, lineno), a in zip(stamps, aware, strict=True) if a != aware[0])
         raise ValueError(
             f"{os.fspath(path)}:{odd}: mixes timestamps with and without a timezone; use one kind"
         )
-    times = sorted(ts for ts, _ in stamps)
+    return sorted(ts for ts, _ in stamps)
+
+
+def mtbf_from_failure_log(path: str | os.PathLike[str]) -> float:
+    """Mean time between failures, in seconds, from a file of failure timestamps (format above)."""
+    times = read_failure_log(path)
+    if len(times) < 2:
+        raise ValueError(
+            f"{os.fspath(path)}: need at least two failure timestamps to compute an MTBF, "
+            f"found {len(times)}"
+        )
     span = (times[-1] - times[0]).total_seconds()
     if span <= 0:
         raise ValueError(f"{os.fspath(path)}: all failure timestamps are identical; MTBF is undefined")

@@ -176,6 +176,7 @@ class Runtime:
         self.resume: ResumeState | None = None
         self.recovery_started: float | None = None  # set on resume: time to the first resumed step
         self.restore_s = 0.0  # of it, ckptrun's own restore: decide, read, validate, load, replay
+        self.setup_s: float | None = None  # of it, process start and the script's set-up up to its first optimizer
         self.replaying = False  # optimizer steps taken by replay are not training steps
         self.checkpointed_step: int | None = None  # newest step committed already or captured by this run
         self.stop_signal: int | None = None  # SIGTERM/SIGINT received: stop at the agreed step
@@ -339,7 +340,8 @@ class Runtime:
         if self.recovery_started is not None:
             self.metrics.emit(type="restart", restart_count=self.restart_count,
                               resume_step=self.resume.step if self.resume else 0,
-                              recovery_s=time.time() - self.recovery_started, restore_s=self.restore_s)
+                              recovery_s=time.time() - self.recovery_started, restore_s=self.restore_s,
+                              setup_s=self.setup_s)
             self.recovery_started = None
         self.metrics.inflight = self.slots.inflight
         record = self.metrics.end_step(self.step)
@@ -420,6 +422,8 @@ class Runtime:
             self.track(orphans_key(_indexed("optimizer", idx)), discovery.OrphanParams(orphans))
         self.metrics.emit(type="optimizer", index=idx, cls=type(opt).__name__,
                           param_bytes=sum(p.numel() * p.element_size() for g in opt.param_groups for p in g["params"]))
+        if idx == 0 and self.recovery_started is not None:
+            self.setup_s = time.time() - self.recovery_started - self.restore_s
         if self.resume is not None:
             self._restore(opt, idx)
         if idx == 0:

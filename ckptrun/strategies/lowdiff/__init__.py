@@ -8,5 +8,6 @@ from ..options import Option
 OPTIONS = (
     Option("full_every", "auto", "steps between full checkpoints, or auto (eq. 10)."),
     Option("batch", "auto", "diffs written per record, or auto (eq. 10)."),
-    Option("compress", None, "gradient compression in training, e.g. topk:0.01 (top-k with error feedback)."),
+    Option("compress", None, "gradient compression in training, e.g. topk:0.01 (top-k with error feedback).",
+           trains=True),
 )
