@@ -13,9 +13,10 @@ import json
 import os
 import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
 from statistics import median
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -27,11 +28,14 @@ from .failure_runner import run_under_failures
 from .failures import Schedule
 from .goodput import Goodput, goodput
 
+if TYPE_CHECKING:  # (the driver imports this module)
+    from .driver import BenchOptions
+
 SCHEMA = "ckptrun-bench-failures/1"
 NO_FAILURES = "no failures"
 
 
-def schedules(o: Any) -> dict[str, list[Schedule]]:
+def schedules(o: BenchOptions) -> dict[str, list[Schedule]]:
     """{MTBF label: one schedule per repetition}; one label for a replayed trace."""
     duration = o.duration_s()
     if o.failure_log:
@@ -41,7 +45,7 @@ def schedules(o: Any) -> dict[str, list[Schedule]]:
             for m in o.mtbf_s()}
 
 
-def run_failure_bench(o: Any, console: Console, progress: Console) -> int:
+def run_failure_bench(o: BenchOptions, console: Console, progress: Console) -> int:
     """Run the goodput bench described by BenchOptions `o`; returns the exit code."""
     configs = plan.configurations(o.strategies, o.every, o.io_engine)
     baselines = [c for c in configs if c.kind == "baseline"]
@@ -81,7 +85,7 @@ def run_failure_bench(o: Any, console: Console, progress: Console) -> int:
     report.print_table(table(rows, title), console)
     if o.json:
         doc = {"schema": SCHEMA, "command": o.command(), "wall_s": time.perf_counter() - t0,
-               "settings": {**o.__dict__, "model_args": plan.MODELS[o.model], "dir": str(root)},
+               "settings": {**asdict(o), "model_args": plan.MODELS[o.model], "dir": str(root)},
                "machine": machine.describe(root),
                "schedules": {label: [{"source": s.source, "offsets": list(s.offsets)} for s in ss]
                              for label, ss in plans.items()},
