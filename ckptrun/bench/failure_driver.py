@@ -57,6 +57,12 @@ def run_failure_bench(o: BenchOptions, console: Console, progress: Console) -> i
     root.mkdir(parents=True, exist_ok=True)
     if o.traces:
         _write_traces(plans, Path(o.traces))
+    for label, ss in plans.items():
+        empty = [r + 1 for r, sched in enumerate(ss) if not sched.offsets]
+        if empty:
+            progress.print(f"ckptrun bench: warning: {label}: no failure within {format_duration(o.duration_s())} "
+                           f"in repetition(s) {', '.join(map(str, empty))}; a --duration of several MTBFs gives "
+                           "failures to measure")
     total = o.repeat * (len(baselines) + len(plans) * len(configs))
     progress.print(f"ckptrun bench --failures {o.failures}: {len(configs)} configurations x {len(plans)} failure "
                    f"rate(s) x {o.repeat} repetitions (+ baselines without failures), "
