@@ -37,12 +37,25 @@ def test_goodput_of_a_known_log_is_exact():
     assert g.mean_lost == pytest.approx(4 / 3)
 
 
+def test_a_run_that_starts_over_loses_what_each_process_did():
+    """`none` has no checkpoint: each process starts from 0, and a kill loses what that process
+    reached, not the run's best."""
+    tl = Timeline(launched=0.0, end=30.0, kills=[10.0, 20.0], starts=[(1.0, 0), (11.0, 0), (21.0, 0)])
+    tl.steps = [(1.0 + 0.1 * s, s) for s in range(1, 51)]  # 50 steps by 6.0
+    tl.steps += [(11.0 + 0.1 * s, s) for s in range(1, 31)]  # 30 by 14.0
+    tl.steps += [(21.0 + 0.1 * s, s) for s in range(1, 41)]  # 40 by 25.0
+    g = goodput(tl)
+    assert (g.lost_steps, g.useful_steps) == ([50, 30], 40)
+    tl.kills.append(26.0)  # killed again, not started again by the end: nothing resumable stands
+    assert goodput(tl).useful_steps == 0
+
+
 def test_a_run_that_never_resumed_has_lost_nothing_it_can_show():
     """A kill whose next process does not start before the end: no lost-steps figure for it, and
-    the steps before the kill are the run's useful steps."""
-    tl = Timeline(launched=0.0, end=10.0, kills=[5.0], starts=[(0.5, 0)], steps=[(1.0, 1), (2.0, 2)])
+    the run's useful steps are what a restart would resume from."""
+    tl = Timeline(launched=0.0, end=10.0, kills=[5.0], starts=[(0.5, 0)], steps=[(1.0, 1), (2.0, 2)], resumable=1)
     g = goodput(tl)
-    assert (g.useful_steps, g.lost_steps, g.recovery_s, g.interrupted) == (2, [], [], 0)
+    assert (g.useful_steps, g.lost_steps, g.recovery_s, g.interrupted) == (1, [], [], 0)
 
 
 def test_the_schedule_depends_on_the_seed_alone():

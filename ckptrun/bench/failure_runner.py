@@ -24,6 +24,8 @@ from pathlib import Path
 import psutil
 
 from ..launcher.console.metrics_feed import MetricsTailer
+from ..restore.recovery import restorable
+from ..storage.store import Store
 from .failures import Schedule
 from .goodput import Timeline
 from .plan import Configuration, Workload, failure_launch
@@ -127,11 +129,21 @@ def run_under_failures(cfg: Configuration, work: Workload, run_dir: Path, schedu
             kill_tree(run.proc)
         raise
     run.stop()
-    timeline = Timeline(launched, end, kills).read_timing(run_dir / "timing.jsonl")
+    timeline = Timeline(launched, end, kills, resumable=_resumable(cfg, run_dir / "ckpt")).read_timing(
+        run_dir / "timing.jsonl")
     if cfg.kind == "ckptrun":
         timeline.restores += [float(e.get("restore_s") or 0.0) for e in MetricsTailer(run_dir / "metrics").poll()
                               if e.get("type") == "restart" and e.get("resume_step")]
     return timeline
+
+
+def _resumable(cfg: Configuration, ckpt: Path) -> int:
+    """The newest step a restart of `cfg` would resume from: ckptrun's newest committed step, a
+    reference's newest save (its files are named by step), 0 for a run without checkpoints."""
+    if cfg.kind == "ckptrun":
+        return max(restorable(Store(ckpt)), default=0) if ckpt.is_dir() else 0
+    names = [p.name.split(".")[0].removeprefix("step-") for p in ckpt.glob("step-*")] if ckpt.is_dir() else []
+    return max((int(n) for n in names if n.isdigit()), default=0)
 
 
 def _wait_until(t: float, run: _Run) -> None:

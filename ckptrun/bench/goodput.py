@@ -4,11 +4,13 @@ The log is what the example script's timing file holds (every process that ran a
 `start` line with the step it starts from, and a line per finished step, each with its wall
 clock `t`) plus the kills the bench made. Definitions (pccheck.txt §5.2.3, lowdiff.txt Exp. 9):
 
-- useful steps: the highest step finished by the end of the budget. A step redone after a
-  rollback counts once, since only the highest step reached is training progress.
+- useful steps: the training progress that stands at the end of the budget: the highest step
+  finished by the process running then; if the last kill left no process that got as far as its
+  training loop, the step a restart would resume from (`resumable`, read from the checkpoint
+  directory by the runner; 0 for `none`). A step redone after a rollback counts once.
 - goodput: useful steps per second of the budget (launch to end, restarts included).
-- steps lost by a failure: the highest step finished before the kill less the step the next
-  process resumed from (the work redone).
+- steps lost by a failure: the highest step the killed process had reached (finished, or
+  started from) less the step the next process resumed from: the work redone.
 - recovery of a failure: the kill to the first step finished after it, when that comes before
   the next kill (a failure that hits a recovering run has no recovery of its own; it is counted
   in `interrupted`).
@@ -37,6 +39,7 @@ class Timeline:
     starts: list[tuple[float, int]] = field(default_factory=list)
     steps: list[tuple[float, int]] = field(default_factory=list)
     restores: list[float] = field(default_factory=list)  # state restore (s) of each resumed process
+    resumable: int = 0  # the newest step a restart would resume from, at the end
 
     def read_timing(self, path: Path) -> Timeline:
         """Add the starts and steps of the example script's timing file (lines cut short by a
@@ -99,7 +102,8 @@ def goodput(tl: Timeline) -> Goodput:
     kills = sorted(k for k in tl.kills if tl.launched <= k <= tl.end)
     lost, recovery, interrupted = [], [], 0
     for i, k in enumerate(kills):
-        reached = max((s for t, s in done if t <= k), default=0)
+        began, start_step = max(((t, s) for t, s in tl.starts if t <= k), default=(tl.launched, 0))
+        reached = max((s for t, s in done if began < t <= k), default=start_step)
         resumed = next((s for t, s in tl.starts if t > k and t <= tl.end), None)
         if resumed is not None:
             lost.append(reached - resumed)
@@ -109,7 +113,11 @@ def goodput(tl: Timeline) -> Goodput:
             recovery.append(first - k)
         elif i + 1 < len(kills):
             interrupted += 1
-    useful = max((s for _, s in done), default=0)
+    last = max(((t, s) for t, s in tl.starts if t <= tl.end), default=None)
+    if last is not None and not any(k > last[0] for k in kills):
+        useful = max((s for t, s in done if t > last[0]), default=last[1])
+    else:
+        useful = min(tl.resumable, max((s for _, s in done), default=0))
     return Goodput(duration, useful, useful / duration, len(kills), [k - tl.launched for k in kills], lost, recovery,
                    interrupted, list(tl.restores))
 
