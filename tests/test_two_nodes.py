@@ -185,5 +185,6 @@ def test_node_killed_and_restarted_resumes_exactly(nodes, tmp_path):
     assert KILL_AFTER <= resumed[0]["resume_step"] < STOP, resumed
     for rank in (0, 1):
         assert_training_state(load(killed / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
+    back = max(e["t"] for e in resumed) - t_kill
     print(f"two nodes: uninterrupted run {t_plain:.1f} s, whole test {t_all:.1f} s; killed with step {at_kill} "
-          f"committed, resumed at {resumed[0]['resume_step']}")
+          f"committed, resumed at {resumed[0]['resume_step']}, {back:.1f} s after the kill")
