@@ -6,6 +6,10 @@ from __future__ import annotations
 import functools
 import os
 from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 
 def agent_store() -> bool:
@@ -26,7 +30,7 @@ def attempt(restart_count: int) -> str:
 
 
 @functools.cache
-def _server_or_client():
+def _server_or_client() -> dist.TCPStore:
     """One connection per process. Without the agent's store, rank 0 hosts the attempt's store
     (multi-tenant: the script's own `init_process_group` later shares the same server) and keeps
     it for as long as the process lives, since the other ranks may still be reading from it."""
@@ -37,7 +41,7 @@ def _server_or_client():
                          multi_tenant=host, timeout=timedelta(minutes=10))
 
 
-def job_store(restart_count: int, namespace: str = ""):
+def job_store(restart_count: int, namespace: str = "") -> dist.PrefixStore:
     """A client of the job's TCPStore, keyed per run and attempt (and `namespace`)."""
     import torch.distributed as dist
 
