@@ -140,6 +140,12 @@ def run(
     rdzv_endpoint: Annotated[str | None, typer.Option(help="Rendezvous endpoint HOST:PORT (torchrun).")]
     = None,
     rdzv_id: Annotated[str | None, typer.Option(help="Rendezvous/job id (torchrun).")] = None,
+    rdzv_conf: Annotated[str | None, typer.Option(help="Rendezvous settings KEY=VALUE,... (torchrun), e.g. "
+                                                       "join_timeout=60,last_call_timeout=1,close_timeout=10, "
+                                                       "is_host=true.")] = None,
+    local_addr: Annotated[str | None, typer.Option(help="This node's address that the other nodes reach "
+                                                        "(torchrun); default: its host name, which nodes "
+                                                        "sharing one host name cannot tell apart.")] = None,
     master_addr: Annotated[str | None, typer.Option(help="Master address, static rendezvous (torchrun).")]
     = None,
     master_port: Annotated[int | None, typer.Option(help="Master port, static rendezvous (torchrun).")]
@@ -175,8 +181,8 @@ def run(
                     mtbf=mtbf_s, max_steps=max_steps, on_restart=on_restart, dist_env=dist_env,
                     options={**_chosen_options(ctx, strategy, strategy_options),
                              **({"mtbf": mtbf_s} if mtbf_s else {})})
-    opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id,
-                         master_addr, master_port, max_restarts, standalone,
+    opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf,
+                         local_addr, master_addr, master_port, max_restarts, standalone,
                          term_timeout=_duration("--term-timeout", term_timeout))
     raise typer.Exit(launch(cfg, opts, script, list(script_args or []), dashboard=dashboard,
                             metrics_file=metrics_file))

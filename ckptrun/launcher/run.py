@@ -33,6 +33,8 @@ class LaunchOptions:
     rdzv_backend: str | None = None
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
+    rdzv_conf: str | None = None
+    local_addr: str | None = None
     master_addr: str | None = None
     master_port: int | None = None
     max_restarts: int = 0
@@ -45,6 +47,7 @@ class LaunchOptions:
                 "--max-restarts", str(self.max_restarts), "--monitor-interval", "0.1"]
         for flag, value in (("--node-rank", self.node_rank), ("--rdzv-backend", self.rdzv_backend),
                             ("--rdzv-endpoint", self.rdzv_endpoint), ("--rdzv-id", self.rdzv_id),
+                            ("--rdzv-conf", self.rdzv_conf), ("--local-addr", self.local_addr),
                             ("--master-addr", self.master_addr), ("--master-port", self.master_port)):
             if value is not None:
                 argv += [flag, str(value)]
@@ -192,6 +195,12 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
     if not cfg.dist_env:  # before torchrun adds its own to this process's environment
         cfg.launcher_env = {k: v for k, v in os.environ.items() if is_torchrun_var(k)}
     os.environ[ENV] = cfg.to_env()
+    if opts.nnodes != "1":
+        # torch 2.13's shared rendezvous store cannot take a replaced node: rank 0's agent publishes
+        # the workers' MASTER_ADDR/PORT in the first round only, and a node joining a later round
+        # waits for them until the join times out. Every round then gets a store of its own, hosted
+        # by worker rank 0 (ckptrun.worker.jobstore).
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     console = Console()
     live = dashboard and console.is_terminal
     # On SIGTERM/SIGINT the elastic agent forwards the signal and gives the workers this long to

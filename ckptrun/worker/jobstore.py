@@ -3,17 +3,47 @@ resume from, the interval `--every auto` chose) without touching the script's pr
 
 from __future__ import annotations
 
+import functools
 import os
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-
-def job_store(restart_count: int, namespace: str = ""):
-    """A client of the elastic agent's TCPStore, keyed per run and attempt (and `namespace`)."""
+if TYPE_CHECKING:
     import torch.distributed as dist
 
-    prefix = f"ckptrun/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{restart_count}"
-    return dist.PrefixStore(
-        f"{prefix}/{namespace}" if namespace else prefix,
-        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                      timeout=timedelta(minutes=10)),
-    )
+
+def agent_store() -> bool:
+    """Whether the workers' MASTER_ADDR:MASTER_PORT is the elastic agent's store, which lives for
+    the whole job (torch elastic's default), rather than one worker rank 0 hosts for its attempt
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which the launcher sets for several nodes)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "True") == "True"
+
+
+def attempt(restart_count: int) -> str:
+    """The part of the job store's keys that names this attempt, the same on every rank of it.
+
+    In the agent's store, which outlives attempts, that is the restart count: one agent restarts
+    all of its workers together. Across nodes the agents' counts differ (a replaced node starts
+    again at 0, and an agent restarts healthy workers for a waiting node without counting it),
+    so there every attempt has a store of its own, on a port the rendezvous chose for it."""
+    return str(restart_count) if agent_store() else f"port-{os.environ['MASTER_PORT']}"
+
+
+@functools.cache
+def _server_or_client() -> dist.TCPStore:
+    """One connection per process. Without the agent's store, rank 0 hosts the attempt's store
+    (multi-tenant: the script's own `init_process_group` later shares the same server) and keeps
+    it for as long as the process lives, since the other ranks may still be reading from it."""
+    import torch.distributed as dist
+
+    host = not agent_store() and os.environ.get("RANK") == "0"
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=host,
+                         multi_tenant=host, timeout=timedelta(minutes=10))
+
+
+def job_store(restart_count: int, namespace: str = "") -> dist.PrefixStore:
+    """A client of the job's TCPStore, keyed per run and attempt (and `namespace`)."""
+    import torch.distributed as dist
+
+    prefix = f"ckptrun/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{attempt(restart_count)}"
+    return dist.PrefixStore(f"{prefix}/{namespace}" if namespace else prefix, _server_or_client())

@@ -67,12 +67,13 @@ def _patch_family(base: type, callback: Callable[[Any], None]) -> None:
     base.__init_subclass__ = classmethod(__init_subclass__)
 
 
-def _isolate_attempt(restart_count: int) -> None:
+def _isolate_attempt(attempt: str) -> None:
     """Scope the script's `env://` process-group keys to this restart attempt.
 
     torchrun's agent keeps one TCPStore for the whole job, and a process group's keys (a gloo
     peer's address, an NCCL id) do not name the attempt: a restarted worker can read a dead
     peer's address from the previous attempt and fail to connect (pytorch/pytorch#135712).
+    `attempt`: jobstore.attempt's name of it, the same on every node.
     """
     import torch.distributed as dist
 
@@ -81,7 +82,7 @@ def _isolate_attempt(restart_count: int) -> None:
 
     def handler(url: str, **kwargs: Any):
         for store, rank, world_size in env_handler(url, **kwargs):
-            yield dist.PrefixStore(f"ckptrun/attempt-{restart_count}", store), rank, world_size
+            yield dist.PrefixStore(f"ckptrun/attempt-{attempt}", store), rank, world_size
 
     rdzv._rendezvous_handlers["env"] = handler
 
@@ -148,7 +149,9 @@ def _route_clipping(strategy: Any) -> None:
 
 def install(rt: Any) -> None:
     if rt.world_size > 1 and torch.distributed.is_available():
-        _isolate_attempt(rt.restart_count)
+        from .jobstore import attempt
+
+        _isolate_attempt(attempt(rt.restart_count))
     _patch_family(torch.optim.Optimizer, rt.on_optimizer)
     _watch_backward(rt)
     _patch_family(torch.optim.lr_scheduler.LRScheduler, rt.on_scheduler)

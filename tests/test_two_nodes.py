@@ -1,0 +1,194 @@
+"""Two real nodes: each in a network namespace of its own (and a host name of its own), joined by
+a veth pair, with its own launcher, engine and worker (c10d rendezvous, gloo), one shared --dir.
+
+One node's whole process tree is SIGKILLed mid-run and started again, as a job scheduler
+restarts a node: the surviving node's agent restarts its worker, both resume from the same
+committed step, and every rank's final state equals an uninterrupted two-node run's bit for bit.
+No step is ever committed without both nodes' parts. Needs root (CAP_NET_ADMIN), `ip` and
+`unshare`; skipped, saying which is missing, elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import EXAMPLE, LONG, assert_training_state, ckptrun, clean_env, load, ok
+
+from ckptrun.storage.store import Store
+
+STOP = 24  # optimizer steps of each run
+KILL_AFTER = 3  # node 1 is killed once this step is committed
+PORT = 29611
+# Rendezvous settings that keep the test short: a dead node's heartbeats are missed after 3 s
+# (torch's default: 15 s) and a join gives up after 60 s.
+RDZV_CONF = "join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3"
+RUN_TIMEOUT_S = 180
+ARGS = [*LONG, "--stop-after", STOP, "--save-at", STOP, "--save-path", "own-{rank}.pt"]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@dataclass
+class Node:
+    """One node: a network namespace with one end of the veth pair, at `addr`."""
+
+    rank: int
+    netns: str
+    link: str
+    addr: str
+
+    def start(self, cwd: Path, host: str, *flags: object) -> subprocess.Popen:
+        """Its launcher (`ckptrun run`, node rank `rank`), under a host name of its own, as a node has."""
+        argv = ["ip", "netns", "exec", self.netns, "unshare", "--uts", "sh", "-c",
+                f'hostname node{self.rank} && exec "$@"', "sh",
+                sys.executable, "-m", "ckptrun", "run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--node-rank", str(self.rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{PORT}",
+                "--rdzv-id", "two-nodes", "--rdzv-conf", f"{RDZV_CONF},is_host={str(self.rank == 0).lower()}",
+                "--local-addr", self.addr, "--max-restarts", "1", "--no-dashboard", "--dir", "ckpts",
+                "--keep", "0", "--metrics-dir", f"metrics-node{self.rank}", *map(str, flags), EXAMPLE,
+                *map(str, ARGS)]
+        env = {**clean_env(None), "GLOO_SOCKET_IFNAME": self.link, "OMP_NUM_THREADS": "1"}
+        with open(cwd / f"node{self.rank}.log", "ab") as out:
+            return subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def kill(self) -> None:
+        """SIGKILL every process in the namespace at one moment (launcher, engine, worker): a
+        node failure. Stopped first, so that nothing starts another process meanwhile."""
+        pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", self.netns], capture_output=True,
+                                               text=True).stdout.split()]
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root (CAP_NET_ADMIN)"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is not installed"
+    return None
+
+
+@pytest.fixture
+def nodes() -> Iterator[tuple[Node, Node]]:
+    """Two namespaces joined by a veth pair, names and subnet unique to this test run; torn down
+    (processes killed, namespaces deleted, which deletes the veth pair) however the test ends."""
+    if why := _why_not():
+        pytest.skip(f"two-node test skipped: {why}")
+    tag = secrets.token_hex(3)
+    net = f"10.{200 + int(tag[:2], 16) % 50}.{int(tag[2:4], 16)}"
+    pair = (Node(0, f"ckptrun-{tag}-0", f"ck{tag}0", f"{net}.1"), Node(1, f"ckptrun-{tag}-1", f"ck{tag}1", f"{net}.2"))
+    made: list[Node] = []
+    try:
+        for node in pair:
+            _ip("netns", "add", node.netns)
+            made.append(node)
+        _ip("link", "add", pair[0].link, "type", "veth", "peer", "name", pair[1].link)
+        for node in pair:
+            _ip("link", "set", node.link, "netns", node.netns)
+            _ip("-n", node.netns, "addr", "add", f"{node.addr}/24", "dev", node.link)
+            _ip("-n", node.netns, "link", "set", node.link, "up")
+            _ip("-n", node.netns, "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as e:
+        for node in made:
+            _ip("netns", "del", node.netns)
+        if made:
+            raise
+        pytest.skip(f"two-node test skipped: cannot make a network namespace ({e.stderr.strip()})")
+    try:
+        yield pair
+    finally:
+        for node in made:
+            node.kill()
+            subprocess.run(["ip", "netns", "del", node.netns], capture_output=True)
+
+
+def _finish(procs: list[subprocess.Popen], cwd: Path) -> list[int]:
+    try:
+        return [p.wait(timeout=RUN_TIMEOUT_S) for p in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a node did not finish in {RUN_TIMEOUT_S} s\n{_logs(cwd)}")
+
+
+def _logs(cwd: Path) -> str:
+    return "\n".join(f"--- node{r}\n" + (cwd / f"node{r}.log").read_text()[-3000:] for r in (0, 1))
+
+
+def _committed_with_both_parts(cwd: Path) -> list[int]:
+    """Every committed step lists both ranks' parts, and `ckptrun verify` passes; the steps."""
+    ms = Store(cwd / "ckpts").manifests()
+    for m in ms:
+        assert (m.world_size, sorted(m.index_checksums)) == (2, ["0", "1"]), f"{m.name} lacks a node's part"
+    ok(ckptrun(cwd, "verify", "--dir", "ckpts"))
+    return [m.step for m in ms]
+
+
+def _newest(cwd: Path) -> int:
+    """The newest committed step in cwd/ckpts (-1: none yet)."""
+    return max((m.step for m in Store(cwd / "ckpts").manifests(warn=False)), default=-1)
+
+
+def _runs(cwd: Path, node: Node) -> list[dict]:
+    """Every `run` event (one per worker start) of one node's workers, in the order they started."""
+    events = [json.loads(line) for f in (cwd / f"metrics-node{node.rank}").glob("worker-*.jsonl")
+              for line in f.read_text().splitlines()]
+    return sorted((e for e in events if e.get("type") == "run"), key=lambda e: e["t"])
+
+
+def test_node_killed_and_restarted_resumes_exactly(nodes, tmp_path):
+    head, other = nodes
+    t0 = time.monotonic()
+    plain = tmp_path / "uninterrupted"
+    plain.mkdir()
+    procs = [head.start(plain, head.addr), other.start(plain, head.addr)]
+    assert _finish(procs, plain) == [0, 0], _logs(plain)
+    assert _committed_with_both_parts(plain)[-1] == STOP
+    t_plain = time.monotonic() - t0
+
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    procs = [head.start(killed, head.addr), other.start(killed, head.addr)]
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while _newest(killed) < KILL_AFTER:  # (whatever the strategy's layout)
+        assert time.monotonic() < deadline and procs[1].poll() is None, _logs(killed)
+        time.sleep(0.01)
+    other.kill()
+    t_kill = time.time()
+    assert procs[1].wait(timeout=30) == -signal.SIGKILL
+    at_kill = _newest(killed)
+    assert at_kill < STOP, "the node was killed after the run ended"
+    procs[1] = other.start(killed, head.addr)  # the scheduler restarts the node
+    assert _finish(procs, killed) == [0, 0], _logs(killed)
+    t_all = time.monotonic() - t0
+
+    steps = _committed_with_both_parts(killed)
+    assert steps[-1] == STOP
+    # The surviving node's agent restarted its worker (its --max-restarts budget counts it); the
+    # restarted node starts its count afresh. Both resume from one committed step.
+    survivor, restarted = ([e for e in _runs(killed, node) if e["t"] > t_kill] for node in nodes)
+    resumed = survivor + restarted
+    assert [e["restart_count"] for e in survivor] == [1] and [e["restart_count"] for e in restarted] == [0], resumed
+    assert sorted(e["rank"] for e in resumed) == [0, 1], resumed
+    assert len({e["resume_step"] for e in resumed}) == 1, f"the ranks resumed from different steps: {resumed}"
+    assert KILL_AFTER <= resumed[0]["resume_step"] < STOP, resumed
+    for rank in (0, 1):
+        assert_training_state(load(killed / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
+    back = max(e["t"] for e in resumed) - t_kill
+    print(f"two nodes: uninterrupted run {t_plain:.1f} s, whole test {t_all:.1f} s; killed with step {at_kill} "
+          f"committed, resumed at {resumed[0]['resume_step']}, {back:.1f} s after the kill")
