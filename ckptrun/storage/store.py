@@ -345,7 +345,7 @@ class Store:
         if (index.record, index.rank) != (name, rank):
             raise CorruptCheckpoint(f"{name}: rank {rank} index belongs to {index.record} rank {index.rank}")
         try:
-            check_skeleton(index.skeleton, {k: t.dtype for k, t in index.tensors.items()})
+            check_skeleton(index.skeleton, {k: {"dtype": t.dtype, "shape": t.shape} for k, t in index.tensors.items()})
             if m.kind == "diff":
                 _check_diff_steps(m, index.skeleton)
         except ValueError as e:

@@ -32,6 +32,9 @@ class Entry:
     # `ckptrun tune`: "module:function" turning the interval plan into this strategy's settings
     # from its own model (see ckptrun/strategies/lowdiff/tuning.py); None keeps the interval plan.
     tuning: str | None = None
+    # It checkpoints sharded state (DTensor parameters and optimizer state: FSDP2, tensor parallel)
+    # through the shared capture path; one that does not is refused when such an optimizer appears.
+    sharded: bool = False
 
     def load(self):
         return _attr(self.trainer)
@@ -47,9 +50,10 @@ def _attr(path: str):
 
 BUILTIN: dict[str, Entry] = {
     "sync": Entry("ckptrun.strategies.sync:Sync",
-                  "blocking write on the training path (the torch.save baseline)"),
+                  "blocking write on the training path (the torch.save baseline)", sharded=True),
     "checkfreq": Entry("ckptrun.strategies.checkfreq:CheckFreq",
-                       "snapshot to host overlapped with the next forward/backward; persist in the engine"),
+                       "snapshot to host overlapped with the next forward/backward; persist in the engine",
+                       sharded=True),
     "lowdiff": Entry("ckptrun.strategies.lowdiff.trainer:LowDiff",
                      "every step's gradient as a batched differential checkpoint; full every F; exact replay",
                      engine_handler="ckptrun.strategies.lowdiff.engine:LowDiffHandler", options=lowdiff.OPTIONS,

@@ -52,7 +52,7 @@ from ..storage.store import full_name
 from ..storage.tree import flatten, orphans_key, unflatten
 from ..strategies import REGISTRY
 from ..strategies.context import StrategyContext
-from . import decisions, discovery
+from . import decisions, discovery, sharded
 from .metrics import WorkerMetrics
 
 _current: Runtime | None = None
@@ -395,6 +395,11 @@ class Runtime:
             self.metrics.emit(type="optimizer_alias", cls=type(opt).__name__)
             return
         idx = len(self.optimizers)
+        if not REGISTRY[self.cfg.strategy].sharded and any(sharded.is_dtensor(p) for p in params):
+            able = ", ".join(n for n, e in REGISTRY.items() if e.sharded)
+            raise CkptrunError(
+                f"--strategy {self.cfg.strategy} cannot checkpoint sharded parameters (DTensor: FSDP2's fully_shard, "
+                f"tensor parallel), and this script's {type(opt).__name__} updates some; use --strategy {able}")
         if idx > 0 and self.strategy.single_optimizer:
             raise CkptrunError(
                 f"--strategy {self.cfg.strategy} replays one optimizer, and this script creates a second one "
@@ -454,7 +459,7 @@ class Runtime:
             self.resume.restored.add(name)
         oname = _indexed("optimizer", idx)
         if oname in saved["optimizers"]:
-            opt.load_state_dict(saved["optimizers"][oname])
+            opt.load_state_dict(sharded.optimizer_state(saved["optimizers"][oname], replay.optimizer_params(opt)))
         if idx != 0:
             return
         if self.resume.diffs is not None:
@@ -471,6 +476,7 @@ class Runtime:
 
     def _load_model(self, name: str, model: torch.nn.Module, saved: dict) -> None:
         live = model.state_dict()
+        saved = sharded.model_state(saved, live)
         missing, extra = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
         shapes = [k for k in live if k in saved and tuple(live[k].shape) != tuple(saved[k].shape)]
         if missing or extra or shapes:
