@@ -13,10 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from ckptrun.storage.sharding import Sharded, assemble, local_box, shard_of
-from ckptrun.storage.store import Store
-from ckptrun.strategies import REGISTRY
 from conftest import (
     SCRIPTS,
     STRATEGIES,
@@ -30,6 +26,10 @@ from conftest import (
     restore,
     run_events,
 )
+
+from ckptrun.storage.sharding import Sharded, assemble, local_box, shard_of
+from ckptrun.storage.store import Store
+from ckptrun.strategies import REGISTRY
 
 SCRIPT = SCRIPTS / "fsdp_mlp.py"
 STEPS, EARLY = 8, 4
@@ -98,13 +98,6 @@ def test_consolidated_restore_equals_the_unsharded_run(fsdp_run, tmp_path):
         assert torch.equal(tensors[f"model/{key}"], t), key
 
 
-def test_rank_killed_resumes_exactly(fsdp_run, tmp_path):
-    ok(ckptrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "--strategy", "checkfreq", "--dir", "ckpts",
-               "--metrics-dir", "metrics", SCRIPT, "--steps", STEPS, "--save-at", STEPS, fault="kill:step=5:rank=1"))
-    assert [e["restart_count"] for e in run_events(tmp_path / "metrics", 1)] == [0, 1], "the fault did not fire"
-    assert_training_state(load(tmp_path / f"full-{STEPS}.pt"), truth(fsdp_run, STEPS))
-
-
 @pytest.mark.parametrize("ranks", [1, 4])
 def test_resume_at_another_world_size_reshards(fsdp_run, tmp_path, ranks):
     """Saved on 2 ranks, resumed on 1 or 4: the state the script resumes with is the consolidated
@@ -126,14 +119,18 @@ def test_unsharded_state_is_not_resharded(tmp_path):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_every_strategy_checkpoints_sharded_state_or_refuses_it(strategy, fsdp_run, tmp_path):
+def test_every_strategy_resumes_sharded_state_exactly_or_refuses_it(strategy, fsdp_run, tmp_path):
+    """A strategy that supports sharded state: rank 1 killed mid-run resumes at 2 ranks bit-exact,
+    and restore of the last step is the unsharded run's; one that does not refuses at start."""
     entry = REGISTRY[strategy]
-    proc = ckptrun(tmp_path, "--nproc-per-node", "2", "--strategy", strategy, *entry.short_run_flags, "--dir", "ckpts",
-                   SCRIPT, "--steps", EARLY)
+    flags = ["--nproc-per-node", "2", "--strategy", strategy, *entry.short_run_flags, "--dir", "ckpts"]
     if not entry.sharded:
-        line = error_line(proc)
+        line = error_line(ckptrun(tmp_path, *flags, SCRIPT, "--steps", STEPS))
         assert f"--strategy {strategy} cannot checkpoint sharded parameters" in line, line
         return
-    ok(proc)
-    state, _ = restore(tmp_path, tmp_path / "ckpts", EARLY)
-    assert_training_state(state, truth(fsdp_run, EARLY))
+    ok(ckptrun(tmp_path, *flags, "--max-restarts", "1", "--metrics-dir", "metrics", SCRIPT, "--steps", STEPS,
+               "--save-at", STEPS, fault="kill:step=5:rank=1"))
+    assert [e["restart_count"] for e in run_events(tmp_path / "metrics", 1)] == [0, 1], "the fault did not fire"
+    assert_training_state(load(tmp_path / f"full-{STEPS}.pt"), truth(fsdp_run, STEPS))
+    state, _ = restore(tmp_path, tmp_path / "ckpts", STEPS)
+    assert_training_state(state, truth(fsdp_run, STEPS))

@@ -33,7 +33,8 @@ class Entry:
     # from its own model (see ckptrun/strategies/lowdiff/tuning.py); None keeps the interval plan.
     tuning: str | None = None
     # It checkpoints sharded state (DTensor parameters and optimizer state: FSDP2, tensor parallel)
-    # through the shared capture path; one that does not is refused when such an optimizer appears.
+    # through the shared capture path; one that does not (the replay strategies: their engines and
+    # offline replay step whole tensors) is refused when such an optimizer appears.
     sharded: bool = False
 
     def load(self):
@@ -68,17 +69,17 @@ BUILTIN: dict[str, Entry] = {
     "pccheck": Entry("ckptrun.strategies.pccheck.trainer:PCcheck",
                      "N checkpoints in flight, chunks persisted by parallel writers into a slotted region; "
                      "pointer commit", engine_handler="ckptrun.strategies.pccheck.engine:PCcheckHandler",
-                     options=pccheck.OPTIONS, short_run_flags=("--max-inflight", "3", "--chunk-mb", "1")),
+                     options=pccheck.OPTIONS, short_run_flags=("--max-inflight", "3", "--chunk-mb", "1"), sharded=True),
     "lightcheck": Entry("ckptrun.strategies.lightcheck.trainer:LightCheck",
                         "layer-wise copies into a mapped region file overlapped with the next step; each layer's "
                         "update waits only for its own copy; slot commit",
                         engine_handler="ckptrun.strategies.lightcheck.engine:LightCheckHandler",
-                        options=lightcheck.OPTIONS, short_run_flags=("--copy-to", "region")),
+                        options=lightcheck.OPTIONS, short_run_flags=("--copy-to", "region"), sharded=True),
     "datastates": Entry("ckptrun.strategies.datastates.trainer:DataStates",
                         "lazy snapshot copied during the next forward/backward, streamed chunk by chunk with objects "
                         "serialized on the side into one self-describing file per rank (header at the end)",
                         engine_handler="ckptrun.strategies.datastates.engine:DataStatesHandler",
-                        options=datastates.OPTIONS, short_run_flags=("--stream-mb", "1")),
+                        options=datastates.OPTIONS, short_run_flags=("--stream-mb", "1"), sharded=True),
     "gockpt": Entry("ckptrun.strategies.gockpt.trainer:GoCkpt",
                     "one checkpoint spread over k steps in blocks (parameter + optimizer slices); gradients of "
                     "blocks already sent shipped each step; the engine rolls every block forward to one version",
