@@ -8,6 +8,7 @@ reference, bit for bit.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -26,9 +27,10 @@ from conftest import (
     restore,
     run_events,
 )
+from test_untrusted_dir import reseal
 
 from ckptrun.storage.sharding import Sharded, assemble, local_box, shard_of
-from ckptrun.storage.store import Store
+from ckptrun.storage.store import Store, full_name, rank_files
 from ckptrun.strategies import REGISTRY
 
 SCRIPT = SCRIPTS / "fsdp_mlp.py"
@@ -134,3 +136,20 @@ def test_every_strategy_resumes_sharded_state_exactly_or_refuses_it(strategy, fs
     assert_training_state(load(tmp_path / f"full-{STEPS}.pt"), truth(fsdp_run, STEPS))
     state, _ = restore(tmp_path, tmp_path / "ckpts", STEPS)
     assert_training_state(state, truth(fsdp_run, STEPS))
+
+
+def test_shards_that_do_not_make_a_tensor_fail_verify_and_restore(fsdp_run, tmp_path):
+    """Rank 1's index, consistent on its own (a replicated [3, 6] tensor), disagrees with rank 0's
+    shard of [7, 6]: verify reports it, restore and resume fall back to the step before."""
+    ckpt = copy_dir(fsdp_run / "ckpts", tmp_path / "ckpts", up_to=EARLY)
+    record = full_name(EARLY)
+    path = ckpt / record / rank_files(1)[1]
+    index = json.loads(path.read_text())
+    node = index["skeleton"]["models"]["model"]["0.weight"]["__dtensor__"]
+    node.update(shape=[3, 6], placements=["R"])
+    path.write_text(json.dumps(index))
+    reseal(ckpt, record)
+    proc = ckptrun(tmp_path, "verify", "--dir", ckpt)
+    assert proc.returncode == 1 and "ranks disagree on its global shape" in proc.stdout, proc.stdout
+    state, stderr = restore(tmp_path, ckpt, "latest")
+    assert state["step"] == EARLY - 1 and f"step {EARLY} is damaged" in stderr

@@ -20,8 +20,9 @@ from pydantic import ValidationError
 from ..errors import CorruptCheckpoint, StepNotAvailable, UsageError
 from ..log import log
 from ..storage.schema import DiffStep, SavedOptimizer, StateSkeleton, problem, short
+from ..storage.sharding import Sharded, choose
 from ..storage.store import Manifest, Store
-from ..storage.tree import ORPHANS, TENSOR, orphans_key, unflatten
+from ..storage.tree import ORPHANS, TENSOR, orphans_key, shards_of, unflatten
 
 
 @dataclass
@@ -181,7 +182,9 @@ def fit_problems(store: Store, m: Manifest, classes: dict[str, type] | None, *, 
     """What stops restore from assembling a state out of committed record `m`, beyond `m`'s own
     checks (Store.verify_record): a full record's skeleton must be a state, and with `replay`
     (a base that diff records depend on) its optimizer must be rebuildable from `classes` (None:
-    by a resumed run's own optimizer); a diff record's steps must replay on its base."""
+    by a resumed run's own optimizer); a diff record's steps must replay on its base; the ranks'
+    shards of each sharded tensor must make the whole tensor."""
+    shards: dict[str, list[Sharded]] = {}
     try:
         for rank in range(m.world_size):
             if m.kind == "diff":
@@ -189,8 +192,13 @@ def fit_problems(store: Store, m: Manifest, classes: dict[str, type] | None, *, 
             elif replay:
                 _param_shapes(store, m, rank, classes)
             else:
-                _shape(StateSkeleton, store.read_index(m.name, rank, m)["skeleton"], f"{m.name}: rank {rank}")
-    except CorruptCheckpoint as e:
+                index = store.read_index(m.name, rank, m)
+                _shape(StateSkeleton, index["skeleton"], f"{m.name}: rank {rank}")
+                for s in shards_of(index["skeleton"], index["tensors"]):
+                    shards.setdefault(s.key, []).append(s)
+        for key, pieces in shards.items():  # restore assembles them whole
+            choose(pieces, f"{m.name}: sharded tensor {short(key)}")
+    except (CorruptCheckpoint, ValueError) as e:
         return [str(e)]
     return []
 

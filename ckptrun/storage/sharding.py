@@ -142,11 +142,13 @@ def shard_of(full: torch.Tensor, mesh: tuple[int, ...], coord: tuple[int, ...],
     return out.contiguous()
 
 
-def assemble(pieces: list[Sharded], where: str) -> torch.Tensor:
-    """The full tensor out of every rank's shard of one DTensor (`pieces`, in rank order; a
-    coordinate held twice, as by ranks outside the mesh dimensions, is taken from the first).
-    ValueError unless they agree on the global shape, dtype, mesh and placements and every mesh
-    coordinate is there."""
+def choose(pieces: list[Sharded], where: str) -> list[Sharded]:
+    """The shards that make the whole tensor, one per mesh coordinate (a replicated mesh dimension
+    holds the same values everywhere: coordinate 0 of it; a coordinate held twice, as by ranks
+    outside the mesh's dimensions, is taken from the first). ValueError unless `pieces` (every
+    rank's shard of one DTensor, in rank order) agree on the global shape, dtype, mesh and
+    placements and hold every coordinate. Reads no tensor values: restore assembles what this
+    chooses, `verify` calls it on the index alone (shards on the meta device)."""
     first = pieces[0]
     if any((p.shape, p.dtype, p.mesh, p.placements) != (first.shape, first.dtype, first.mesh, first.placements)
            for p in pieces):
@@ -154,14 +156,21 @@ def assemble(pieces: list[Sharded], where: str) -> torch.Tensor:
     by_coord: dict[tuple[int, ...], Sharded] = {}
     for p in pieces:
         by_coord.setdefault(p.coord, p)
-    # A replicated mesh dimension holds the same values at every coordinate: take coordinate 0.
     needed = product(*(range(k) if p != "R" else range(1) for k, p in zip(first.mesh, first.placements,
                                                                           strict=True)))
-    full = torch.empty(first.shape, dtype=first.dtype)
+    out = []
     for coord in needed:
-        piece = by_coord.get(coord)
-        if piece is None:
+        if coord not in by_coord:
             raise ValueError(f"{where}: no rank holds mesh coordinate {list(coord)} of mesh {list(first.mesh)}")
+        out.append(by_coord[coord])
+    return out
+
+
+def assemble(pieces: list[Sharded], where: str) -> torch.Tensor:
+    """The full tensor out of every rank's shard of one DTensor (see `choose`)."""
+    chosen = choose(pieces, where)
+    full = torch.empty(chosen[0].shape, dtype=chosen[0].dtype)
+    for piece in chosen:
         target = full
         for d, (o, n) in enumerate(zip(*piece.box(), strict=True)):
             target = target.narrow(d, o, n)
