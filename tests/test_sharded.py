@@ -1,7 +1,7 @@
 """Sharded state (DTensor: FSDP2's fully_shard) on CPU/gloo: captured as each rank's shards,
 restored whole, resumed bit-exact at the same world size and resharded at another.
 
-The script (tests/scripts/fsdp_mlp.py) trains every rank on the same batch, so its 2-rank
+The script (tests/scripts/dp_mlp.py) trains every rank on the same batch, so its 2-rank
 FSDP2 run computes exactly what the unsharded model does in one process: the plain run is the
 reference, bit for bit.
 """
@@ -33,7 +33,7 @@ from ckptrun.storage.sharding import Sharded, assemble, local_box, shard_of
 from ckptrun.storage.store import Store, full_name, rank_files
 from ckptrun.strategies import REGISTRY
 
-SCRIPT = SCRIPTS / "fsdp_mlp.py"
+SCRIPT = SCRIPTS / "dp_mlp.py"
 STEPS, EARLY = 8, 4
 
 
@@ -75,7 +75,7 @@ def fsdp_run(tmp_path_factory) -> Path:
     """The unsharded reference (plain/full-N.pt) and an uninterrupted 2-rank FSDP2 run (ckpts)."""
     cwd = tmp_path_factory.mktemp("fsdp")
     (cwd / "plain").mkdir()
-    python(cwd / "plain", SCRIPT, "--plain", "--steps", STEPS, "--save-at", f"{EARLY},{STEPS}")
+    python(cwd / "plain", SCRIPT, "--wrap", "plain", "--steps", STEPS, "--save-at", f"{EARLY},{STEPS}")
     ok(ckptrun(cwd, "--nproc-per-node", "2", "--keep", "0", "--strategy", "checkfreq", "--dir", "ckpts", SCRIPT,
                "--steps", STEPS))
     return cwd
@@ -115,8 +115,9 @@ def test_resume_at_another_world_size_reshards(fsdp_run, tmp_path, ranks):
 
 
 def test_unsharded_state_is_not_resharded(tmp_path):
-    ok(ckptrun(tmp_path, "--dir", "ckpts", SCRIPT, "--plain", "--steps", 2))
-    line = error_line(ckptrun(tmp_path, "--nproc-per-node", "2", "--dir", "ckpts", SCRIPT, "--plain", "--steps", 4))
+    ok(ckptrun(tmp_path, "--dir", "ckpts", SCRIPT, "--wrap", "plain", "--steps", 2))
+    line = error_line(ckptrun(tmp_path, "--nproc-per-node", "2", "--dir", "ckpts", SCRIPT, "--wrap", "plain",
+                              "--steps", 4))
     assert "written by 1 ranks, this run has 2" in line and "no sharded (DTensor) state" in line, line
 
 

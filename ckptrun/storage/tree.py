@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .layout import _DTYPES, dtype_from_name
-from .schema import MAX_SKELETON_DEPTH, short
+from .schema import MAX_SKELETON_DEPTH, MAX_WORLD_SIZE, short
 from .sharding import DTENSOR, Sharded, check_meta, placement_names
 
 TENSOR = "__tensor__"
@@ -24,7 +24,8 @@ ITEMS = "__items__"
 NDARRAY = "__ndarray__"
 FLOAT = "__float__"
 DTYPE = "__dtype__"
-TAGS = (TENSOR, NDARRAY, FLOAT, TUPLE, ITEMS, DTYPE, DTENSOR)
+REMOTE = "__remote__"  # [rank, key]: a replicated tensor another rank wrote (storage/writeonce.py)
+TAGS = (TENSOR, NDARRAY, FLOAT, TUPLE, ITEMS, DTYPE, DTENSOR, REMOTE)
 _NOT_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # no numpy dtype: never an __ndarray__
 
 
@@ -109,28 +110,32 @@ def _flatten(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     )
 
 
-def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Inverse of `flatten`: rebuild the nested state, taking tensors from `tensors`."""
+def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor],
+              remote: dict[tuple[int, str], torch.Tensor] | None = None) -> Any:
+    """Inverse of `flatten`: rebuild the nested state, taking tensors from `tensors`, and those
+    other ranks wrote from `remote` ((rank, key) -> tensor)."""
     if isinstance(skeleton, list):
-        return [unflatten(v, tensors) for v in skeleton]
+        return [unflatten(v, tensors, remote) for v in skeleton]
     if not isinstance(skeleton, dict):
         return skeleton
     if TENSOR in skeleton:
         return tensors[skeleton[TENSOR]]
+    if REMOTE in skeleton:
+        return remote[tuple(skeleton[REMOTE])]
     if NDARRAY in skeleton:
         return tensors[skeleton[NDARRAY]].numpy()
     if FLOAT in skeleton:
         return float(skeleton[FLOAT])
     if TUPLE in skeleton:
-        return tuple(unflatten(v, tensors) for v in skeleton[TUPLE])
+        return tuple(unflatten(v, tensors, remote) for v in skeleton[TUPLE])
     if ITEMS in skeleton:
-        return {unflatten(k, tensors): unflatten(v, tensors) for k, v in skeleton[ITEMS]}
+        return {unflatten(k, tensors): unflatten(v, tensors, remote) for k, v in skeleton[ITEMS]}
     if DTYPE in skeleton:
         return dtype_from_name(skeleton[DTYPE])  # the known dtypes only, never getattr(torch, ...)
     if DTENSOR in skeleton:
         meta = skeleton[DTENSOR]
         return Sharded.of(meta, unflatten(meta["local"], tensors))
-    return {k: unflatten(v, tensors) for k, v in skeleton.items()}
+    return {k: unflatten(v, tensors, remote) for k, v in skeleton.items()}
 
 
 def tensor_keys(skeleton: Any) -> Iterator[str]:
@@ -206,6 +211,11 @@ def _tagged(tag: str, value: Any, depth: int, as_key: bool, specs: dict[str, dic
             raise ValueError(f"refers to tensor {short(value)}, which the index does not hold")
         if tag == NDARRAY and specs[value]["dtype"] in _NOT_NUMPY:
             raise ValueError(f"numpy array {short(value)} of dtype {specs[value]['dtype']}")
+        return []
+    if tag == REMOTE:
+        if as_key or not (isinstance(value, list) and len(value) == 2 and type(value[0]) is int
+                          and 0 <= value[0] < MAX_WORLD_SIZE and isinstance(value[1], str)):
+            raise ValueError(f"{REMOTE} {short(value)} is not [rank, key]")
         return []
     if tag == DTENSOR:
         local = value.get("local") if isinstance(value, dict) else None
