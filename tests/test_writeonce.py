@@ -4,14 +4,13 @@ restore and a resume after a rank is killed reassemble every rank's state exactl
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import SCRIPTS, assert_same, ckptrun, load, ok, restore, run_cmd, run_events
 
-from ckptrun.storage.store import Store, full_name, rank_files
+from ckptrun.storage.store import Store
 from ckptrun.storage.writeonce import owners, remote_refs
 from ckptrun.strategies import REGISTRY
 
@@ -49,10 +48,8 @@ def replicated_bytes_per_rank(ckpt: Path, step: int) -> tuple[list[int], int]:
     """(the bytes of replicated tensors each rank wrote, the largest one's), after checking that
     each tensor a rank names as another's is held by that rank and by no other."""
     m = Store(ckpt).manifests()[-1]
-    assert m.step == step and m.rank_bytes == [
-        json.loads((ckpt / full_name(step) / rank_files(r)[1]).read_text())["data_nbytes"]
-        for r in range(m.world_size)]
-    indexes = [Store(ckpt).read_index(m.name, r) for r in range(m.world_size)]
+    indexes = [Store(ckpt).read_index(m.name, r, m) for r in range(m.world_size)]
+    assert m.step == step and m.rank_bytes == [index["data_nbytes"] for index in indexes]
     refs = {(owner, key) for index in indexes for owner, key in remote_refs(index["skeleton"])}
     assert refs, "nothing was written once"
     keys = {key for _, key in refs}
