@@ -29,10 +29,12 @@ def _placements(names: tuple[str, ...]) -> list:
     return [Replicate() if n == "R" else Shard(int(n[1:])) for n in names]
 
 
-def to_dtensor(value: Sharded, mesh: Any, placements: tuple[str, ...], stride: tuple[int, ...], where: str) -> Any:
-    """`value` as a DTensor laid out by `placements` on the live `mesh` (this rank's part)."""
+def to_dtensor(value: Sharded, like: Any, placements: tuple[str, ...], stride: tuple[int, ...], where: str) -> Any:
+    """`value` as a DTensor laid out by `placements` on the mesh of the live DTensor `like`
+    (this rank's part, on the device of `like`'s)."""
     from torch.distributed.tensor import DTensor
 
+    mesh = like.device_mesh
     shape, coord = tuple(mesh.shape), tuple(mesh.get_coordinate())
     if value.full is not None:
         local = shard_of(value.full, shape, coord, placements)
@@ -43,8 +45,8 @@ def to_dtensor(value: Sharded, mesh: Any, placements: tuple[str, ...], stride: t
             f"{where} was saved on mesh {list(value.mesh)} at coordinate {list(value.coord)} as "
             f"{list(value.placements)}; this rank has mesh {list(shape)}, coordinate {list(coord)}, "
             f"{list(placements)}: launch it as it was saved, or export it with `ckptrun restore`")
-    return DTensor.from_local(local, mesh, _placements(placements), run_check=False, shape=torch.Size(value.shape),
-                              stride=stride)
+    return DTensor.from_local(local.to(like.to_local().device), mesh, _placements(placements), run_check=False,
+                              shape=torch.Size(value.shape), stride=stride)
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -64,7 +66,7 @@ def model_state(saved: dict, live: dict[str, Any]) -> dict:
         target = live.get(key)
         if not is_dtensor(target):
             raise CheckpointMismatch(f"model entry {key!r} is sharded in the checkpoint, not in this run")
-        out[key] = to_dtensor(value, target.device_mesh, tuple(placement_names(target.placements)),
+        out[key] = to_dtensor(value, target, tuple(placement_names(target.placements)),
                               target.stride(), f"model entry {key!r}")
     return out
 
@@ -82,6 +84,6 @@ def optimizer_state(saved: dict, params: list[torch.Tensor]) -> dict:
             if not is_dtensor(param) or param.device_mesh.ndim != len(value.placements):
                 raise CheckpointMismatch(f"optimizer state {name!r} of parameter {i} is sharded in the checkpoint "
                                          "over another mesh than its parameter in this run")
-            state[i][name] = to_dtensor(value, param.device_mesh, value.placements, _contiguous(value.shape),
+            state[i][name] = to_dtensor(value, param, value.placements, _contiguous(value.shape),
                                         f"optimizer state {name!r} of parameter {i}")
     return {**saved, "state": state}
