@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import SCRIPTS, assert_same, ckptrun, load, ok, restore, run_cmd, run_events
 
+from ckptrun.storage.layout import align
 from ckptrun.storage.store import Store
 from ckptrun.storage.writeonce import owners, remote_refs
 from ckptrun.strategies import REGISTRY
@@ -55,11 +56,8 @@ def replicated_bytes_per_rank(ckpt: Path, step: int) -> tuple[list[int], int]:
     keys = {key for _, key in refs}
     for owner, key in refs:
         assert [r for r, index in enumerate(indexes) if key in index["tensors"]] == [owner], key
-    sizes = [sum(-(-index["tensors"][k]["nbytes"] // 4096) * 4096 for k in keys & set(index["tensors"]))
-             for index in indexes]
-    largest = max(-(-index["tensors"][k]["nbytes"] // 4096) * 4096 for index in indexes
-                  for k in keys & set(index["tensors"]))
-    return sizes, largest
+    written = [[align(index["tensors"][k]["nbytes"]) for k in keys & set(index["tensors"])] for index in indexes]
+    return [sum(w) for w in written], max(max(w) for w in written)
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

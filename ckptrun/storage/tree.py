@@ -152,20 +152,25 @@ def tensor_keys(skeleton: Any) -> Iterator[str]:
             yield from tensor_keys(v)
 
 
-def shards_of(skeleton: Any, specs: dict[str, dict]) -> Iterator[Sharded]:
-    """Every sharded tensor a (checked) skeleton holds, its shard on the meta device (no bytes):
-    what `verify` checks across ranks without reading data."""
+def tagged(skeleton: Any, tag: str) -> Iterator[Any]:
+    """The value of every node of a (checked) skeleton tagged `tag`, not looking inside them."""
     stack = [skeleton]
     while stack:
         node = stack.pop()
         if isinstance(node, list):
             stack.extend(node)
-        elif isinstance(node, dict) and DTENSOR in node:
-            meta = node[DTENSOR]
-            spec = specs[meta["local"][TENSOR]]
-            yield Sharded.of(meta, torch.empty(spec["shape"], dtype=dtype_from_name(spec["dtype"]), device="meta"))
+        elif isinstance(node, dict) and tag in node:
+            yield node[tag]
         elif isinstance(node, dict):
             stack.extend(node.values())
+
+
+def shards_of(skeleton: Any, specs: dict[str, dict]) -> Iterator[Sharded]:
+    """Every sharded tensor a (checked) skeleton holds, its shard on the meta device (no bytes):
+    what `verify` checks across ranks without reading data."""
+    for meta in tagged(skeleton, DTENSOR):
+        spec = specs[meta["local"][TENSOR]]
+        yield Sharded.of(meta, torch.empty(spec["shape"], dtype=dtype_from_name(spec["dtype"]), device="meta"))
 
 
 def check_skeleton(skeleton: Any, specs: dict[str, dict]) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
-from .tree import REMOTE, TENSOR
+from .tree import REMOTE, TENSOR, tagged
 
 
 def owners(sizes: dict[str, int], world_size: int) -> dict[str, int]:
@@ -43,13 +43,4 @@ def leave_out(skeleton: Any, owner: dict[str, int]) -> Any:
 
 def remote_refs(skeleton: Any) -> list[tuple[int, str]]:
     """Every (owner rank, key) a checked skeleton names as written by another rank."""
-    out, stack = [], [skeleton]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict) and REMOTE in node:
-            out.append(tuple(node[REMOTE]))
-        elif isinstance(node, dict):
-            stack.extend(node.values())
-    return out
+    return [tuple(ref) for ref in tagged(skeleton, REMOTE)]
