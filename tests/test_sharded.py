@@ -114,11 +114,13 @@ def test_resume_at_another_world_size_reshards(fsdp_run, tmp_path, ranks):
     restore(tmp_path, ckpt, STEPS + 2)
 
 
-def test_unsharded_state_is_not_resharded(tmp_path):
-    ok(ckptrun(tmp_path, "--dir", "ckpts", SCRIPT, "--wrap", "plain", "--steps", 2))
-    line = error_line(ckptrun(tmp_path, "--nproc-per-node", "2", "--dir", "ckpts", SCRIPT, "--wrap", "plain",
-                              "--steps", 4))
-    assert "written by 1 ranks, this run has 2" in line and "no sharded (DTensor) state" in line, line
+@pytest.mark.parametrize("strategy, says", [("checkfreq", "no sharded (DTensor) state"),
+                                             ("lowdiff", "is a replay chain written by 1 ranks")])
+def test_unsharded_state_and_replay_chains_are_not_resharded(tmp_path, strategy, says):
+    flags = ["--strategy", strategy, *REGISTRY[strategy].short_run_flags, "--dir", "ckpts", SCRIPT, "--wrap", "plain"]
+    ok(ckptrun(tmp_path, *flags, "--steps", 2))
+    line = error_line(ckptrun(tmp_path, "--nproc-per-node", "2", *flags, "--steps", 4))
+    assert says in line and "this run has 2" in line and "launch 1 ranks" in line, line
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
