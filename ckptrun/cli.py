@@ -235,6 +235,7 @@ def ls(dir: Dir = Path("ckpts"),
 
     store = Store.existing(dir)
     rows = [{"step": m.step, "kind": m.kind, "record": m.name, "bytes": m.bytes, "ranks": m.world_size,
+             "rank_bytes": m.rank_bytes or None,
              "depends_on": m.depends_on, "first_step": m.first_step, "layout": m.layout,
              # the two completions: the snapshot complete in host memory (the trainer could go on),
              # and persisted (committed: durable on every rank), as wall-clock times
@@ -244,17 +245,27 @@ def ls(dir: Dir = Path("ckpts"),
     if held:
         step = min(h["step"] for h in held)
         rows.append({"step": step, "kind": "memory", "record": "-", "bytes": sum(h["nbytes"] for h in held),
-                     "ranks": len(held), "depends_on": [], "first_step": step, "layout": "engine memory",
+                     "ranks": len(held), "rank_bytes": [h["nbytes"] for h in held], "depends_on": [],
+                     "first_step": step, "layout": "engine memory",
                      "snapshot_done_at": None, "persisted_at": None})
     if as_json:
         out.print_json(json.dumps(rows))
         return
-    table = Table("step", "kind", "record", "bytes", "ranks", "depends_on", "layout")
+    table = Table("step", "kind", "record", "bytes", "ranks", "bytes per rank", "depends_on", "layout")
     for r in rows:
         steps = str(r["step"]) if r["first_step"] == r["step"] else f"{r['first_step']}-{r['step']}"
-        table.add_row(steps, r["kind"], r["record"], f"{r['bytes']:,}", str(r["ranks"]),
+        table.add_row(steps, r["kind"], r["record"], f"{r['bytes']:,}", str(r["ranks"]), _per_rank(r["rank_bytes"]),
                       ", ".join(r["depends_on"]) or "-", r["layout"])
     out.print(table)
+
+
+def _per_rank(sizes: list[int] | None) -> str:
+    """Each rank's bytes (a few ranks), or their range (many)."""
+    if not sizes:
+        return "-"
+    if len(sizes) <= 4:
+        return " / ".join(f"{n:,}" for n in sizes)
+    return f"{min(sizes):,} - {max(sizes):,}"
 
 
 @app.command()

@@ -397,7 +397,17 @@ def test_check_skeleton_accepts_what_flatten_writes():
     state = {"w": torch.ones(2, dtype=torch.bfloat16), "a": np.arange(3), "t": (1, float("nan"), "x"),
              "k": {0: [torch.zeros(1)], (1, 2): None, "__dunder": 1.5}, "d": torch.float8_e4m3fn}
     skeleton, tensors = flatten(state)
-    check_skeleton(skeleton, {k: str(t.dtype).removeprefix("torch.") for k, t in tensors.items()})
+    check_skeleton(skeleton, {k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                              for k, t in tensors.items()})
+
+
+def _shard(**fields) -> dict:
+    """A well-formed sharded-tensor node: tensor "k" (float32 [4, 3]) is rank 1's half of [8, 3]."""
+    node = {"local": {"__tensor__": "k"}, "shape": [8, 3], "mesh": [2], "coord": [1], "placements": ["S0"]}
+    node.update(fields)
+    if "local" in fields:
+        node["local"] = {"__tensor__": fields["local"]}
+    return node
 
 
 def _nested(depth: int) -> dict:
@@ -421,9 +431,21 @@ def _nested(depth: int) -> dict:
     ({"__ndarray__": "b"}, "numpy array 'b' of dtype bfloat16"),
     ({"__tuple__": {"a": 1}}, "is not a list"),
     (_nested(100), "levels deep"),
+    ({"__dtensor__": {"local": {"__tensor__": "nope"}}}, "without a tensor of the index"),
+    ({"__dtensor__": _shard(local="x")}, "without a tensor of the index"),
+    ({"__dtensor__": {**_shard(), "extra": 1}}, "exactly the fields"),
+    ({"__dtensor__": _shard(shape=[4, -1])}, "shape [4, -1] is not a list"),
+    ({"__dtensor__": _shard(mesh=[0])}, "mesh [0] is not a list"),
+    ({"__dtensor__": _shard(mesh=[2, 2])}, "do not match"),
+    ({"__dtensor__": _shard(mesh=[2**17])}, "do not match"),
+    ({"__dtensor__": _shard(coord=[2])}, "outside mesh"),
+    ({"__dtensor__": _shard(placements=["S2"])}, "outside mesh"),
+    ({"__dtensor__": _shard(placements=["P"])}, "are not R or S<dim>"),
+    ({"__dtensor__": _shard(shape=[10, 3])}, "its placements make it [5, 3]"),
+    ({"__dtensor__": _shard(placements=["R"])}, "its placements make it [8, 3]"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_check_skeleton_rejects_what_unflatten_cannot_rebuild(skeleton, problem):
     from ckptrun.storage.tree import check_skeleton
 
     with pytest.raises(ValueError, match=re.escape(problem)):
-        check_skeleton(skeleton, {"k": "float32", "b": "bfloat16"})
+        check_skeleton(skeleton, {"k": {"dtype": "float32", "shape": [4, 3]}, "b": {"dtype": "bfloat16", "shape": [2]}})

@@ -1,5 +1,8 @@
 """`ckptrun restore`: one committed step of one rank as a single self-contained file.
 
+Sharded tensors (DTensor: FSDP2, tensor parallel) are written whole, assembled from every rank's
+shards; the rest (RNG, unsharded state) is the chosen rank's.
+
 `torch` format: `torch.load(FILE, weights_only=True)` gives {"step", "model", "optimizer",
 "schedulers", "scaler", "rng", "extra"} where "model" is exactly the script's
 `model.state_dict()` and "optimizer" has the structure of `optimizer.state_dict()` (further
@@ -15,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CkptrunError
+from ..storage.sharding import as_full
 from ..storage.store import Store
 from ..storage.tree import flatten
+from .consolidate import consolidate
 from .recovery import Plan, find, load_state, optimizer_classes
 
 
@@ -66,7 +71,8 @@ def export(directory: Path, step: int | str, out: Path, fmt: str, rank: int = 0,
     plan = find(store, step, classes)
     if not 0 <= rank < plan.base.world_size:
         raise CkptrunError(f"--rank {rank}: step {plan.step} has ranks 0..{plan.base.world_size - 1}", exit_code=2)
-    full = as_torch_dict(load_state(store, plan, rank, classes), plan.step)
+    state = as_full(consolidate(store, plan.base, load_state(store, plan, rank, classes)))
+    full = as_torch_dict(state, plan.step)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:

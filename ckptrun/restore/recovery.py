@@ -20,8 +20,10 @@ from pydantic import ValidationError
 from ..errors import CorruptCheckpoint, StepNotAvailable, UsageError
 from ..log import log
 from ..storage.schema import DiffStep, SavedOptimizer, StateSkeleton, problem, short
+from ..storage.sharding import Sharded, choose
 from ..storage.store import Manifest, Store
-from ..storage.tree import ORPHANS, TENSOR, orphans_key, unflatten
+from ..storage.tree import ORPHANS, TENSOR, orphans_key, shards_of, unflatten
+from ..storage.writeonce import remote_refs
 
 
 @dataclass
@@ -181,7 +183,12 @@ def fit_problems(store: Store, m: Manifest, classes: dict[str, type] | None, *, 
     """What stops restore from assembling a state out of committed record `m`, beyond `m`'s own
     checks (Store.verify_record): a full record's skeleton must be a state, and with `replay`
     (a base that diff records depend on) its optimizer must be rebuildable from `classes` (None:
-    by a resumed run's own optimizer); a diff record's steps must replay on its base."""
+    by a resumed run's own optimizer); a diff record's steps must replay on its base; the ranks'
+    shards of each sharded tensor must make the whole tensor, and a tensor a rank left to another
+    (written once) must be there."""
+    shards: dict[str, list[Sharded]] = {}
+    held: dict[int, set[str]] = {}
+    refs: list[tuple[int, int, str]] = []
     try:
         for rank in range(m.world_size):
             if m.kind == "diff":
@@ -189,8 +196,19 @@ def fit_problems(store: Store, m: Manifest, classes: dict[str, type] | None, *, 
             elif replay:
                 _param_shapes(store, m, rank, classes)
             else:
-                _shape(StateSkeleton, store.read_index(m.name, rank, m)["skeleton"], f"{m.name}: rank {rank}")
-    except CorruptCheckpoint as e:
+                index = store.read_index(m.name, rank, m)
+                _shape(StateSkeleton, index["skeleton"], f"{m.name}: rank {rank}")
+                for s in shards_of(index["skeleton"], index["tensors"]):
+                    shards.setdefault(s.key, []).append(s)
+                held[rank] = set(index["tensors"])
+                refs += [(rank, owner, key) for owner, key in remote_refs(index["skeleton"])]
+        for key, pieces in shards.items():  # restore assembles them whole
+            choose(pieces, f"{m.name}: sharded tensor {short(key)}")
+        for rank, owner, key in refs:  # restore reads them from the rank that wrote them
+            if owner == rank or key not in held.get(owner, ()):
+                raise CorruptCheckpoint(f"{m.name}: rank {rank} names tensor {short(key)} of rank {owner}, "
+                                        "which that rank does not hold")
+    except (CorruptCheckpoint, ValueError) as e:
         return [str(e)]
     return []
 
@@ -278,9 +296,22 @@ def _ranges(steps: list[int]) -> str:
 
 
 def read_state(store: Store, m: Manifest, rank: int) -> dict:
-    """The nested state of `rank` in record `m` (tensors are private copies)."""
+    """The nested state of `rank` in record `m` (tensors are private copies), with the replicated
+    tensors other ranks wrote (storage/writeonce.py) read from their parts."""
     index, tensors = store.read_rank(m, rank)
-    return unflatten(index["skeleton"], {k: t.clone() for k, t in tensors.items()})
+    refs = remote_refs(index["skeleton"])
+    remote = {}
+    for owner in sorted({o for o, _ in refs}):
+        if not (0 <= owner < m.world_size and owner != rank):
+            raise CorruptCheckpoint(f"{m.name}: rank {rank} names rank {owner} as the writer of a tensor")
+        theirs = store.read_rank(m, owner)[1]
+        for o, key in refs:
+            if o == owner:
+                if key not in theirs:
+                    raise CorruptCheckpoint(f"{m.name}: rank {rank} names tensor {short(key)} of rank {owner}, "
+                                            "which that rank does not hold")
+                remote[(o, key)] = theirs[key].clone()
+    return unflatten(index["skeleton"], {k: t.clone() for k, t in tensors.items()}, remote)
 
 
 def resume_state(store: Store, plan: Plan, rank: int) -> tuple[dict, Iterator[dict] | None]:

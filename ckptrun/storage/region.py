@@ -251,9 +251,10 @@ class Regions:
             if any(c is None or c[1]["world_size"] != ws for c in copies.values()):
                 continue
             try:
-                m = Manifest(full_name(step), "full", step, step, ws, sum(c.data_nbytes for c, _ in copies.values()),
+                sizes = [copies[r][0].data_nbytes for r in range(ws)]
+                m = Manifest(full_name(step), "full", step, step, ws, sum(sizes),
                              [], meta0.get("meta", {}), {str(r): checksum(c.index_raw) for r, (c, _) in copies.items()},
-                             float(meta0.get("written_at", 0.0)), layout="region")
+                             float(meta0.get("written_at", 0.0)), layout="region", rank_bytes=sizes)
             except (ValueError, TypeError, OverflowError) as e:
                 bad[full_name(step)] = f"region step {step}: {e}"
                 continue

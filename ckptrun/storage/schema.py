@@ -84,11 +84,15 @@ class Manifest:
     # (this record's directory: one self-describing file per rank, storage/rankfile.py) or "region"
     # (slots of the per-rank region files, storage/region.py; read from the slots, never a file).
     layout: Literal["records", "file", "region"] = "records"
+    # Bytes of each rank's part (rank order; empty in manifests written before it was recorded).
+    rank_bytes: Annotated[list[Nbytes], Field(max_length=MAX_WORLD_SIZE)] = field(default_factory=list)
 
     def to_json(self) -> dict:
         body = asdict(self)
         if self.layout == "records":  # (the layout manifests were written in before there were others)
             del body["layout"]
+        if not self.rank_bytes:
+            del body["rank_bytes"]
         body["format"] = FORMAT
         body["checksum"] = checksum(json.dumps(body, sort_keys=True).encode())
         return body
@@ -129,6 +133,8 @@ class Manifest:
             raise ValueError(f"name {short(self.name)} does not match kind {self.kind} and step {self.step}")
         if any(record_step(d) >= self.first_step for d in self.depends_on):
             raise ValueError("depends on a record that is not older than it")
+        if self.rank_bytes and (len(self.rank_bytes) != self.world_size or sum(self.rank_bytes) != self.bytes):
+            raise ValueError(f"rank_bytes do not add up to {self.world_size} ranks' {self.bytes} bytes")
         if set(self.index_checksums) != {str(r) for r in range(self.world_size)}:
             raise ValueError(f"index_checksums do not name ranks 0..{self.world_size - 1}")
         return self

@@ -228,7 +228,7 @@ class Store:
             return self.manifest(name)
         if self.ranks_present(name, layout) != list(range(world_size)):
             return None
-        sums, total = {}, 0
+        sums, sizes = {}, []
         for r in range(world_size):
             if layout == "file":
                 fd = self._open(name, rankfile.file_name(r), f"rank {r} file")
@@ -241,9 +241,9 @@ class Store:
                 raw = (rdir / rank_files(r)[1]).read_bytes()
                 nbytes = json.loads(raw)["data_nbytes"]
             sums[str(r)] = checksum(raw)
-            total += nbytes
-        m = Manifest(name, kind, step, first_step, world_size, total, list(depends_on or []),
-                     dict(meta or {}), sums, time.time(), layout=layout)
+            sizes.append(nbytes)
+        m = Manifest(name, kind, step, first_step, world_size, sum(sizes), list(depends_on or []),
+                     dict(meta or {}), sums, time.time(), layout=layout, rank_bytes=sizes)
         publish_json(rdir / MANIFEST, m.to_json(), fault=fault, name="manifest")
         return m
 
@@ -345,7 +345,7 @@ class Store:
         if (index.record, index.rank) != (name, rank):
             raise CorruptCheckpoint(f"{name}: rank {rank} index belongs to {index.record} rank {index.rank}")
         try:
-            check_skeleton(index.skeleton, {k: t.dtype for k, t in index.tensors.items()})
+            check_skeleton(index.skeleton, {k: {"dtype": t.dtype, "shape": t.shape} for k, t in index.tensors.items()})
             if m.kind == "diff":
                 _check_diff_steps(m, index.skeleton)
         except ValueError as e:
@@ -412,11 +412,11 @@ class Store:
         (`committed`: the names of the committed records, when the caller has them already)."""
         names = committed if committed is not None else {x.name for x in self.manifests(warn=False)}
         problems = [f"{m.name}: depends on {d}, which is not committed" for d in m.depends_on if d not in names]
-        total = 0
+        sizes: list[int] = []
         for r in range(m.world_size):
             try:
                 index, fd, base = self.open_rank(m, r)
-                total += index["data_nbytes"]
+                sizes.append(index["data_nbytes"])
                 with os.fdopen(fd, "rb", buffering=0):
                     problems += [f"{m.name}: rank {r} tensor {k!r} checksum mismatch"
                                  for k, s in index["tensors"].items()
@@ -425,8 +425,10 @@ class Store:
                 return [*problems, str(e)]
             except OSError as e:
                 return [*problems, f"{m.name}: rank {r}: {e.strerror}"]
-        if total != m.bytes:
-            problems.append(f"{m.name}: manifest says {m.bytes} bytes, its ranks hold {total}")
+        total = sum(sizes)
+        if total != m.bytes or m.rank_bytes and m.rank_bytes != sizes:
+            problems.append(f"{m.name}: manifest says {m.bytes} bytes ({m.rank_bytes or 'per rank: not recorded'}), "
+                            f"its ranks hold {total} ({sizes})")
         return problems
 
     def incomplete(self) -> list[str]:

@@ -8,13 +8,15 @@ and numpy arrays are tagged so that the structure round-trips exactly.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .layout import _DTYPES, dtype_from_name
-from .schema import MAX_SKELETON_DEPTH, short
+from .schema import MAX_SKELETON_DEPTH, MAX_WORLD_SIZE, short
+from .sharding import DTENSOR, Sharded, check_meta, placement_names
 
 TENSOR = "__tensor__"
 TUPLE = "__tuple__"
@@ -22,7 +24,8 @@ ITEMS = "__items__"
 NDARRAY = "__ndarray__"
 FLOAT = "__float__"
 DTYPE = "__dtype__"
-TAGS = (TENSOR, NDARRAY, FLOAT, TUPLE, ITEMS, DTYPE)
+REMOTE = "__remote__"  # [rank, key]: a replicated tensor another rank wrote (storage/writeonce.py)
+TAGS = (TENSOR, NDARRAY, FLOAT, TUPLE, ITEMS, DTYPE, DTENSOR, REMOTE)
 _NOT_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # no numpy dtype: never an __ndarray__
 
 
@@ -48,7 +51,30 @@ def _key(path: str, tensors: dict[str, torch.Tensor]) -> str:
     return key
 
 
+def dtensor_type() -> type | None:
+    """DTensor's class if torch.distributed.tensor is loaded (no DTensor can exist otherwise)."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
+def _flatten_dtensor(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> dict:
+    """A DTensor as this rank's shard plus where it lies (storage/sharding.py)."""
+    mesh = obj.device_mesh
+    coord = mesh.get_coordinate()
+    try:
+        placements = placement_names(obj.placements)
+    except ValueError as e:
+        raise TypeError(f"cannot checkpoint the DTensor at {path!r}: {e}") from None
+    if coord is None:
+        raise TypeError(f"cannot checkpoint the DTensor at {path!r}: this rank is outside its mesh")
+    local = _flatten(obj.to_local(), path, tensors)
+    return {DTENSOR: {"local": local, "shape": list(obj.shape), "mesh": list(mesh.shape), "coord": list(coord),
+                      "placements": placements}}
+
+
 def _flatten(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    dtensor = dtensor_type()
+    if dtensor is not None and isinstance(obj, dtensor):
+        return _flatten_dtensor(obj, path, tensors)
     if isinstance(obj, torch.Tensor):
         if obj.layout != torch.strided or obj.is_quantized:
             raise TypeError(f"cannot checkpoint {obj.layout} tensor at {path!r}: only dense tensors")
@@ -84,25 +110,32 @@ def _flatten(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     )
 
 
-def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Inverse of `flatten`: rebuild the nested state, taking tensors from `tensors`."""
+def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor],
+              remote: dict[tuple[int, str], torch.Tensor] | None = None) -> Any:
+    """Inverse of `flatten`: rebuild the nested state, taking tensors from `tensors`, and those
+    other ranks wrote from `remote` ((rank, key) -> tensor)."""
     if isinstance(skeleton, list):
-        return [unflatten(v, tensors) for v in skeleton]
+        return [unflatten(v, tensors, remote) for v in skeleton]
     if not isinstance(skeleton, dict):
         return skeleton
     if TENSOR in skeleton:
         return tensors[skeleton[TENSOR]]
+    if REMOTE in skeleton:
+        return remote[tuple(skeleton[REMOTE])]
     if NDARRAY in skeleton:
         return tensors[skeleton[NDARRAY]].numpy()
     if FLOAT in skeleton:
         return float(skeleton[FLOAT])
     if TUPLE in skeleton:
-        return tuple(unflatten(v, tensors) for v in skeleton[TUPLE])
+        return tuple(unflatten(v, tensors, remote) for v in skeleton[TUPLE])
     if ITEMS in skeleton:
-        return {unflatten(k, tensors): unflatten(v, tensors) for k, v in skeleton[ITEMS]}
+        return {unflatten(k, tensors): unflatten(v, tensors, remote) for k, v in skeleton[ITEMS]}
     if DTYPE in skeleton:
         return dtype_from_name(skeleton[DTYPE])  # the known dtypes only, never getattr(torch, ...)
-    return {k: unflatten(v, tensors) for k, v in skeleton.items()}
+    if DTENSOR in skeleton:
+        meta = skeleton[DTENSOR]
+        return Sharded.of(meta, unflatten(meta["local"], tensors))
+    return {k: unflatten(v, tensors, remote) for k, v in skeleton.items()}
 
 
 def tensor_keys(skeleton: Any) -> Iterator[str]:
@@ -119,10 +152,32 @@ def tensor_keys(skeleton: Any) -> Iterator[str]:
             yield from tensor_keys(v)
 
 
-def check_skeleton(skeleton: Any, dtypes: dict[str, str]) -> None:
-    """Raise ValueError unless `unflatten(skeleton, tensors)` succeeds for tensors of `dtypes`
-    (key -> dtype name): known, well-formed tags only, every tensor it names present, every dtype
-    tag a known dtype, bounded nesting. Iterative, so no input can exhaust the stack."""
+def tagged(skeleton: Any, tag: str) -> Iterator[Any]:
+    """The value of every node of a (checked) skeleton tagged `tag`, not looking inside them."""
+    stack = [skeleton]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict) and tag in node:
+            yield node[tag]
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+
+
+def shards_of(skeleton: Any, specs: dict[str, dict]) -> Iterator[Sharded]:
+    """Every sharded tensor a (checked) skeleton holds, its shard on the meta device (no bytes):
+    what `verify` checks across ranks without reading data."""
+    for meta in tagged(skeleton, DTENSOR):
+        spec = specs[meta["local"][TENSOR]]
+        yield Sharded.of(meta, torch.empty(spec["shape"], dtype=dtype_from_name(spec["dtype"]), device="meta"))
+
+
+def check_skeleton(skeleton: Any, specs: dict[str, dict]) -> None:
+    """Raise ValueError unless `unflatten(skeleton, tensors)` succeeds for tensors of `specs`
+    (key -> {"dtype", "shape"}, as an index has them): known, well-formed tags only, every tensor
+    it names present, every dtype tag a known dtype, every sharded tensor's shard where its
+    placements put it, bounded nesting. Iterative, so no input can exhaust the stack."""
     stack: list[tuple[Any, int, bool]] = [(skeleton, 0, False)]  # (node, depth, used as a dict key)
     seen: set[str] = set()  # `flatten` gives every place its own key: a shared one is crafted
     while stack:
@@ -143,7 +198,7 @@ def check_skeleton(skeleton: Any, dtypes: dict[str, str]) -> None:
             tag = tags[0]
             if len(node) != 1 or tag not in TAGS:
                 raise ValueError(f"unknown tag {short(tag)}" if tag not in TAGS else f"tag {tag} with other keys")
-            stack.extend(_tagged(tag, node[tag], depth, as_key, dtypes))
+            stack.extend(_tagged(tag, node[tag], depth, as_key, specs))
             if tag in (TENSOR, NDARRAY):
                 if node[tag] in seen:
                     raise ValueError(f"refers to tensor {short(node[tag])} twice")
@@ -152,16 +207,27 @@ def check_skeleton(skeleton: Any, dtypes: dict[str, str]) -> None:
             raise ValueError(f"a {type(node).__name__} is not JSON")
 
 
-def _tagged(tag: str, value: Any, depth: int, as_key: bool, dtypes: dict[str, str]) -> list[tuple[Any, int, bool]]:
+def _tagged(tag: str, value: Any, depth: int, as_key: bool, specs: dict[str, dict]) -> list[tuple[Any, int, bool]]:
     """Check one tagged node; return its children to check."""
     if tag in (TENSOR, NDARRAY):
         if as_key:
             raise ValueError("a tensor used as a dict key")
-        if not isinstance(value, str) or value not in dtypes:
+        if not isinstance(value, str) or value not in specs:
             raise ValueError(f"refers to tensor {short(value)}, which the index does not hold")
-        if tag == NDARRAY and dtypes[value] in _NOT_NUMPY:
-            raise ValueError(f"numpy array {short(value)} of dtype {dtypes[value]}")
+        if tag == NDARRAY and specs[value]["dtype"] in _NOT_NUMPY:
+            raise ValueError(f"numpy array {short(value)} of dtype {specs[value]['dtype']}")
         return []
+    if tag == REMOTE:
+        if as_key or not (isinstance(value, list) and len(value) == 2 and type(value[0]) is int
+                          and 0 <= value[0] < MAX_WORLD_SIZE and isinstance(value[1], str)):
+            raise ValueError(f"{REMOTE} {short(value)} is not [rank, key]")
+        return []
+    if tag == DTENSOR:
+        local = value.get("local") if isinstance(value, dict) else None
+        if as_key or not (isinstance(local, dict) and set(local) == {TENSOR} and local[TENSOR] in specs):
+            raise ValueError(f"{DTENSOR} without a tensor of the index as its shard")
+        check_meta(value, specs[local[TENSOR]])
+        return [(local, depth + 1, False)]
     if tag == FLOAT:
         if value not in ("nan", "inf", "-inf"):
             raise ValueError(f"{FLOAT} {short(value)} is not nan or an infinity")

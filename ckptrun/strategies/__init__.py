@@ -32,6 +32,13 @@ class Entry:
     # `ckptrun tune`: "module:function" turning the interval plan into this strategy's settings
     # from its own model (see ckptrun/strategies/lowdiff/tuning.py); None keeps the interval plan.
     tuning: str | None = None
+    # It checkpoints sharded state (DTensor parameters and optimizer state: FSDP2, tensor parallel)
+    # through the shared capture path; one that does not (the replay strategies: their engines and
+    # offline replay step whole tensors) is refused when such an optimizer appears.
+    sharded: bool = False
+    # Under DDP, each replicated tensor (parameters, optimizer state) is written by one rank only
+    # (storage/writeonce.py) in its full checkpoints; one that does not writes them from every rank.
+    write_once: bool = False
 
     def load(self):
         return _attr(self.trainer)
@@ -47,9 +54,10 @@ def _attr(path: str):
 
 BUILTIN: dict[str, Entry] = {
     "sync": Entry("ckptrun.strategies.sync:Sync",
-                  "blocking write on the training path (the torch.save baseline)"),
+                  "blocking write on the training path (the torch.save baseline)", sharded=True, write_once=True),
     "checkfreq": Entry("ckptrun.strategies.checkfreq:CheckFreq",
-                       "snapshot to host overlapped with the next forward/backward; persist in the engine"),
+                       "snapshot to host overlapped with the next forward/backward; persist in the engine",
+                       sharded=True, write_once=True),
     "lowdiff": Entry("ckptrun.strategies.lowdiff.trainer:LowDiff",
                      "every step's gradient as a batched differential checkpoint; full every F; exact replay",
                      engine_handler="ckptrun.strategies.lowdiff.engine:LowDiffHandler", options=lowdiff.OPTIONS,
@@ -64,17 +72,20 @@ BUILTIN: dict[str, Entry] = {
     "pccheck": Entry("ckptrun.strategies.pccheck.trainer:PCcheck",
                      "N checkpoints in flight, chunks persisted by parallel writers into a slotted region; "
                      "pointer commit", engine_handler="ckptrun.strategies.pccheck.engine:PCcheckHandler",
-                     options=pccheck.OPTIONS, short_run_flags=("--max-inflight", "3", "--chunk-mb", "1")),
+                     options=pccheck.OPTIONS, short_run_flags=("--max-inflight", "3", "--chunk-mb", "1"),
+                     sharded=True, write_once=True),
     "lightcheck": Entry("ckptrun.strategies.lightcheck.trainer:LightCheck",
                         "layer-wise copies into a mapped region file overlapped with the next step; each layer's "
                         "update waits only for its own copy; slot commit",
                         engine_handler="ckptrun.strategies.lightcheck.engine:LightCheckHandler",
-                        options=lightcheck.OPTIONS, short_run_flags=("--copy-to", "region")),
+                        options=lightcheck.OPTIONS, short_run_flags=("--copy-to", "region"),
+                        sharded=True, write_once=True),
     "datastates": Entry("ckptrun.strategies.datastates.trainer:DataStates",
                         "lazy snapshot copied during the next forward/backward, streamed chunk by chunk with objects "
                         "serialized on the side into one self-describing file per rank (header at the end)",
                         engine_handler="ckptrun.strategies.datastates.engine:DataStatesHandler",
-                        options=datastates.OPTIONS, short_run_flags=("--stream-mb", "1")),
+                        options=datastates.OPTIONS, short_run_flags=("--stream-mb", "1"),
+                        sharded=True, write_once=True),
     "gockpt": Entry("ckptrun.strategies.gockpt.trainer:GoCkpt",
                     "one checkpoint spread over k steps in blocks (parameter + optimizer slices); gradients of "
                     "blocks already sent shipped each step; the engine rolls every block forward to one version",

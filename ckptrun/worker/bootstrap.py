@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 
 from ..config import RESUME_ENV, RunConfig, is_torchrun_var
-from ..errors import AbortRun, CheckpointMismatch, CkptrunError
+from ..errors import AbortRun, CkptrunError
 from ..ipc.client import EngineLost
 from ..ipc.messages import CommitPending
 from ..ipc.stdio import merge_stderr
 from ..log import log
+from ..restore.consolidate import resharded
 from ..restore.recovery import Plan, newest_good, plans, resume_state
 from ..storage.store import Store
 from .jobstore import job_store
@@ -150,10 +151,9 @@ def main() -> None:
             log.info(f"rank {rank}: resumed step {rt.step} from the checkpoint engine's memory (no disk read)")
         elif plan is not None:
             if plan.base.world_size != world_size:
-                raise CheckpointMismatch(
-                    f"{cfg.dir} step {plan.step} was written by {plan.base.world_size} ranks, this run has "
-                    f"{world_size}; launch {plan.base.world_size} ranks, or export it with `ckptrun restore`")
-            state, diffs = resume_state(store, plan, rank)
+                state, diffs = resharded(store, plan, rank, world_size), None
+            else:
+                state, diffs = resume_state(store, plan, rank)
             rt.resume = ResumeState(plan.step, plan.base.name, state, plan.base.world_size, diffs)
             rt.step = rt.checkpointed_step = plan.step
         rt.restore_s = time.perf_counter() - t_restore

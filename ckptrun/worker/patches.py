@@ -158,6 +158,6 @@ def install(rt: Any) -> None:
     if not issubclass(torch.optim.lr_scheduler.ReduceLROnPlateau, torch.optim.lr_scheduler.LRScheduler):
         _patch_family(torch.optim.lr_scheduler.ReduceLROnPlateau, rt.on_scheduler)
     _patch_family(torch.amp.GradScaler, rt.on_scaler)
-    _patch_family(torch.nn.parallel.DistributedDataParallel, rt.strategy.on_ddp)
+    _patch_family(torch.nn.parallel.DistributedDataParallel, rt.on_ddp)
     _route_clipping(rt.strategy)
     integrations.install(rt)

@@ -47,12 +47,13 @@ from ..ipc.staging import map_slot
 from ..log import log
 from ..restore import replay
 from ..restore.recovery import finish_state
+from ..storage import writeonce
 from ..storage.layout import ALIGN, Layout, TensorSpec, align, view
 from ..storage.store import full_name
 from ..storage.tree import flatten, orphans_key, unflatten
 from ..strategies import REGISTRY
 from ..strategies.context import StrategyContext
-from . import decisions, discovery
+from . import decisions, discovery, sharded
 from .metrics import WorkerMetrics
 
 _current: Runtime | None = None
@@ -169,6 +170,7 @@ class Runtime:
         self.step = 0
         self.optimizers: list[torch.optim.Optimizer] = []
         self.models: dict[str, torch.nn.Module] = {}
+        self.replicated: list[torch.nn.Module] = []  # modules DDP keeps identical on every rank
         self.schedulers: list[Any] = []
         self.scalers: list[Any] = []
         self.tracked: dict[str, Any] = {}
@@ -397,6 +399,11 @@ class Runtime:
             self.metrics.emit(type="optimizer_alias", cls=type(opt).__name__)
             return
         idx = len(self.optimizers)
+        if not REGISTRY[self.cfg.strategy].sharded and any(sharded.is_dtensor(p) for p in params):
+            able = ", ".join(n for n, e in REGISTRY.items() if e.sharded)
+            raise CkptrunError(
+                f"--strategy {self.cfg.strategy} cannot checkpoint sharded parameters (DTensor: FSDP2's fully_shard, "
+                f"tensor parallel), and this script's {type(opt).__name__} updates some; use --strategy {able}")
         if idx > 0 and self.strategy.single_optimizer:
             raise CkptrunError(
                 f"--strategy {self.cfg.strategy} replays one optimizer, and this script creates a second one "
@@ -458,7 +465,7 @@ class Runtime:
             self.resume.restored.add(name)
         oname = _indexed("optimizer", idx)
         if oname in saved["optimizers"]:
-            opt.load_state_dict(saved["optimizers"][oname])
+            opt.load_state_dict(sharded.optimizer_state(saved["optimizers"][oname], replay.optimizer_params(opt)))
         if idx != 0:
             return
         if self.resume.diffs is not None:
@@ -475,6 +482,7 @@ class Runtime:
 
     def _load_model(self, name: str, model: torch.nn.Module, saved: dict) -> None:
         live = model.state_dict()
+        saved = sharded.model_state(saved, live)
         missing, extra = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
         shapes = [k for k in live if k in saved and tuple(live[k].shape) != tuple(saved[k].shape)]
         if missing or extra or shapes:
@@ -485,6 +493,12 @@ class Runtime:
                 f"checkpoint dir {self.cfg.dir} holds another model ({name}: {what}); "
                 "pass a new --dir, or --no-resume after removing it")
         model.load_state_dict(saved)
+
+    def on_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """A DDP wrapper was created: its module's parameters (and the optimizer state over them)
+        are the same on every rank, so they may be written once (`_write_once`)."""
+        self.replicated.append(ddp.module)
+        self.strategy.on_ddp(ddp)
 
     def on_scheduler(self, sched: Any) -> None:
         idx = len(self.schedulers)
@@ -702,7 +716,7 @@ class Runtime:
         `background`, without `into`): see `_capture_lazily`."""
         if lazy and background and into is None and self._can_be_lazy():
             return self._capture_lazily(step, stream, order)
-        skeleton, tensors = flatten(self.early_state())
+        skeleton, tensors = self._write_once(*flatten(self.early_state()))
         if order is not None:
             tensors = order(tensors)
         need = Layout.of(tensors).nbytes
@@ -718,6 +732,25 @@ class Runtime:
         self._append(snap, skeleton, tensors, background=background)
         self.metrics.last_snapshot_step = self.checkpointed_step = step
         return snap
+
+    def _write_once(self, skeleton: Any, tensors: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
+        """Leave out the replicated tensors another rank writes (storage/writeonce.py), when the
+        strategy supports it. Replicated are exactly the parameters of DDP's modules and the
+        optimizer state tensors over them, found by storage (data_ptr, shape, dtype), not by name:
+        anything else (buffers, which DDP syncs only in the next forward; RNG; tracked objects)
+        is per rank."""
+        if self.world_size == 1 or not self.replicated or not REGISTRY[self.cfg.strategy].write_once:
+            return skeleton, tensors
+        params = {p.data_ptr(): p for m in self.replicated for p in m.parameters()}
+        same = {_ident(p) for p in params.values()}
+        for opt in self.optimizers:
+            for p in replay.optimizer_params(opt):
+                if params.get(p.data_ptr()) is p:
+                    same |= {_ident(v) for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor)}
+        # (balanced as written: each tensor takes whole ALIGN blocks)
+        sizes = {k: align(t.numel() * t.element_size()) for k, t in tensors.items() if t.numel() and _ident(t) in same}
+        owner = {k: r for k, r in writeonce.owners(sizes, self.world_size).items() if r != self.rank}
+        return writeonce.leave_out(skeleton, owner), {k: t for k, t in tensors.items() if k not in owner}
 
     def _can_be_lazy(self) -> bool:
         """Whether every buffer in the models' state_dicts is a module buffer by its key (a module
@@ -761,7 +794,7 @@ class Runtime:
         forward changes meanwhile (a buffer registered on the fly) fails the read: it is then
         done again at `wait_copy`, before the update (the state is still the step's then)."""
         try:
-            skeleton, tensors = flatten(self.early_state(taken))
+            skeleton, tensors = self._write_once(*flatten(self.early_state(taken)))
         except RuntimeError:
             if not off_thread:
                 raise
@@ -921,6 +954,11 @@ class Runtime:
         self.metrics.close()
         self.client.send(Bye()) if not self.lost.is_set() else None
         self.client.close()
+
+
+def _ident(t: torch.Tensor) -> tuple:
+    """What makes two tensors the same values in memory (a state_dict entry is its parameter detached)."""
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
 
 
 def _indexed(base: str, i: int) -> str:

@@ -1,0 +1,80 @@
+"""DDP's replicated state written once: each parameter and optimizer state tensor by one rank,
+each rank about 1/N of those bytes; per-rank state (RNG, a tracked Generator) stays per rank;
+restore and a resume after a rank is killed reassemble every rank's state exactly."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import SCRIPTS, assert_same, ckptrun, load, ok, restore, run_cmd, run_events
+
+from ckptrun.storage.layout import align
+from ckptrun.storage.store import Store
+from ckptrun.storage.writeonce import owners, remote_refs
+from ckptrun.strategies import REGISTRY
+
+SCRIPT = SCRIPTS / "dp_mlp.py"
+STEPS = 8
+WRITE_ONCE = [name for name, entry in REGISTRY.items() if entry.write_once]
+
+
+def test_owners_balance_bytes_to_within_one_tensor():
+    sizes = {f"t{i}": (i * 7919) % 1000 + 1 for i in range(50)}
+    for n in (1, 2, 3, 7):
+        assigned = owners(sizes, n)
+        assert assigned == owners(dict(reversed(sizes.items())), n)  # from names and sizes alone
+        per_rank = [sum(s for k, s in sizes.items() if assigned[k] == r) for r in range(n)]
+        assert max(per_rank) - min(per_rank) <= max(sizes.values())
+
+
+@pytest.fixture(scope="module")
+def truth(tmp_path_factory):
+    """Each rank's own save after step STEPS of an uninterrupted DDP run without ckptrun, by world size."""
+    runs: dict[int, Path] = {}
+
+    def get(ranks: int) -> Path:
+        if ranks not in runs:
+            cwd = tmp_path_factory.mktemp(f"ddp{ranks}")
+            ok(run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", ranks, SCRIPT,
+                        "--wrap", "ddp", "--steps", STEPS, "--save-at", STEPS], cwd))
+            runs[ranks] = cwd
+        return runs[ranks]
+
+    return get
+
+
+def replicated_bytes_per_rank(ckpt: Path, step: int) -> tuple[list[int], int]:
+    """(the bytes of replicated tensors each rank wrote, the largest one's), after checking that
+    each tensor a rank names as another's is held by that rank and by no other."""
+    m = Store(ckpt).manifests()[-1]
+    indexes = [Store(ckpt).read_index(m.name, r, m) for r in range(m.world_size)]
+    assert m.step == step and m.rank_bytes == [index["data_nbytes"] for index in indexes]
+    refs = {(owner, key) for index in indexes for owner, key in remote_refs(index["skeleton"])}
+    assert refs, "nothing was written once"
+    keys = {key for _, key in refs}
+    for owner, key in refs:
+        assert [r for r, index in enumerate(indexes) if key in index["tensors"]] == [owner], key
+    written = [[align(index["tensors"][k]["nbytes"]) for k in keys & set(index["tensors"])] for index in indexes]
+    return [sum(w) for w in written], max(max(w) for w in written)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("strategy", WRITE_ONCE)
+def test_ddp_writes_replicated_state_once_and_resumes_exactly(strategy, ranks, truth, tmp_path):
+    """Rank 1 killed mid-run: every rank resumes exactly (its tracked Generator too); the last
+    step restores every rank's own state; each replicated tensor was written by one rank, and each
+    rank wrote 1/N of them to within one tensor."""
+    ok(ckptrun(tmp_path, "--nproc-per-node", ranks, "--max-restarts", "1", "--strategy", strategy,
+               *REGISTRY[strategy].short_run_flags, "--dir", "ckpts", "--metrics-dir", "metrics", SCRIPT,
+               "--wrap", "ddp", "--steps", STEPS, "--save-at", STEPS, fault="kill:step=5:rank=1"))
+    assert [e["restart_count"] for e in run_events(tmp_path / "metrics", 1)] == [0, 1], "the fault did not fire"
+    for rank in range(ranks):
+        own = load(truth(ranks) / f"own-{rank}-{STEPS}.pt")
+        assert_same(load(tmp_path / f"own-{rank}-{STEPS}.pt"), own)
+        state, _ = restore(tmp_path, tmp_path / "ckpts", STEPS, rank=rank)
+        assert_same([state["model"], state["optimizer"], state["extra"]["mine"]],
+                    [own["model"], own["optimizer"], own["mine"]])
+    sizes, largest = replicated_bytes_per_rank(tmp_path / "ckpts", STEPS)
+    assert max(sizes) - min(sizes) <= largest, sizes
