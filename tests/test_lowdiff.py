@@ -37,7 +37,7 @@ from ckptrun.config import RESUME_ENV
 from ckptrun.restore.export import export
 from ckptrun.storage.store import Store, diff_name, full_name, rank_files
 from ckptrun.strategies.lowdiff.model import LowDiffCosts, optimal_fb
-from ckptrun.strategies.lowdiff.policy import DEFAULT_B, DEFAULT_F, FullEveryBatch
+from ckptrun.strategies.lowdiff.policy import DEFAULT_B, DEFAULT_F, RECORD_OPEN_S, FullEveryBatch
 from ckptrun.worker.decisions import EVAL_EVERY, FIRST_EVAL, Decision, Retuner
 
 SCRIPT = Path(__file__).resolve().parent / "scripts_lowdiff" / "sgd_steplr.py"
@@ -300,7 +300,8 @@ class Tuned:
 def expected_fb(bandwidth: float) -> tuple[int, int]:
     return optimal_fb(LowDiffCosts(step_time=STEP_S, full_ckpt_bytes=FULL_BYTES, diff_bytes=DIFF_BYTES,
                                    write_bandwidth=bandwidth, full_load_time=FULL_BYTES / bandwidth,
-                                   diff_replay_time=OPT_S, mtbf=MTBF_S))
+                                   diff_replay_time=RECORD_OPEN_S, mtbf=MTBF_S,
+                                   step_replay_time=DIFF_BYTES / bandwidth + OPT_S))
 
 
 def test_auto_fb_follows_the_measured_write_bandwidth():

@@ -459,10 +459,13 @@ class Runtime:
             return
         if self.resume.diffs is not None:
             self.replaying = True
+            t0 = time.perf_counter()
             try:
                 last = replay.replay(opt, self.resume.diffs)
             finally:
                 self.replaying = False
+            self.retuner.observe_replay(self.resume.step - int(self.resume.record.split("-")[-1]),
+                                        time.perf_counter() - t0)
             for name, model in self.models.items():
                 model.load_state_dict({**model.state_dict(), **last["buffers"].get(name, {})})
             saved = self.resume.state = finish_state(saved, last)
