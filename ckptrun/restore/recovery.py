@@ -23,6 +23,8 @@ from ..storage.schema import DiffStep, SavedOptimizer, StateSkeleton, problem, s
 from ..storage.store import Manifest, Store
 from ..storage.tree import ORPHANS, TENSOR, orphans_key, unflatten
 
+READ_AHEAD_BYTES = 256 << 20  # diff records read and checked ahead of replay (memory bound)
+
 
 @dataclass
 class Plan:
@@ -211,26 +213,39 @@ def verify_problems(store: Store, classes: dict[str, type], *, torn: bool = True
     return list(dict.fromkeys(problems))  # a base's problem is found again through each diff on it
 
 
-def _problems(store: Store, plan: Plan, classes: dict[str, type] | None = None) -> tuple[list[str], list[str]]:
+class DamagedRecord(CorruptCheckpoint):
+    """A record whose tensor checksum failed while a resume read it for replay (`checksums=False`
+    chose it): the attempt must end, and the record be set aside, before the next one decides."""
+
+    def __init__(self, message: str, record: str) -> None:
+        super().__init__(message)
+        self.record = record
+
+
+def _problems(store: Store, plan: Plan, classes: dict[str, type] | None = None, *,
+              checksums: bool = True) -> tuple[list[str], list[str]]:
     """(what is wrong with the plan's records themselves, what stops assembling the state:
     replay on the base with `classes` (see `fit_problems`), or the base's state alone)."""
-    own = [p for m in plan.records for p in store.verify_record(m)]
+    names = {m.name for m in store.manifests(warn=False)}
+    own = [p for m in plan.records for p in store.verify_record(m, names, checksums=checksums)]
     if own:
         return own, []
     fit = [p for m in plan.records for p in fit_problems(store, m, classes, replay=bool(plan.diffs))]
     return own, fit
 
 
-def newest_good(store: Store, *, at_most: int | None = None, verify: bool = True,
+def newest_good(store: Store, *, at_most: int | None = None, verify: bool = True, checksums: bool = True,
                 classes: dict[str, type] | None = None) -> Plan | None:
     """The newest restorable step (≤ `at_most`) whose records all pass their checks and fit
     together; offline replay (restore) passes the optimizer `classes` it may construct, a
-    resumed run (None) replays with its own optimizer."""
+    resumed run (None) replays with its own optimizer. Without `checksums` tensor bytes are not
+    read here: the caller reads every byte once, checking them as it goes (a resume that can
+    restart, see `DamagedRecord`)."""
     bad: set[str] = set()
     for step, plan in reversed(plans(store).items()):
         if at_most is not None and step > at_most or bad & {m.name for m in plan.records}:
             continue
-        own, replay = _problems(store, plan, classes) if verify else ([], [])
+        own, replay = _problems(store, plan, classes, checksums=checksums) if verify else ([], [])
         problems = own + replay
         if not problems:
             return plan
@@ -277,10 +292,15 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(out)
 
 
-def read_state(store: Store, m: Manifest, rank: int) -> dict:
-    """The nested state of `rank` in record `m` (tensors are private copies)."""
-    index, tensors = store.read_rank(m, rank)
-    return unflatten(index["skeleton"], {k: t.clone() for k, t in tensors.items()})
+def read_state(store: Store, m: Manifest, rank: int, *, private: bool = True) -> dict:
+    """The nested state of `rank` in record `m`: tensors are private copies, or with `private`
+    False views of one buffer read for this call alone (a diff record replay only reads: a copy
+    would cost as much as the read; state kept or saved needs its own storage)."""
+    try:
+        index, tensors = store.read_rank(m, rank)
+    except CorruptCheckpoint as e:
+        raise DamagedRecord(str(e), m.name) from None
+    return unflatten(index["skeleton"], {k: t.clone() for k, t in tensors.items()} if private else tensors)
 
 
 def resume_state(store: Store, plan: Plan, rank: int) -> tuple[dict, Iterator[dict] | None]:
@@ -301,14 +321,17 @@ def resume_state(store: Store, plan: Plan, rank: int) -> tuple[dict, Iterator[di
 
 
 def diff_states(store: Store, plan: Plan, rank: int, *, last: dict | None = None) -> Iterator[dict]:
-    """The recorded steps base+1..plan.step in order; the next record is read while the
-    current one is replayed. `last`: the last diff record's state, if the caller read it already."""
-    q: Queue = Queue(maxsize=1)
+    """The recorded steps base+1..plan.step in order; the next records are read, checked and
+    decoded in a thread while the current one is replayed, up to READ_AHEAD_BYTES ahead (at
+    least one record). `last`: the last diff record's state, if the caller read it already."""
+    per_record = max(1, max((m.bytes // m.world_size for m in plan.diffs), default=1))
+    q: Queue = Queue(maxsize=max(1, READ_AHEAD_BYTES // per_record))
 
     def reader() -> None:
         try:
             for m in plan.diffs:
-                q.put(last if last is not None and m is plan.diffs[-1] else read_state(store, m, rank))
+                final = m is plan.diffs[-1]  # its post-step state finishes the restored state
+                q.put(last if last is not None and final else read_state(store, m, rank, private=final))
         except BaseException as e:  # handed to the consumer, which re-raises it
             q.put(e)
         q.put(None)

@@ -19,7 +19,7 @@ from ..ipc.client import EngineLost
 from ..ipc.messages import CommitPending
 from ..ipc.stdio import merge_stderr
 from ..log import log
-from ..restore.recovery import Plan, newest_good, plans, resume_state
+from ..restore.recovery import DamagedRecord, Plan, newest_good, plans, resume_state
 from ..storage.store import Store
 from .jobstore import job_store
 from .runtime import ResumeState, Runtime, StopRun, install
@@ -50,32 +50,45 @@ def _held(rt: Runtime) -> tuple[int, int] | None:
     return int(reply["held_step"]), int(reply["held_nbytes"])
 
 
-def _decide(rt: Runtime, store: Store) -> Plan | None:
-    """Rank 0's choice: the newest committed step that verifies, once every engine has flushed."""
-    if not rt.cfg.resume and rt.restart_count == 0:
-        return None
-    plan = newest_good(store)
-    store.sweep_incomplete()  # every engine has flushed: no record is on its way
-    newest = plan.step if plan else -1
-    # A re-run writes these steps again (a corrupt manifest would block their commit); keep the
-    # bad copies for inspection.
-    damaged = [m.name for m in store.manifests(warn=False) if m.step > newest] + list(store.unreadable())
-    for name in damaged:
+def _set_aside(store: Store, names: list[str]) -> None:
+    """Move records that will not be restored to damaged/: a re-run writes these steps again (a
+    corrupt manifest would block their commit); the bad copies are kept for inspection."""
+    for name in names:
         log.warning(f"moving {name} (not restorable) aside to {store.root}/damaged/")
         (store.root / "damaged").mkdir(exist_ok=True)
         os.replace(store.root / name, store.root / "damaged" / f"{name}-{int(time.time())}")
+
+
+def _decide(rt: Runtime, store: Store, *, checksums: bool) -> Plan | None:
+    """Rank 0's choice: the newest committed step that verifies, once every engine has flushed.
+    Without `checksums`, tensor bytes are checked only as the resume reads them (one pass over
+    the chain instead of two); a record found damaged then ends the attempt (`DamagedRecord`)."""
+    if not rt.cfg.resume and rt.restart_count == 0:
+        return None
+    plan = newest_good(store, checksums=checksums)
+    store.sweep_incomplete()  # every engine has flushed: no record is on its way
+    newest = plan.step if plan else -1
+    _set_aside(store, [m.name for m in store.manifests(warn=False) if m.step > newest] + list(store.unreadable()))
     if rt.cfg.on_restart == "fresh" and rt.restart_count > 0:
         return None  # the script starts from scratch; committed steps are kept (and not rewritten)
     return plan
 
 
-def _agreed_resume(rt: Runtime, store: Store) -> Plan | tuple[int, int] | None:
+def _single_pass(rt: Runtime, restarts: bool) -> bool:
+    """Whether the resume may leave tensor checksums to its reads: a record found damaged there
+    ends the attempt after the state was partly replayed, so only where a restart follows (it
+    decides again without that record) and one rank decides for itself alone (rank 0 checks
+    every rank's bytes before it decides for all)."""
+    return restarts and rt.world_size == 1
+
+
+def _agreed_resume(rt: Runtime, store: Store, *, checksums: bool = True) -> Plan | tuple[int, int] | None:
     """Where to resume: a committed plan, or (step, bytes) of the state every rank's engine
     holds in memory: after a worker crash the engines outlive, no disk is read. Ranks resume
     from memory only when all of theirs hold the same step."""
     held = _held(rt)
     if rt.world_size == 1:
-        return held or _decide(rt, store)
+        return held or _decide(rt, store, checksums=checksums)
     kv = job_store(rt.restart_count)
     kv.set(f"flushed/{rt.rank}", str(held[0]) if held else "-")
     if rt.rank == 0:
@@ -85,7 +98,7 @@ def _agreed_resume(rt: Runtime, store: Store) -> Plan | tuple[int, int] | None:
         if len(steps) == 1 and steps != {"-"}:
             kv.set("resume", f"memory:{steps.pop()}")
         else:
-            plan = _decide(rt, store)
+            plan = _decide(rt, store, checksums=checksums)
             kv.set("resume", str(plan.step) if plan else "")
     step = kv.get("resume").decode()
     if step.startswith("memory:"):
@@ -143,7 +156,7 @@ def main() -> None:
         rt = Runtime(cfg, rank, local_rank, world_size, restart_count)
         store = Store(cfg.dir)
         t_restore = time.perf_counter()
-        plan = _agreed_resume(rt, store)
+        plan = _agreed_resume(rt, store, checksums=not _single_pass(rt, restarts))
         if isinstance(plan, tuple):
             rt.resume = rt.fetch_held(*plan)
             rt.step = rt.checkpointed_step = rt.resume.step
@@ -167,6 +180,8 @@ def main() -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _on_signal(rt))
     except CkptrunError as e:
+        if isinstance(e, DamagedRecord):  # the restart decides without it
+            _set_aside(store, [e.record])
         _fail(cfg, rank, e, restarts)
     if not cfg.dist_env:
         _hide_torchrun_env(cfg.launcher_env)
@@ -187,6 +202,8 @@ def main() -> None:
             _leave_error(cfg, rank, code, f"the training script exited with code {code} (rank {rank})")
             raise
     except AbortRun as e:
+        if isinstance(e.error, DamagedRecord):  # the restart decides without it
+            _set_aside(store, [e.error.record])
         _fail(cfg, rank, e.error, restarts)
     except CkptrunError as e:
         _fail(cfg, rank, e, restarts)

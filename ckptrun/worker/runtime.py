@@ -23,7 +23,7 @@ import torch
 
 from .. import faults
 from ..config import RunConfig
-from ..errors import CheckpointMismatch, CkptrunError, no_optimizer
+from ..errors import AbortRun, CheckpointMismatch, CkptrunError, CorruptCheckpoint, no_optimizer
 from ..ipc.client import EngineClient, EngineLost
 from ..ipc.messages import (
     Alloc,
@@ -439,6 +439,8 @@ class Runtime:
         t0 = time.perf_counter()
         try:
             self._load_into(opt, idx)
+        except CorruptCheckpoint as e:  # a record read for replay failed its checks: past the script's handlers
+            raise AbortRun(e) from None
         finally:
             self.restore_s += time.perf_counter() - t0
 
@@ -460,10 +462,14 @@ class Runtime:
         if self.resume.diffs is not None:
             self.replaying = True
             t0 = time.perf_counter()
+            threads = torch.get_num_threads()
+            if replay.not_elementwise(opt) is None:  # per-element updates: bit-identical on any thread count
+                torch.set_num_threads(max(threads, len(os.sched_getaffinity(0))))
             try:
                 last = replay.replay(opt, self.resume.diffs)
             finally:
                 self.replaying = False
+                torch.set_num_threads(threads)  # the script's own setting
             self.retuner.observe_replay(self.resume.step - int(self.resume.record.split("-")[-1]),
                                         time.perf_counter() - t0)
             for name, model in self.models.items():
