@@ -24,6 +24,7 @@ from ..storage.store import Manifest, Store
 from ..storage.tree import ORPHANS, TENSOR, orphans_key, unflatten
 
 READ_AHEAD_BYTES = 256 << 20  # diff records read and checked ahead of replay (memory bound)
+CHECK_AHEAD_BYTES = 1 << 30  # diff records checked before a resume starts and kept for its replay
 
 
 @dataclass
@@ -303,35 +304,57 @@ def read_state(store: Store, m: Manifest, rank: int, *, private: bool = True) ->
     return unflatten(index["skeleton"], {k: t.clone() for k, t in tensors.items()} if private else tensors)
 
 
-def resume_state(store: Store, plan: Plan, rank: int) -> tuple[dict, Iterator[dict] | None]:
+def resume_state(store: Store, plan: Plan, rank: int, *, hold_bytes: int = 0) -> tuple[dict, Iterator[dict] | None]:
     """What a resume at `plan.step` starts from, and the recorded steps to replay (None without
     diffs). The state is the base's, with the tracked objects' state of `plan.step` itself when
     that is a diff (recorded there, not rebuilt by replay): an object tracked before the
     optimizer exists, i.e. before replay (a framework's loop position), must get the resumed
     step's state, not the base's. Module-less optimized parameters (tracked under `orphans_key`)
     are the exception: replay rebuilds them from the base's values. The last diff record is read
-    once, for both."""
+    once, for both. With `hold_bytes`, every record is checked before this returns
+    (`_checked_ahead`); without, the ones between are checked as replay reads them."""
     state = read_state(store, plan.base, rank)
     if not plan.diffs:
         return state, None
     last = read_state(store, plan.diffs[-1], rank)
+    held = _checked_ahead(store, plan, rank, hold_bytes) if hold_bytes else {}
     replayed = {k: v for k, v in state.get("extra", {}).items() if k.startswith(ORPHANS)}
     state["extra"] = {**last["steps"][str(plan.step)]["extra"], **replayed}
-    return state, diff_states(store, plan, rank, last=last)
+    return state, diff_states(store, plan, rank, last=last, held=held)
 
 
-def diff_states(store: Store, plan: Plan, rank: int, *, last: dict | None = None) -> Iterator[dict]:
+def _checked_ahead(store: Store, plan: Plan, rank: int, hold_bytes: int) -> dict[str, dict]:
+    """Check every diff record of `plan` now (DamagedRecord if one fails), before replay starts:
+    the first records, up to `hold_bytes`, are read and kept for replay (read once); the rest are
+    only hashed (`Store.verify_record`) and read again when replayed."""
+    held: dict[str, dict] = {}
+    names = {m.name for m in store.manifests(warn=False)}
+    for m in plan.diffs[:-1]:
+        size = m.bytes // m.world_size
+        if size <= hold_bytes:
+            held[m.name] = read_state(store, m, rank, private=False)
+            hold_bytes -= size
+        elif problems := store.verify_record(m, names):
+            raise DamagedRecord(problems[0], m.name)
+    return held
+
+
+def diff_states(store: Store, plan: Plan, rank: int, *, last: dict | None = None,
+                held: dict[str, dict] | None = None) -> Iterator[dict]:
     """The recorded steps base+1..plan.step in order; the next records are read, checked and
     decoded in a thread while the current one is replayed, up to READ_AHEAD_BYTES ahead (at
-    least one record). `last`: the last diff record's state, if the caller read it already."""
+    least one record). `last`: the last diff record's state, if the caller read it already;
+    `held`: records read already, by name (handed over, then dropped)."""
     per_record = max(1, max((m.bytes // m.world_size for m in plan.diffs), default=1))
     q: Queue = Queue(maxsize=max(1, READ_AHEAD_BYTES // per_record))
+    held = held if held is not None else {}
 
     def reader() -> None:
         try:
             for m in plan.diffs:
                 final = m is plan.diffs[-1]  # its post-step state finishes the restored state
-                q.put(last if last is not None and final else read_state(store, m, rank, private=final))
+                q.put(last if last is not None and final else held.pop(m.name, None)
+                      or read_state(store, m, rank, private=final))
         except BaseException as e:  # handed to the consumer, which re-raises it
             q.put(e)
         q.put(None)

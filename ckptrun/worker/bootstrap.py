@@ -19,7 +19,7 @@ from ..ipc.client import EngineLost
 from ..ipc.messages import CommitPending
 from ..ipc.stdio import merge_stderr
 from ..log import log
-from ..restore.recovery import DamagedRecord, Plan, newest_good, plans, resume_state
+from ..restore.recovery import CHECK_AHEAD_BYTES, DamagedRecord, Plan, newest_good, plans, resume_state
 from ..storage.store import Store
 from .jobstore import job_store
 from .runtime import ResumeState, Runtime, StopRun, install
@@ -74,12 +74,29 @@ def _decide(rt: Runtime, store: Store, *, checksums: bool) -> Plan | None:
     return plan
 
 
-def _single_pass(rt: Runtime, restarts: bool) -> bool:
-    """Whether the resume may leave tensor checksums to its reads: a record found damaged there
-    ends the attempt after the state was partly replayed, so only where a restart follows (it
-    decides again without that record) and one rank decides for itself alone (rank 0 checks
-    every rank's bytes before it decides for all)."""
-    return restarts and rt.world_size == 1
+def _read_resume(rt: Runtime, store: Store, plan: Plan, restarts: bool) -> tuple[Plan | None, tuple | None]:
+    """(the plan resumed, its `resume_state`). A single rank chose `plan` without reading tensor
+    bytes (`_decide`) and checks them as it reads them, once. With a restart to spare, the records
+    between base and newest are checked while replay reads them, overlapped with it: a damaged
+    one ends the attempt (`DamagedRecord`; the restart decides without it). On the last attempt
+    they are all checked now, kept in memory up to CHECK_AHEAD_BYTES, and a damaged one is set
+    aside and the choice made again here. Several ranks: rank 0 checked every byte already."""
+    hold = 0 if restarts or rt.world_size > 1 else CHECK_AHEAD_BYTES
+    while True:
+        if plan.base.world_size != rt.world_size:
+            raise CheckpointMismatch(
+                f"{store.root} step {plan.step} was written by {plan.base.world_size} ranks, this run has "
+                f"{rt.world_size}; launch {plan.base.world_size} ranks, or export it with `ckptrun restore`")
+        try:
+            return plan, resume_state(store, plan, rt.rank, hold_bytes=hold)
+        except DamagedRecord as e:
+            if rt.world_size > 1:
+                raise
+            log.warning(f"{e}; falling back to an older step")
+            _set_aside(store, [e.record])
+            plan = _decide(rt, store, checksums=False)
+            if plan is None:
+                return None, None
 
 
 def _agreed_resume(rt: Runtime, store: Store, *, checksums: bool = True) -> Plan | tuple[int, int] | None:
@@ -156,17 +173,15 @@ def main() -> None:
         rt = Runtime(cfg, rank, local_rank, world_size, restart_count)
         store = Store(cfg.dir)
         t_restore = time.perf_counter()
-        plan = _agreed_resume(rt, store, checksums=not _single_pass(rt, restarts))
+        plan = _agreed_resume(rt, store, checksums=world_size > 1)
+        if isinstance(plan, Plan):
+            plan, resumed = _read_resume(rt, store, plan, restarts)
         if isinstance(plan, tuple):
             rt.resume = rt.fetch_held(*plan)
             rt.step = rt.checkpointed_step = rt.resume.step
             log.info(f"rank {rank}: resumed step {rt.step} from the checkpoint engine's memory (no disk read)")
         elif plan is not None:
-            if plan.base.world_size != world_size:
-                raise CheckpointMismatch(
-                    f"{cfg.dir} step {plan.step} was written by {plan.base.world_size} ranks, this run has "
-                    f"{world_size}; launch {plan.base.world_size} ranks, or export it with `ckptrun restore`")
-            state, diffs = resume_state(store, plan, rank)
+            state, diffs = resumed
             rt.resume = ResumeState(plan.step, plan.base.name, state, plan.base.world_size, diffs)
             rt.step = rt.checkpointed_step = plan.step
         rt.restore_s = time.perf_counter() - t_restore

@@ -462,14 +462,10 @@ class Runtime:
         if self.resume.diffs is not None:
             self.replaying = True
             t0 = time.perf_counter()
-            threads = torch.get_num_threads()
-            if replay.not_elementwise(opt) is None:  # per-element updates: bit-identical on any thread count
-                torch.set_num_threads(max(threads, len(os.sched_getaffinity(0))))
             try:
                 last = replay.replay(opt, self.resume.diffs)
             finally:
                 self.replaying = False
-                torch.set_num_threads(threads)  # the script's own setting
             self.retuner.observe_replay(self.resume.step - int(self.resume.record.split("-")[-1]),
                                         time.perf_counter() - t0)
             for name, model in self.models.items():
