@@ -58,7 +58,8 @@ class FullEveryBatch(SavePolicy):
             if (f, min(b, MAX_DIFF_SPAN)) == (self.full_every, self.batch):
                 return None
             reason = (f"LowDiff auto: full checkpoint every {f} steps, batch {b} diffs from measured costs "
-                      f"(eq. 10: S={costs.full_ckpt_bytes / 1e6:.1f} MB, W={costs.write_bandwidth / 1e6:.0f} MB/s, "
+                      f"(eq. 8 with exact replay: S={costs.full_ckpt_bytes / 1e6:.1f} MB, "
+                      f"W={costs.write_bandwidth / 1e6:.0f} MB/s, "
                       f"replay {costs.step_replay_time * 1e3:.1f} ms/step + {costs.diff_replay_time * 1e3:.1f} "
                       f"ms/record, MTBF={costs.mtbf:.0f} s)")
         else:
