@@ -54,6 +54,8 @@ def _set_aside(store: Store, names: list[str]) -> None:
     """Move records that will not be restored to damaged/: a re-run writes these steps again (a
     corrupt manifest would block their commit); the bad copies are kept for inspection."""
     for name in names:
+        if not os.path.lexists(store.root / name):  # another rank's attempt moved it already
+            continue
         log.warning(f"moving {name} (not restorable) aside to {store.root}/damaged/")
         (store.root / "damaged").mkdir(exist_ok=True)
         os.replace(store.root / name, store.root / "damaged" / f"{name}-{int(time.time())}")
