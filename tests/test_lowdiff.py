@@ -37,7 +37,7 @@ from ckptrun.config import RESUME_ENV
 from ckptrun.restore.export import export
 from ckptrun.storage.store import Store, diff_name, full_name, rank_files
 from ckptrun.strategies.lowdiff.model import LowDiffCosts, optimal_fb
-from ckptrun.strategies.lowdiff.policy import DEFAULT_B, DEFAULT_F, FullEveryBatch
+from ckptrun.strategies.lowdiff.policy import DEFAULT_B, DEFAULT_F, RECORD_OPEN_S, FullEveryBatch
 from ckptrun.worker.decisions import EVAL_EVERY, FIRST_EVAL, Decision, Retuner
 
 SCRIPT = Path(__file__).resolve().parent / "scripts_lowdiff" / "sgd_steplr.py"
@@ -218,6 +218,35 @@ def test_corrupt_diff_record_is_reported_and_skipped(gpt_run, gpt_truth, tmp_pat
     assert_training_state(exported(ckpt, 9, tmp_path), gpt_truth("adamw", 9))  # another chain: intact
 
 
+@pytest.fixture(scope="module")
+def long_chain(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted AdamW run whose one chain is full 0 + diffs 1-3, 4-6, ..., 13-14."""
+    cwd = tmp_path_factory.mktemp("lowdiff-chain")
+    ok(ckptrun(cwd, "--strategy", "lowdiff", "--full-every", "50", "--batch", "3", "--keep", "0", "--dir", "ckpts",
+               EXAMPLE, *TINY))
+    return cwd / "ckpts"
+
+
+@pytest.mark.parametrize("restarts", [1, 0], ids=["single-pass", "verified-first"])
+def test_damaged_record_mid_chain_at_resume_falls_back_exactly(restarts, long_chain, gpt_truth, tmp_path):
+    """Resuming at step 9 (full 0 + diffs 1-3, 4-6, 7-9) with a bit flipped in diffs 4-6. With a
+    restart to spare, the resume checks checksums as it reads for replay (one pass): it finds the
+    damage half-way through replay, ends the attempt and sets the record aside, and the restart
+    resumes at step 3. Without one, everything is checked before deciding (two passes) and step 3
+    is chosen at once. Either way the run ends bit-identical to an uninterrupted one."""
+    ckpt = copy_dir(long_chain, tmp_path / "ckpts", up_to=9)
+    bad = diff_name(4, 6)
+    flip_diff_byte(ckpt / bad)
+    proc = ok(ckptrun(tmp_path, "--strategy", "lowdiff", "--full-every", "50", "--batch", "3",
+                      "--max-restarts", restarts, "--dir", "ckpts", "--metrics-dir", "metrics", EXAMPLE, *TINY,
+                      "--save-at", STEPS, "--save-path", "final.pt"))
+    resumed = [e["resume_step"] for e in run_events(tmp_path / "metrics")]
+    assert resumed == ([9, 3] if restarts else [3]), proc.stderr
+    assert "checksum mismatch" in proc.stderr
+    assert [p.name.rsplit("-", 1)[0] for p in (ckpt / "damaged").iterdir() if p.name.startswith(bad)] == [bad]
+    assert_training_state(load(tmp_path / "final.pt"), gpt_truth("adamw", STEPS))
+
+
 # ---- crash matrix -----------------------------------------------------------------------------
 def test_topk_changes_training_and_replays_exactly(topk_run, gpt_truth, tmp_path):
     """Compression is applied in training (so the compressed run is its own ground truth), and the
@@ -300,7 +329,8 @@ class Tuned:
 def expected_fb(bandwidth: float) -> tuple[int, int]:
     return optimal_fb(LowDiffCosts(step_time=STEP_S, full_ckpt_bytes=FULL_BYTES, diff_bytes=DIFF_BYTES,
                                    write_bandwidth=bandwidth, full_load_time=FULL_BYTES / bandwidth,
-                                   diff_replay_time=OPT_S, mtbf=MTBF_S))
+                                   diff_replay_time=RECORD_OPEN_S, mtbf=MTBF_S,
+                                   step_replay_time=DIFF_BYTES / bandwidth + OPT_S))
 
 
 def test_auto_fb_follows_the_measured_write_bandwidth():

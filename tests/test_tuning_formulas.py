@@ -475,3 +475,67 @@ def test_optimum_with_one_value_fixed_matches_grid(fixed):
     else:
         grid = min(range(fixed["b"], 200_000), key=lambda x: waste_fraction(costs, x, fixed["b"]))
         assert b == fixed["b"] and abs(f - grid) <= 1
+
+
+# Exact replay: a record of B steps costs R_D + B·r (the correction documented in model.py).
+REPLAY_FRACTIONS = (0.01, 0.1, 0.5, 0.9)  # r as a fraction of the step time
+
+
+@pytest.mark.parametrize("costs", REALISTIC, ids=range(len(REALISTIC)))
+@pytest.mark.parametrize("frac", REPLAY_FRACTIONS)
+def test_lowdiff_per_step_replay_optimum_matches_numeric(costs, frac):
+    c = replace(costs, step_replay_time=frac * costs.step_time)
+    f_c, b_c = continuous_optimum(c)
+    f, b = optimal_fb(c)
+    f_num, b_num = numeric_optimal_fb(c, 4 * f + 10, 4 * b + 10)
+    assert waste_fraction(c, f, b) == pytest.approx(waste_fraction(c, f_num, b_num), rel=1e-12)
+    assert abs(f - f_num) <= 1 and abs(b - b_num) <= 1
+    w0 = waste_fraction(c, f_c, b_c)  # the real-valued point is a minimum, not just near one
+    assert all(waste_fraction(c, f_c * df, max(1.0, b_c * db)) > w0
+               for df in (0.98, 1.02) for db in (0.98, 1.0, 1.02) if b_c * db <= f_c * df)
+
+
+@pytest.mark.parametrize("costs", REALISTIC, ids=range(len(REALISTIC)))
+def test_lowdiff_f_shrinks_as_replay_per_step_grows(costs):
+    """Dearer replay makes long chains dearer: F* falls, closed form and search alike."""
+    fs_closed, fs_numeric = [], []
+    for frac in (0.0, *REPLAY_FRACTIONS):
+        c = replace(costs, step_replay_time=frac * costs.step_time)
+        f, b = optimal_fb(c)
+        fs_closed.append(f)
+        fs_numeric.append(numeric_optimal_fb(c, 4 * f + 10, 4 * b + 10)[0])
+    for fs in (fs_closed, fs_numeric):
+        assert all(a > b for a, b in zip(fs, fs[1:], strict=False)), fs
+    # The paper's model (r = 0) prices a record of B steps as one update: F is several times too large.
+    assert fs_closed[0] > 2 * fs_closed[2]
+
+
+def test_lowdiff_per_step_replay_hand_value_and_limits():
+    c = LowDiffCosts(step_time=2, full_ckpt_bytes=100, diff_bytes=1, write_bandwidth=10,
+                     full_load_time=5, diff_replay_time=1, mtbf=1000, num_gpus=2, step_replay_time=0.5)
+    # per failure: B*t/2 + R_F + (R_D + B*r)/2*(F/B - 1) = 5 + 5 + (1 + 2.5)/2*9; 10 failures; 100 fulls.
+    assert wasted_time(c, 50, 5, horizon_s=10_000) == pytest.approx(2 * (10 * (10 + 3.5 / 2 * 9) + 100 * 10))
+    assert c.recovery_time(50, 5) == pytest.approx(5 + 3.5 / 2 * 9)
+    # r -> 0 is the paper's closed form (eq. (10)), reached through the quartic's root.
+    base = REALISTIC[3]
+    tiny = replace(base, step_replay_time=1e-12 * base.step_time)
+    assert continuous_optimum(tiny) == pytest.approx(continuous_optimum(base), rel=1e-6)
+    # A step that replays slower than it trains: diffs never pay, B = F = Young's interval.
+    slow = replace(base, step_replay_time=1.5 * base.step_time)
+    f, b = optimal_fb(slow)
+    assert f == b and abs(f - young_interval(slow.full_write_time, slow.mtbf) / slow.step_time) <= 1
+    assert waste_fraction(slow, f, b) == pytest.approx(waste_fraction(slow, *numeric_optimal_fb(slow, 4 * f, 4 * f)))
+
+
+@pytest.mark.parametrize("fixed", [{"f": 5}, {"f": 400}, {"b": 1}, {"b": 6}])
+def test_optimum_with_one_value_fixed_and_per_step_replay_matches_grid(fixed):
+    from ckptrun.strategies.lowdiff.model import optimal_fb_given
+
+    costs = LowDiffCosts(step_time=0.1, full_ckpt_bytes=100e6, diff_bytes=20e6, write_bandwidth=1e7,
+                         full_load_time=10.0, diff_replay_time=0.005, mtbf=1800.0, step_replay_time=0.03)
+    f, b = optimal_fb_given(costs, **fixed)
+    if "f" in fixed:
+        assert (f, b) == (fixed["f"], min(range(1, fixed["f"] + 1), key=lambda x: waste_fraction(costs, fixed["f"], x)))
+    else:
+        grid = min(range(fixed["b"], 200_000), key=lambda x: waste_fraction(costs, x, fixed["b"]))
+        assert b == fixed["b"] and abs(f - grid) <= 1

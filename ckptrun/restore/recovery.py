@@ -25,6 +25,9 @@ from ..storage.store import Manifest, Store
 from ..storage.tree import ORPHANS, TENSOR, orphans_key, shards_of, unflatten
 from ..storage.writeonce import remote_refs
 
+READ_AHEAD_BYTES = 256 << 20  # diff records read and checked ahead of replay (memory bound)
+CHECK_AHEAD_BYTES = 1 << 30  # diff records checked before a resume starts and kept for its replay
+
 
 @dataclass
 class Plan:
@@ -229,26 +232,39 @@ def verify_problems(store: Store, classes: dict[str, type], *, torn: bool = True
     return list(dict.fromkeys(problems))  # a base's problem is found again through each diff on it
 
 
-def _problems(store: Store, plan: Plan, classes: dict[str, type] | None = None) -> tuple[list[str], list[str]]:
+class DamagedRecord(CorruptCheckpoint):
+    """A record whose tensor checksum failed while a resume read it for replay (`checksums=False`
+    chose it): the attempt must end, and the record be set aside, before the next one decides."""
+
+    def __init__(self, message: str, record: str) -> None:
+        super().__init__(message)
+        self.record = record
+
+
+def _problems(store: Store, plan: Plan, classes: dict[str, type] | None = None, *,
+              checksums: bool = True) -> tuple[list[str], list[str]]:
     """(what is wrong with the plan's records themselves, what stops assembling the state:
     replay on the base with `classes` (see `fit_problems`), or the base's state alone)."""
-    own = [p for m in plan.records for p in store.verify_record(m)]
+    names = {m.name for m in store.manifests(warn=False)}
+    own = [p for m in plan.records for p in store.verify_record(m, names, checksums=checksums)]
     if own:
         return own, []
     fit = [p for m in plan.records for p in fit_problems(store, m, classes, replay=bool(plan.diffs))]
     return own, fit
 
 
-def newest_good(store: Store, *, at_most: int | None = None, verify: bool = True,
+def newest_good(store: Store, *, at_most: int | None = None, verify: bool = True, checksums: bool = True,
                 classes: dict[str, type] | None = None) -> Plan | None:
     """The newest restorable step (≤ `at_most`) whose records all pass their checks and fit
     together; offline replay (restore) passes the optimizer `classes` it may construct, a
-    resumed run (None) replays with its own optimizer."""
+    resumed run (None) replays with its own optimizer. Without `checksums` tensor bytes are not
+    read here: the caller reads every byte once, checking them as it goes (a resume that can
+    restart, see `DamagedRecord`)."""
     bad: set[str] = set()
     for step, plan in reversed(plans(store).items()):
         if at_most is not None and step > at_most or bad & {m.name for m in plan.records}:
             continue
-        own, replay = _problems(store, plan, classes) if verify else ([], [])
+        own, replay = _problems(store, plan, classes, checksums=checksums) if verify else ([], [])
         problems = own + replay
         if not problems:
             return plan
@@ -295,51 +311,81 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(out)
 
 
-def read_state(store: Store, m: Manifest, rank: int) -> dict:
-    """The nested state of `rank` in record `m` (tensors are private copies), with the replicated
-    tensors other ranks wrote (storage/writeonce.py) read from their parts."""
-    index, tensors = store.read_rank(m, rank)
-    refs = remote_refs(index["skeleton"])
-    remote = {}
-    for owner in sorted({o for o, _ in refs}):
-        if not (0 <= owner < m.world_size and owner != rank):
-            raise CorruptCheckpoint(f"{m.name}: rank {rank} names rank {owner} as the writer of a tensor")
-        theirs = store.read_rank(m, owner)[1]
-        for o, key in refs:
-            if o == owner:
-                if key not in theirs:
-                    raise CorruptCheckpoint(f"{m.name}: rank {rank} names tensor {short(key)} of rank {owner}, "
-                                            "which that rank does not hold")
-                remote[(o, key)] = theirs[key].clone()
-    return unflatten(index["skeleton"], {k: t.clone() for k, t in tensors.items()}, remote)
+def read_state(store: Store, m: Manifest, rank: int, *, private: bool = True) -> dict:
+    """The nested state of `rank` in record `m`, with the replicated tensors other ranks wrote
+    (storage/writeonce.py) read from their parts. Tensors are private copies, or with `private`
+    False views of buffers read for this call alone (a diff record replay only reads: a copy would
+    cost as much as the read; state kept or saved needs its own storage)."""
+    try:
+        index, tensors = store.read_rank(m, rank)
+        refs = remote_refs(index["skeleton"])
+        remote = {}
+        for owner in sorted({o for o, _ in refs}):
+            if not (0 <= owner < m.world_size and owner != rank):
+                raise CorruptCheckpoint(f"{m.name}: rank {rank} names rank {owner} as the writer of a tensor")
+            theirs = store.read_rank(m, owner)[1]
+            for o, key in refs:
+                if o == owner:
+                    if key not in theirs:
+                        raise CorruptCheckpoint(f"{m.name}: rank {rank} names tensor {short(key)} of rank {owner}, "
+                                                "which that rank does not hold")
+                    remote[(o, key)] = theirs[key].clone() if private else theirs[key]
+    except CorruptCheckpoint as e:
+        raise DamagedRecord(str(e), m.name) from None
+    return unflatten(index["skeleton"], {k: t.clone() for k, t in tensors.items()} if private else tensors, remote)
 
 
-def resume_state(store: Store, plan: Plan, rank: int) -> tuple[dict, Iterator[dict] | None]:
+def resume_state(store: Store, plan: Plan, rank: int, *, hold_bytes: int = 0) -> tuple[dict, Iterator[dict] | None]:
     """What a resume at `plan.step` starts from, and the recorded steps to replay (None without
     diffs). The state is the base's, with the tracked objects' state of `plan.step` itself when
     that is a diff (recorded there, not rebuilt by replay): an object tracked before the
     optimizer exists, i.e. before replay (a framework's loop position), must get the resumed
     step's state, not the base's. Module-less optimized parameters (tracked under `orphans_key`)
     are the exception: replay rebuilds them from the base's values. The last diff record is read
-    once, for both."""
+    once, for both. With `hold_bytes`, every record is checked before this returns
+    (`_checked_ahead`); without, the ones between are checked as replay reads them."""
     state = read_state(store, plan.base, rank)
     if not plan.diffs:
         return state, None
     last = read_state(store, plan.diffs[-1], rank)
+    held = _checked_ahead(store, plan, rank, hold_bytes) if hold_bytes else {}
     replayed = {k: v for k, v in state.get("extra", {}).items() if k.startswith(ORPHANS)}
     state["extra"] = {**last["steps"][str(plan.step)]["extra"], **replayed}
-    return state, diff_states(store, plan, rank, last=last)
+    return state, diff_states(store, plan, rank, last=last, held=held)
 
 
-def diff_states(store: Store, plan: Plan, rank: int, *, last: dict | None = None) -> Iterator[dict]:
-    """The recorded steps base+1..plan.step in order; the next record is read while the
-    current one is replayed. `last`: the last diff record's state, if the caller read it already."""
-    q: Queue = Queue(maxsize=1)
+def _checked_ahead(store: Store, plan: Plan, rank: int, hold_bytes: int) -> dict[str, dict]:
+    """Check every diff record of `plan` now (DamagedRecord if one fails), before replay starts:
+    the first records, up to `hold_bytes`, are read and kept for replay (read once); the rest are
+    only hashed (`Store.verify_record`) and read again when replayed."""
+    held: dict[str, dict] = {}
+    names = {m.name for m in store.manifests(warn=False)}
+    for m in plan.diffs[:-1]:
+        size = m.bytes // m.world_size
+        if size <= hold_bytes:
+            held[m.name] = read_state(store, m, rank, private=False)
+            hold_bytes -= size
+        elif problems := store.verify_record(m, names):
+            raise DamagedRecord(problems[0], m.name)
+    return held
+
+
+def diff_states(store: Store, plan: Plan, rank: int, *, last: dict | None = None,
+                held: dict[str, dict] | None = None) -> Iterator[dict]:
+    """The recorded steps base+1..plan.step in order; the next records are read, checked and
+    decoded in a thread while the current one is replayed, up to READ_AHEAD_BYTES ahead (at
+    least one record). `last`: the last diff record's state, if the caller read it already;
+    `held`: records read already, by name (handed over, then dropped)."""
+    per_record = max(1, max((m.bytes // m.world_size for m in plan.diffs), default=1))
+    q: Queue = Queue(maxsize=max(1, READ_AHEAD_BYTES // per_record))
+    held = held if held is not None else {}
 
     def reader() -> None:
         try:
             for m in plan.diffs:
-                q.put(last if last is not None and m is plan.diffs[-1] else read_state(store, m, rank))
+                final = m is plan.diffs[-1]  # its post-step state finishes the restored state
+                q.put(last if last is not None and final else held.pop(m.name, None)
+                      or read_state(store, m, rank, private=final))
         except BaseException as e:  # handed to the consumer, which re-raises it
             q.put(e)
         q.put(None)

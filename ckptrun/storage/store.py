@@ -406,13 +406,15 @@ class Store:
             tensors[key] = view(buf, TensorSpec.from_json(key, spec))
         return index, tensors
 
-    def verify_record(self, m: Manifest, committed: set[str] | None = None) -> list[str]:
+    def verify_record(self, m: Manifest, committed: set[str] | None = None, *, checksums: bool = True) -> list[str]:
         """Problems found re-checking everything a restore of `m` relies on: its dependencies, every
-        field (`open_rank`) and every checksum, streaming the data with bounded memory
-        (`committed`: the names of the committed records, when the caller has them already)."""
+        field (`open_rank`) and, with `checksums`, every tensor checksum, streaming the data with
+        bounded memory (`committed`: the names of the committed records, when the caller has them
+        already). Without `checksums` the caller checks them as it reads the data (`read_rank`)."""
         names = committed if committed is not None else {x.name for x in self.manifests(warn=False)}
         problems = [f"{m.name}: depends on {d}, which is not committed" for d in m.depends_on if d not in names]
         sizes: list[int] = []
+        chunk = memoryview(bytearray(CHUNK)) if checksums else None
         for r in range(m.world_size):
             try:
                 index, fd, base = self.open_rank(m, r)
@@ -420,7 +422,8 @@ class Store:
                 with os.fdopen(fd, "rb", buffering=0):
                     problems += [f"{m.name}: rank {r} tensor {k!r} checksum mismatch"
                                  for k, s in index["tensors"].items()
-                                 if _hash_range(fd, base + s["offset"], s["nbytes"]) != s["xxh3"]]
+                                 if chunk is not None
+                                 and _hash_range(fd, base + s["offset"], s["nbytes"], chunk) != s["xxh3"]]
             except CorruptCheckpoint as e:
                 return [*problems, str(e)]
             except OSError as e:
@@ -495,15 +498,15 @@ def rank_index(name: str, rank: int, data: memoryview, tensors: dict[str, dict],
             "data_nbytes": len(data), "tensors": sums, "skeleton": skeleton, "meta": meta}
 
 
-def _hash_range(fd: int, offset: int, nbytes: int) -> str:
-    """xxh3 of `nbytes` bytes at `offset` of `fd`, read CHUNK bytes at a time."""
+def _hash_range(fd: int, offset: int, nbytes: int, chunk: memoryview) -> str:
+    """xxh3 of `nbytes` bytes at `offset` of `fd`, read into `chunk` (reused: no allocation per read)."""
     h = xxhash.xxh3_64()
     while nbytes > 0:
-        chunk = os.pread(fd, min(CHUNK, nbytes), offset)
-        if not chunk:
+        n = os.preadv(fd, [chunk[: min(len(chunk), nbytes)]], offset)
+        if not n:
             break
-        h.update(chunk)
-        offset, nbytes = offset + len(chunk), nbytes - len(chunk)
+        h.update(chunk[:n])
+        offset, nbytes = offset + n, nbytes - n
     return h.hexdigest()
 
 

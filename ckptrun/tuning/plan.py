@@ -82,7 +82,7 @@ class LowDiffPlan:
     numeric: tuple[int, int]  # argmin of eq. (8) by search
     agrees: bool  # numeric and closed form predict the same waste
     diff_writes_keep_up: bool  # eq. (8) assumes one step's diff is written within a step
-    recovery_s: float  # load + replay of half the records between full checkpoints
+    recovery_s: float  # load + replay of half the records between full checkpoints (R_D + B·r each)
     prediction: Prediction
 
 
@@ -163,7 +163,7 @@ def _interval_plan(sc: StrategyCosts, costs: Costs, mtbf_s: float, budget: float
 def _lowdiff_plan(costs: Costs, mtbf_s: float) -> LowDiffPlan:
     c = LowDiffCosts(step_time=costs.step_s, full_ckpt_bytes=costs.ckpt_bytes, diff_bytes=costs.diff_bytes,
                      write_bandwidth=costs.write_Bps, full_load_time=costs.load_s,
-                     diff_replay_time=costs.replay_s, mtbf=mtbf_s)
+                     diff_replay_time=costs.record_s, mtbf=mtbf_s, step_replay_time=costs.replay_s)
     f_c, b_c = continuous_optimum(c)
     f, b = optimal_fb(c)
     numeric = numeric_optimal_fb(c, f_max=4 * max(f, math.ceil(f_c)) + 10, b_max=4 * max(b, math.ceil(b_c)) + 10)
@@ -171,7 +171,7 @@ def _lowdiff_plan(costs: Costs, mtbf_s: float) -> LowDiffPlan:
     t = costs.step_s
     pred = Prediction(b * t, c.full_write_time / (f * t), b * t / 2, w)
     return LowDiffPlan(f, b, (f_c, b_c), numeric, math.isclose(w, w_num, rel_tol=1e-9), diff_writes_keep_up(c),
-                       costs.load_s + costs.replay_s / 2 * (f / b - 1), pred)
+                       c.recovery_time(f, b), pred)
 
 
 def _pccheck_plan(costs: Costs, mtbf_s: float, budget: float,

@@ -18,9 +18,11 @@ first WARMUP_STEPS steps (imports, allocation) are not measured.
   (find + verify + read) gives R_F.
 - write bandwidth W: bytes / write time over writes that ran alone (engine queue depth 1);
   PCcheck's T_w(N): S over the bandwidth of writes that finished with N in flight.
-- R_D (replay of one diff) = reading D at the load bandwidth S/R_F + one optimizer update. An
-  approximation: until a strategy records its own replay timings, the optimizer update measured
-  around `optimizer.step()` stands in for applying one recorded gradient.
+- r (replay of one recorded step) = reading D at the load bandwidth S/R_F + one optimizer
+  update. An approximation: the optimizer update measured around `optimizer.step()` stands in
+  for applying one recorded gradient (a resumed lowdiff worker measures its real replay).
+- R_D (the per-record part of a diff record's replay) = opening that newest checkpoint's
+  record again: manifest, index and every check before its data is read.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ class Costs:
     diff_bytes: int  # D: one step's dense gradient = bytes of the optimized parameters
     write_Bps: float  # W: write bandwidth of --dir's filesystem
     load_s: float  # R_F: find, verify and read the newest full checkpoint
-    replay_s: float  # R_D: read and apply one step's diff
+    replay_s: float  # r: read and apply one step's diff
+    record_s: float  # R_D: open one record (manifest, index, checks), whatever its length
     free_bytes: int  # free space on --dir's filesystem (PCcheck's storage budget)
     write_s_by_inflight: dict[int, float]  # T_w(N): a full checkpoint's write time with N in flight
 
@@ -138,8 +141,11 @@ def _window(run: _Run, strategy: str) -> list[dict[str, Any]]:
     return measured
 
 
-def _load_time(ckpt_dir: Path) -> tuple[float, int]:
-    """(seconds to find, verify and read the newest committed step as a restart does, its bytes per rank)."""
+def _load_time(ckpt_dir: Path) -> tuple[float, int, float]:
+    """(seconds to find, verify and read the newest committed step as a restart does, its bytes per
+    rank, seconds to open its record again without reading the data: median of 3)."""
+    import os
+
     from ..restore.recovery import find, load_state
     from ..storage.store import Store
 
@@ -147,7 +153,14 @@ def _load_time(ckpt_dir: Path) -> tuple[float, int]:
     t0 = time.perf_counter()
     plan = find(store, "latest")
     load_state(store, plan, 0)
-    return time.perf_counter() - t0, plan.base.bytes // plan.base.world_size
+    load_s = time.perf_counter() - t0
+    opens = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fresh = Store(ckpt_dir)
+        os.close(fresh.open_rank(fresh.manifest(plan.base.name), 0)[1])
+        opens.append(time.perf_counter() - t0)
+    return load_s, plan.base.bytes // plan.base.world_size, median(opens)
 
 
 def _bandwidth(writes: list[dict[str, Any]]) -> float | None:
@@ -195,7 +208,7 @@ def profile(script: str, args: list[str], strategies: list[str], steps: int, ckp
                                      f"({format_duration(step_s)}): no step would ever finish; check --mtbf or "
                                      "--failure-log")
                 optim_s = median(e["optim_s"] for e in window)
-                load_s, ckpt_bytes = _load_time(run.ckpt_dir)
+                load_s, ckpt_bytes, record_s = _load_time(run.ckpt_dir)
                 diff_bytes = sum(e["param_bytes"] for e in run.events
                                  if e.get("type") == "optimizer" and e.get("rank", 0) == 0)
                 progress(f"{name}: step without checkpointing {step_s * 1e3:.1f} ms (optimizer update "
@@ -213,6 +226,7 @@ def profile(script: str, args: list[str], strategies: list[str], steps: int, ckp
         write_bps = bw.get(1) or _bandwidth(all_writes)
         costs = Costs(step_s=step_s, optim_s=optim_s, ckpt_bytes=ckpt_bytes, diff_bytes=diff_bytes,
                       write_Bps=write_bps, load_s=load_s, replay_s=load_s * diff_bytes / ckpt_bytes + optim_s,
+                      record_s=record_s,
                       free_bytes=shutil.disk_usage(root).free,
                       write_s_by_inflight={n: ckpt_bytes / b for n, b in bw.items()})
         return Profile(script=script, args=list(args), dir=str(root), steps=steps, costs=costs, strategies=measured)

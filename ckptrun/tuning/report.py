@@ -29,7 +29,8 @@ def _measured_line(result: TuneResult) -> str:
     c = result.profile.costs
     return (f"measured: step t {format_duration(c.step_s)} · full checkpoint S {_mb(c.ckpt_bytes)} · diff D "
             f"{_mb(c.diff_bytes)}/step · write W {c.write_Bps / 1e6:.1f} MB/s · load R_F {format_duration(c.load_s)}"
-            f" · replay R_D {format_duration(c.replay_s)}/diff · free {c.free_bytes / 1e9:.1f} GB")
+            f" · replay r {format_duration(c.replay_s)}/step + R_D {format_duration(c.record_s)}/record"
+            f" · free {c.free_bytes / 1e9:.1f} GB")
 
 
 def print_report(console: Console, result: TuneResult) -> None:

@@ -20,7 +20,7 @@ from ..ipc.messages import CommitPending
 from ..ipc.stdio import merge_stderr
 from ..log import log
 from ..restore.consolidate import resharded
-from ..restore.recovery import Plan, newest_good, plans, resume_state
+from ..restore.recovery import CHECK_AHEAD_BYTES, DamagedRecord, Plan, newest_good, plans, resume_state
 from ..storage.store import Store
 from .jobstore import job_store
 from .runtime import ResumeState, Runtime, StopRun, install
@@ -51,32 +51,63 @@ def _held(rt: Runtime) -> tuple[int, int] | None:
     return int(reply["held_step"]), int(reply["held_nbytes"])
 
 
-def _decide(rt: Runtime, store: Store) -> Plan | None:
-    """Rank 0's choice: the newest committed step that verifies, once every engine has flushed."""
-    if not rt.cfg.resume and rt.restart_count == 0:
-        return None
-    plan = newest_good(store)
-    store.sweep_incomplete()  # every engine has flushed: no record is on its way
-    newest = plan.step if plan else -1
-    # A re-run writes these steps again (a corrupt manifest would block their commit); keep the
-    # bad copies for inspection.
-    damaged = [m.name for m in store.manifests(warn=False) if m.step > newest] + list(store.unreadable())
-    for name in damaged:
+def _set_aside(store: Store, names: list[str]) -> None:
+    """Move records that will not be restored to damaged/: a re-run writes these steps again (a
+    corrupt manifest would block their commit); the bad copies are kept for inspection."""
+    for name in names:
+        if not os.path.lexists(store.root / name):  # another rank's attempt moved it already
+            continue
         log.warning(f"moving {name} (not restorable) aside to {store.root}/damaged/")
         (store.root / "damaged").mkdir(exist_ok=True)
         os.replace(store.root / name, store.root / "damaged" / f"{name}-{int(time.time())}")
+
+
+def _decide(rt: Runtime, store: Store, *, checksums: bool) -> Plan | None:
+    """Rank 0's choice: the newest committed step that verifies, once every engine has flushed.
+    Without `checksums`, tensor bytes are checked only as the resume reads them (one pass over
+    the chain instead of two); a record found damaged then ends the attempt (`DamagedRecord`)."""
+    if not rt.cfg.resume and rt.restart_count == 0:
+        return None
+    plan = newest_good(store, checksums=checksums)
+    store.sweep_incomplete()  # every engine has flushed: no record is on its way
+    newest = plan.step if plan else -1
+    _set_aside(store, [m.name for m in store.manifests(warn=False) if m.step > newest] + list(store.unreadable()))
     if rt.cfg.on_restart == "fresh" and rt.restart_count > 0:
         return None  # the script starts from scratch; committed steps are kept (and not rewritten)
     return plan
 
 
-def _agreed_resume(rt: Runtime, store: Store) -> Plan | tuple[int, int] | None:
+def _read_resume(rt: Runtime, store: Store, plan: Plan, restarts: bool) -> tuple[Plan | None, tuple | None]:
+    """(the plan resumed, its `resume_state`). A single rank chose `plan` without reading tensor
+    bytes (`_decide`) and checks them as it reads them, once. With a restart to spare, the records
+    between base and newest are checked while replay reads them, overlapped with it: a damaged
+    one ends the attempt (`DamagedRecord`; the restart decides without it). On the last attempt
+    they are all checked now, kept in memory up to CHECK_AHEAD_BYTES, and a damaged one is set
+    aside and the choice made again here. Several ranks: rank 0 checked every byte already. A step
+    written by another number of ranks is resharded (`resharded`, which refuses what it cannot)."""
+    hold = 0 if restarts or rt.world_size > 1 else CHECK_AHEAD_BYTES
+    while True:
+        try:
+            if plan.base.world_size != rt.world_size:
+                return plan, (resharded(store, plan, rt.rank, rt.world_size), None)
+            return plan, resume_state(store, plan, rt.rank, hold_bytes=hold)
+        except DamagedRecord as e:
+            if rt.world_size > 1:
+                raise
+            log.warning(f"{e}; falling back to an older step")
+            _set_aside(store, [e.record])
+            plan = _decide(rt, store, checksums=False)
+            if plan is None:
+                return None, None
+
+
+def _agreed_resume(rt: Runtime, store: Store, *, checksums: bool = True) -> Plan | tuple[int, int] | None:
     """Where to resume: a committed plan, or (step, bytes) of the state every rank's engine
     holds in memory: after a worker crash the engines outlive, no disk is read. Ranks resume
     from memory only when all of theirs hold the same step."""
     held = _held(rt)
     if rt.world_size == 1:
-        return held or _decide(rt, store)
+        return held or _decide(rt, store, checksums=checksums)
     kv = job_store(rt.restart_count)
     kv.set(f"flushed/{rt.rank}", str(held[0]) if held else "-")
     if rt.rank == 0:
@@ -86,7 +117,7 @@ def _agreed_resume(rt: Runtime, store: Store) -> Plan | tuple[int, int] | None:
         if len(steps) == 1 and steps != {"-"}:
             kv.set("resume", f"memory:{steps.pop()}")
         else:
-            plan = _decide(rt, store)
+            plan = _decide(rt, store, checksums=checksums)
             kv.set("resume", str(plan.step) if plan else "")
     step = kv.get("resume").decode()
     if step.startswith("memory:"):
@@ -144,16 +175,15 @@ def main() -> None:
         rt = Runtime(cfg, rank, local_rank, world_size, restart_count)
         store = Store(cfg.dir)
         t_restore = time.perf_counter()
-        plan = _agreed_resume(rt, store)
+        plan = _agreed_resume(rt, store, checksums=world_size > 1)
+        if isinstance(plan, Plan):
+            plan, resumed = _read_resume(rt, store, plan, restarts)
         if isinstance(plan, tuple):
             rt.resume = rt.fetch_held(*plan)
             rt.step = rt.checkpointed_step = rt.resume.step
             log.info(f"rank {rank}: resumed step {rt.step} from the checkpoint engine's memory (no disk read)")
         elif plan is not None:
-            if plan.base.world_size != world_size:
-                state, diffs = resharded(store, plan, rank, world_size), None
-            else:
-                state, diffs = resume_state(store, plan, rank)
+            state, diffs = resumed
             rt.resume = ResumeState(plan.step, plan.base.name, state, plan.base.world_size, diffs)
             rt.step = rt.checkpointed_step = plan.step
         rt.restore_s = time.perf_counter() - t_restore
@@ -167,6 +197,8 @@ def main() -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _on_signal(rt))
     except CkptrunError as e:
+        if isinstance(e, DamagedRecord):  # the restart decides without it
+            _set_aside(store, [e.record])
         _fail(cfg, rank, e, restarts)
     if not cfg.dist_env:
         _hide_torchrun_env(cfg.launcher_env)
@@ -187,6 +219,8 @@ def main() -> None:
             _leave_error(cfg, rank, code, f"the training script exited with code {code} (rank {rank})")
             raise
     except AbortRun as e:
+        if isinstance(e.error, DamagedRecord):  # the restart decides without it
+            _set_aside(store, [e.error.record])
         _fail(cfg, rank, e.error, restarts)
     except CkptrunError as e:
         _fail(cfg, rank, e, restarts)

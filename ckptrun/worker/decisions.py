@@ -63,6 +63,7 @@ class Measured:
     step_s: float | None = None  # compute time of one step, checkpoint stall excluded
     iter_s: float | None = None  # wall time of one step, stall included
     optim_s: float | None = None  # one optimizer step (what replaying one step's gradients costs)
+    replay_step_s: float | None = None  # replay of one recorded step at this worker's resume, read included
     delta_s: float | None = None  # blocking cost of one checkpoint; None while none was handed over
     persist_s: float | None = None  # time to persist one checkpoint's bytes
     write_bw: float | None = None  # bytes per second of recent writes
@@ -199,6 +200,7 @@ class Retuner:
         self._steps: deque[tuple[float, float, bool, float]] = deque()  # (step_s, stall_s, checkpointed, optim_s)
         self._writes: deque[tuple[int, float]] = deque(maxlen=WRITES_KEPT)
         self._sizes: dict[str, int] = {}
+        self._replay_step_s: float | None = None
         self._start: int | None = None
 
     def add(self, policy: SavePolicy) -> SavePolicy:
@@ -208,6 +210,11 @@ class Retuner:
     # ---- measurements ------------------------------------------------------------------
     def observe_snapshot(self, kind: str, nbytes: int) -> None:
         self._sizes[kind] = nbytes
+
+    def observe_replay(self, steps: int, seconds: float) -> None:
+        """The resume replayed `steps` recorded steps in `seconds` (reading, checking, applying)."""
+        if steps > 0 and seconds > 0:
+            self._replay_step_s = seconds / steps
 
     def observe_write(self, nbytes: int, write_s: float) -> None:
         """A checkpoint (this rank's part) became durable after `write_s` seconds of writing."""
@@ -232,7 +239,7 @@ class Retuner:
             delta_s=max(MIN_DELTA_S, sum(st for _, st, _, _ in records) / ckpts) if ckpts and records else None,
             persist_s=median(w for _, w in writes) if writes else None,
             write_bw=median(n / w for n, w in writes) if writes else None,
-            sizes=dict(self._sizes))
+            sizes=dict(self._sizes), replay_step_s=self._replay_step_s)
 
     # ---- decisions ---------------------------------------------------------------------
     def after_step(self, step: int, record: dict[str, Any]) -> None:

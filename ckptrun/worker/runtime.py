@@ -23,7 +23,7 @@ import torch
 
 from .. import faults
 from ..config import RunConfig
-from ..errors import CheckpointMismatch, CkptrunError, no_optimizer
+from ..errors import AbortRun, CheckpointMismatch, CkptrunError, CorruptCheckpoint, no_optimizer
 from ..ipc.client import EngineClient, EngineLost
 from ..ipc.messages import (
     Alloc,
@@ -450,6 +450,8 @@ class Runtime:
         t0 = time.perf_counter()
         try:
             self._load_into(opt, idx)
+        except CorruptCheckpoint as e:  # a record read for replay failed its checks: past the script's handlers
+            raise AbortRun(e) from None
         finally:
             self.restore_s += time.perf_counter() - t0
 
@@ -470,10 +472,13 @@ class Runtime:
             return
         if self.resume.diffs is not None:
             self.replaying = True
+            t0 = time.perf_counter()
             try:
                 last = replay.replay(opt, self.resume.diffs)
             finally:
                 self.replaying = False
+            self.retuner.observe_replay(self.resume.step - int(self.resume.record.split("-")[-1]),
+                                        time.perf_counter() - t0)
             for name, model in self.models.items():
                 model.load_state_dict({**model.state_dict(), **last["buffers"].get(name, {})})
             saved = self.resume.state = finish_state(saved, last)

@@ -4,7 +4,16 @@ LowDiff writes a full checkpoint every F steps and, in between, one differential
 gradients of B steps, batched in host memory) every B steps. A failure loses the steps since
 the last durable record and costs a full-checkpoint load plus a replay of the records written
 since that full checkpoint. Large F: long replays; small F: many expensive full writes.
-Large B: more lost steps; small B: more records to replay. Eq. (8) prices both trade-offs.
+Large B: more lost steps; small B: more records to open. Eq. (8) prices both trade-offs.
+
+Correction to eq. (8): the paper prices the replay of a batched record of B steps as one R_D,
+whatever B. That holds for its merged (summed) diffs; exact replay (DESIGN invariant 1: Adam's
+update is not linear in the gradient, so B steps are B optimizer updates) costs R_D + B·r for a
+record, with R_D the per-record part (open, index, validate) and r one step's replay (read its
+diff + one optimizer update). Ignoring r under-counts replay B-fold and picks F in the
+thousands. `step_replay_time` = r; r = 0 is the paper's model, whose closed form eq. (10) stays
+(`continuous_optimum`). With r > 0 the stationary point is the root of a quartic (no printed
+closed form): found by bisection, checked against `numeric_optimal_fb` in the tests.
 
 Units: every time (step time, load/replay times, MTBF, horizon) is in one unit, seconds in
 ckptrun, and the bandwidth is bytes per that unit. F and B are always counted in steps, so the
@@ -44,10 +53,13 @@ class LowDiffCosts:
                             (§IV-B); see `diff_writes_keep_up`
     write_bandwidth   [W]   bytes per time unit to storage
     full_load_time    [R_F] time to load the latest full checkpoint on recovery
-    diff_replay_time  [R_D] time to load and merge one differential record; as in the paper, a
-                            batched record of B steps counts as one record
+    diff_replay_time  [R_D] the part of a differential record's replay that does not grow with
+                            its length (open, index, validate); in the paper the whole replay of
+                            a record, however many steps it batches
     mtbf              [M]   mean time between failures
     num_gpus          [N]   GPUs that all lose the same time (scales T_w, not the optimum)
+    step_replay_time  [r]   replay of one recorded step: read its diff + one optimizer update
+                            (0: the paper's model; see the module docstring)
     """
 
     step_time: float
@@ -58,12 +70,14 @@ class LowDiffCosts:
     diff_replay_time: float
     mtbf: float
     num_gpus: int = 1
+    step_replay_time: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("step_time", "full_ckpt_bytes", "diff_bytes", "write_bandwidth",
                      "diff_replay_time", "mtbf"):
             check_positive(name, getattr(self, name))
         check_positive("full_load_time", self.full_load_time, allow_zero=True)
+        check_positive("step_replay_time", self.step_replay_time, allow_zero=True)
         if isinstance(self.num_gpus, bool) or not isinstance(self.num_gpus, int) or self.num_gpus < 1:
             raise ValueError(f"num_gpus must be an integer >= 1, got {self.num_gpus!r}")
 
@@ -71,6 +85,14 @@ class LowDiffCosts:
     def full_write_time(self) -> float:
         """S/W: time one full checkpoint blocks training (the paper's steady-state cost)."""
         return self.full_ckpt_bytes / self.write_bandwidth
+
+    def replay_time(self, f: float, b: float) -> float:
+        """Expected replay per failure: (F/B − 1)/2 records of R_D + B·r each."""
+        return (self.diff_replay_time + b * self.step_replay_time) / 2 * (f / b - 1)
+
+    def recovery_time(self, f: float, b: float) -> float:
+        """Expected state restore per failure: the full checkpoint's load plus `replay_time`."""
+        return self.full_load_time + self.replay_time(f, b)
 
 
 def _check_fb(f: float, b: float) -> tuple[float, float]:
@@ -86,7 +108,9 @@ def _check_fb(f: float, b: float) -> tuple[float, float]:
 def wasted_time(costs: LowDiffCosts, f: float, b: float, horizon_s: float) -> float:
     """GPU time wasted over a run of `horizon_s` (eq. (8)), with f = F and b = B in steps.
 
-    T_w = N·(T/M)·[B·t/2 + R_F + (R_D/2)·(F/B − 1)] + N·(T/(F·t))·(S/W)
+    T_w = N·(T/M)·[B·t/2 + R_F + ((R_D + B·r)/2)·(F/B − 1)] + N·(T/(F·t))·(S/W)
+
+    (r, one step's replay, is the correction of the module docstring; r = 0 is eq. (8).)
 
     Correction to eq. (8): the paper calls f the "full checkpoint frequency" and uses it as an
     interval in iterations (Table I: FCF = 10..100), and b as a batching size in iterations, yet
@@ -98,7 +122,7 @@ def wasted_time(costs: LowDiffCosts, f: float, b: float, horizon_s: float) -> fl
     F, B = _check_fb(f, b)
     T = check_positive("horizon_s", horizon_s)
     c = costs
-    per_failure = B * c.step_time / 2 + c.full_load_time + c.diff_replay_time / 2 * (F / B - 1)
+    per_failure = B * c.step_time / 2 + c.recovery_time(F, B)
     steady = T / (F * c.step_time) * c.full_write_time
     return c.num_gpus * (T / c.mtbf * per_failure + steady)
 
@@ -120,28 +144,57 @@ def paper_eq10(costs: LowDiffCosts) -> tuple[float, float]:
 
 
 def _best_f_given_b(costs: LowDiffCosts, b: float) -> float:
-    # dT_w/dF = N·T·[R_D/(2·M·B) − (S/W)/(F²·t)] = 0, and T_w is convex in F, so clamp to F >= B.
+    # dT_w/dF = N·T·[(R_D/B + r)/(2·M) − (S/W)/(F²·t)] = 0, and T_w is convex in F, so clamp to F >= B.
     c = costs
-    return max(b, math.sqrt(2 * c.mtbf * b * c.full_write_time / (c.diff_replay_time * c.step_time)))
+    per_step = c.diff_replay_time / b + c.step_replay_time
+    return max(b, math.sqrt(2 * c.mtbf * c.full_write_time / (per_step * c.step_time)))
+
+
+def _best_b_given_f(costs: LowDiffCosts, f: float) -> float:
+    # dT_w/dB = N·T·[(t − r)/(2·M) − R_D·F/(2·M·B²)] = 0; if a step replays slower than it
+    # trains (r >= t), T_w falls with B all the way to B = F (no diffs pay off).
+    c = costs
+    slack = c.step_time - c.step_replay_time
+    return f if slack <= 0 else min(f, max(1.0, math.sqrt(c.diff_replay_time * f / slack)))
+
+
+def _stationary_b(costs: LowDiffCosts) -> float:
+    """B at which both partial derivatives vanish, for t > r. Eliminating F = B²·(t − r)/R_D from
+    dT_w/dF = 0 leaves t·(t − r)²·(r·B⁴ + R_D·B³) = 2·M·(S/W)·R_D², whose left side grows with B:
+    one positive root, found by bisection (r = 0: B = cbrt(2·(S/W)·R_D·M)/t, eq. (10))."""
+    c = costs
+    t, r, o = c.step_time, c.step_replay_time, c.diff_replay_time
+    rhs = 2 * c.mtbf * c.full_write_time * o * o
+    lo, hi = 0.0, (rhs / (t * (t - r) ** 2 * o)) ** (1 / 3)  # the root with r = 0 bounds it from above
+    while lo < (mid := (lo + hi) / 2) < hi:
+        lo, hi = (mid, hi) if t * (t - r) ** 2 * (r * mid**4 + o * mid**3) < rhs else (lo, mid)
+    return hi
 
 
 def continuous_optimum(costs: LowDiffCosts) -> tuple[float, float]:
     """Real-valued (F*, B*) in steps minimising eq. (8) subject to 1 <= B <= F.
 
-    Unconstrained, setting both partial derivatives (eq. (9)) to zero gives eq. (10); converted to
-    steps with F = 1/(f·t), B = b/t (see `wasted_time` for why):
+    Unconstrained, setting both partial derivatives (eq. (9)) to zero gives, with r = 0, eq. (10);
+    converted to steps with F = 1/(f·t), B = b/t (see `wasted_time` for why):
         F* = cbrt(4·(S/W)²·M²/R_D) / t,     B* = cbrt(2·(S/W)·R_D·M) / t.
-    (The paper says "Equation (4) can be reduced" here; it means eq. (9).) T_w is a posynomial,
-    convex in (log F, log B), so if this point violates 1 <= B <= F the optimum lies on the
-    boundary: B = F (no replay; F is then Young's interval sqrt(2·(S/W)·M)/t) or B = 1.
+    (The paper says "Equation (4) can be reduced" here; it means eq. (9).) With r > 0,
+    B* is `_stationary_b` and F* = B*²·(t − r)/R_D. For t > r, T_w is a posynomial plus a
+    constant, convex in (log F, log B), so if this point violates 1 <= B <= F the optimum lies on
+    the boundary: B = F (no replay; F is then Young's interval sqrt(2·(S/W)·M)/t) or B = 1.
+    For r >= t, replaying a step costs more than redoing it: B = F.
     """
     c = costs
-    t, delta, M, RD = c.step_time, c.full_write_time, c.mtbf, c.diff_replay_time
-    f_u = (4 * delta**2 * M**2 / RD) ** (1 / 3) / t
-    b_u = (2 * delta * RD * M) ** (1 / 3) / t
+    t, delta, M, RD, r = c.step_time, c.full_write_time, c.mtbf, c.diff_replay_time, c.step_replay_time
+    young = max(1.0, math.sqrt(2 * delta * M) / t)
+    if r >= t:
+        return young, young
+    if r == 0:
+        f_u, b_u = (4 * delta**2 * M**2 / RD) ** (1 / 3) / t, (2 * delta * RD * M) ** (1 / 3) / t
+    else:
+        b_u = _stationary_b(c)
+        f_u = b_u**2 * (t - r) / RD
     if 1 <= b_u <= f_u:
         return f_u, b_u
-    young = max(1.0, math.sqrt(2 * delta * M) / t)
     on_b1 = (_best_f_given_b(c, 1.0), 1.0)
     return min([(young, young), on_b1], key=lambda fb: waste_fraction(c, *fb))
 
@@ -167,13 +220,14 @@ def optimal_fb(costs: LowDiffCosts) -> tuple[int, int]:
 def optimal_fb_given(costs: LowDiffCosts, *, f: int | None = None, b: int | None = None) -> tuple[int, int]:
     """Integer (F, B) minimising eq. (8) when one of them is fixed by the user (or neither).
 
-    With F fixed, dT_w/dB = 0 gives B = sqrt(R_D·F/t), clamped to [1, F]; with B fixed, the best F
-    is `_best_f_given_b`. The integers on either side are compared under eq. (8).
+    With F fixed, dT_w/dB = 0 gives B = sqrt(R_D·F/(t − r)), clamped to [1, F]
+    (`_best_b_given_f`); with B fixed, the best F is `_best_f_given_b`. The integers on either
+    side are compared under eq. (8).
     """
     if f is None and b is None:
         return optimal_fb(costs)
     if f is not None:
-        b_c = math.sqrt(costs.diff_replay_time * f / costs.step_time)
+        b_c = _best_b_given_f(costs, f)
         cands = {(f, min(f, max(1, x))) for x in (math.floor(b_c), math.ceil(b_c))}
     else:
         f_b = _best_f_given_b(costs, float(b))
@@ -236,6 +290,6 @@ def retune(
         f"LowDiff re-tune: full checkpoint every {f0}->{new[0]} steps, batch {b0}->{new[1]} diffs; "
         f"predicted waste {w_old:.2%}->{w_new:.2%} (MTBF {format_duration(c.mtbf)}, "
         f"full write {format_duration(c.full_write_time)}, replay {format_duration(c.diff_replay_time)}"
-        f"/record, step {format_duration(c.step_time)})"
+        f"/record + {format_duration(c.step_replay_time)}/step, step {format_duration(c.step_time)})"
     )
     return new, reason
