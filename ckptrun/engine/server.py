@@ -108,9 +108,11 @@ class Engine:
         if fut.exception() is not None:
             traceback.print_exception(fut.exception())
 
-    def flush(self) -> None:
+    def flush(self, restart: bool = False) -> None:
+        """Wait until every job has ended; `restart`: a new worker replaces a dead one, whose
+        jobs the handler may give up (`EngineHandler.restart`)."""
         if self.handler is not None:
-            self.handler.flush()
+            (self.handler.restart if restart else self.handler.flush)()
         while True:
             with self._inflight_lock:
                 futs = list(self.inflight)
@@ -136,7 +138,7 @@ class Engine:
         conn.close()
 
     def op_hello(self, msg: Hello) -> None:
-        self.flush()
+        self.flush(restart=True)
         self.rank, self.world_size, self.keep = msg.rank, msg.world_size, msg.keep
         self.store = Store(msg.dir)
         self.fault = Fault.parse(msg.fault) if msg.fault else None
