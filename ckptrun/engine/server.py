@@ -58,7 +58,7 @@ class Engine:
         self.local_rank, self.tag = local_rank, tag
         self.log = EventLog(metrics_dir, f"engine-{local_rank}")
         self.conn: Connection | None = None  # the worker events go to, once its Hello is answered
-        self._serving: Connection | None = None  # the connection `serve` reads
+        self.serving: Connection | None = None  # the connection `serve` reads
         self._send_lock = threading.Lock()
         self.slots: dict[int, EngineSlot] = {}
         self.inflight: set[Future] = set()
@@ -125,7 +125,7 @@ class Engine:
     # ---- messages ----------------------------------------------------------------------
     def serve(self, conn: Connection) -> None:
         """One worker's messages, in order; its first is its Hello (events reach it from then)."""
-        self._serving = conn
+        self.serving = conn
         while not self.stopping.is_set():
             try:
                 msg = conn.recv()
@@ -145,7 +145,7 @@ class Engine:
         # reply, and a SlotFree before it would hand out a slot twice, or one this Hello drops.
         self.flush(restart=True)
         with self._send_lock:
-            self.conn = self._serving
+            self.conn = self.serving
         self.rank, self.world_size, self.keep = msg.rank, msg.world_size, msg.keep
         self.store = Store(msg.dir)
         self.fault = Fault.parse(msg.fault) if msg.fault else None
