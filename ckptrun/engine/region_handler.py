@@ -203,10 +203,12 @@ class RegionHandler(EngineHandler):
                 w.release(slot)
         for old in list(self.old):
             held = [(slot, step) for slot, step in old.steps.items() if step <= newest]
-            if old.users or any(step in kept for _, step in held):
-                continue
-            if self.ctx.keep == 0 and not all([self._moved_out(store, old, slot, step, committed)
-                                               for slot, step in held]):
+            # Under --keep 0 its other steps move out even while it holds a kept one (an earlier
+            # engine's generation does, after a restart): the other ranks' slots of those steps
+            # are freed only once their records commit.
+            out = self.ctx.keep != 0 or all([self._moved_out(store, old, slot, step, committed)
+                                             for slot, step in held if step not in kept])
+            if old.users or not out or any(step in kept for _, step in held):
                 continue
             self.old.remove(old)
             old.close()
