@@ -64,6 +64,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="test_kill_loop: N whole-tree kills per strategy instead of 5 (long soak mode)")
     parser.addoption("--kill-seed", type=int, default=None, metavar="S",
                      help="test_kill_loop: seed of the random kill delays (default: a new one, printed on failure)")
+    parser.addoption("--multinode-all", action="store_true",
+                     help="test_two_nodes: every registered strategy, not only the default (a minute or more each)")
 
 
 def spawn(cwd: Path, *args: Any, log: str = "ckptrun.log", fault: str | None = None) -> subprocess.Popen:

@@ -54,7 +54,7 @@ class Loopback:
     def __init__(self) -> None:
         self.tag = f"ds{uuid.uuid4().hex[:8]}"
         self.engine = Engine(0, self.tag, None)
-        self.engine.conn = self
+        self.engine.serving = self  # as `Engine.serve` does; its Hello then sends events here
         self.replies: dict[int, dict] = {}
         self.on_event = None
         self.next_id = 0

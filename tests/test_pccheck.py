@@ -205,6 +205,34 @@ def test_an_unsealed_checkpoint_of_a_dead_worker_is_dropped(tmp_path):
     assert committed(tmp_path) == [1]
 
 
+def test_a_restarted_worker_retracts_steps_a_dead_rank_never_wrote(tmp_path):
+    """Rank 1 died after step 1: rank 0's steps 2-4 can never commit and hold every free region
+    slot, and step 5 waits for one. The new worker's Hello must not wait for it forever: step 5
+    gives up, steps 2-4 are retracted (the pointer's bound goes back to step 1, their slots are
+    free), and the steps the new workers write again commit."""
+    rank0, rank1 = (PCcheckHandler(FakeEngine(tmp_path, r, 2)) for r in range(2))
+    for h in (rank0, rank1):
+        checkpoint(h, 1, 0)
+        h.ctx.join()
+    for step, slot in ((2, 1), (3, 2), (4, 0)):
+        checkpoint(rank0, step, slot)
+        rank0.ctx.join()
+    assert rank0.ctx.of("durable") == [1, 2, 3, 4] and not rank0.writer.free
+    checkpoint(rank0, 5, 1)
+    wait_for(lambda: 5 in rank0.jobs)
+    restart = threading.Thread(target=rank0.restart)  # the new worker's Hello
+    restart.start()
+    restart.join(10)
+    assert not restart.is_alive(), "the Hello waited for a region slot forever"
+    assert committed(tmp_path) == [1] and rank0.writer.pointer.step == 1
+    assert sorted(rank0.writer.steps.values()) == [1] and len(rank0.writer.free) == GEOMETRY.nslots - 1
+    for h in (rank0, rank1):  # the new workers write step 2 again
+        checkpoint(h, 2, 1)
+        h.ctx.join()
+    rank0.tick()
+    assert committed(tmp_path) == [2] and rank0.ctx.of("committed") == [1, 2]
+
+
 @pytest.fixture(scope="module")
 def keep3(tmp_path_factory) -> Path:
     cwd = tmp_path_factory.mktemp("keep3")

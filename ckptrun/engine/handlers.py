@@ -140,6 +140,12 @@ class EngineHandler:
         """Hand everything held in memory to the writers (before a flush or a new worker); a job
         waiting for a message that will not come (its worker died) must end here."""
 
+    def restart(self) -> None:
+        """A new worker replaces one that died (its Hello): it resumes from a committed step, so
+        whatever the old one left in flight is abandoned; every job of the old worker must end
+        here. By default that is `flush`."""
+        self.flush()
+
     def tick(self) -> None:
         """Called every few tens of milliseconds by the engine (e.g. to watch other ranks)."""
 

@@ -9,7 +9,9 @@ trainer copies straight into the mapped region). What they share lives here once
 - reporting a step `Committed` once every rank's region holds it (`settle`, also from `tick`);
 - retention: the newest `--keep` committed steps stay in the region; `--keep 0` moves each
   step out into an ordinary record before its slot is reused; an earlier generation is
-  deleted once it holds nothing kept and no job writes into it.
+  deleted once it holds nothing kept and no job writes into it;
+- a restarted worker (`restart`): the steps beyond the newest committed one are abandoned and
+  retracted from the region, so that they hold no slot.
 
 A subclass handles its own messages and calls `writer_for`, `commit_slot` and `settle`;
 `slots_freed` is called (lock held) after retention gave slots back.
@@ -24,6 +26,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from ..errors import CkptrunError
 from ..ipc.messages import RecordSpec
@@ -51,6 +54,8 @@ class RegionHandler(EngineHandler):
         self.retry_at: dict[tuple[str, int, int], float] = {}
         self.movers = ThreadPoolExecutor(1, thread_name_prefix="region-move")  # never blocked by slot waits
         self.adopted = False  # earlier generations of this rank looked for (once)
+        self.jobs: dict[int, Any] = {}  # step -> the subclass's job in flight
+        self.replacing = False  # a new worker is replacing a dead one: a job waiting for a slot gives up
 
     def next_counter(self) -> int:
         with self.cond:
@@ -129,6 +134,36 @@ class RegionHandler(EngineHandler):
             self.awaiting[spec.step] = (nbytes, spec.meta.get("snapshot_time", t0))
         return True
 
+    # ---- a restarted worker ------------------------------------------------------------
+    def restart(self) -> None:
+        """The new worker resumes from the newest committed step: every step this rank holds
+        beyond it is abandoned. The old worker's jobs end first (one still waiting for a region
+        slot gives up: the slots may be held by steps a dead rank never wrote, which no newer
+        commit would ever free before the new worker runs); then those steps are retracted, so
+        that they hold no slot and never count beside the parts the new workers write again."""
+        with self.cond:
+            self.replacing = True
+        try:
+            self.flush()
+            with self.cond:
+                while self.jobs:
+                    self.cond.wait(0.05)
+                self._retract()
+        finally:
+            with self.cond:
+                self.replacing = False
+
+    def _retract(self) -> None:
+        """Retract the steps beyond the newest committed one from every generation (lock held)."""
+        committed = [m.step for m in Regions(Path(self.ctx.root)).scan()[0]]
+        newest = max(committed, default=-1)
+        self.awaiting = {step: v for step, v in self.awaiting.items() if step <= newest}
+        for w in [self.writer, *self.old]:
+            if w is not None and (gone := w.retract(newest, self.next_counter())):
+                self.counter = max(self.counter, w.pointer.counter)
+                log.info(f"rank {self.ctx.rank}: steps {gone} of {w.path.name} abandoned (uncommitted when the "
+                         f"worker restarted; it resumes from step {max(newest, 0)})")
+
     # ---- commit and retention ----------------------------------------------------------
     def settle(self) -> None:
         """Report steps every rank holds as committed; give slots back beyond retention."""
@@ -168,10 +203,12 @@ class RegionHandler(EngineHandler):
                 w.release(slot)
         for old in list(self.old):
             held = [(slot, step) for slot, step in old.steps.items() if step <= newest]
-            if old.users or any(step in kept for _, step in held):
-                continue
-            if self.ctx.keep == 0 and not all([self._moved_out(store, old, slot, step, committed)
-                                               for slot, step in held]):
+            # Under --keep 0 its other steps move out even while it holds a kept one (an earlier
+            # engine's generation does, after a restart): the other ranks' slots of those steps
+            # are freed only once their records commit.
+            out = self.ctx.keep != 0 or all([self._moved_out(store, old, slot, step, committed)
+                                             for slot, step in held if step not in kept])
+            if old.users or not out or any(step in kept for _, step in held):
                 continue
             self.old.remove(old)
             old.close()

@@ -57,7 +57,8 @@ class Engine:
     def __init__(self, local_rank: int, tag: str, metrics_dir: str | None) -> None:
         self.local_rank, self.tag = local_rank, tag
         self.log = EventLog(metrics_dir, f"engine-{local_rank}")
-        self.conn: Connection | None = None
+        self.conn: Connection | None = None  # the worker events go to, once its Hello is answered
+        self.serving: Connection | None = None  # the connection `serve` reads
         self._send_lock = threading.Lock()
         self.slots: dict[int, EngineSlot] = {}
         self.inflight: set[Future] = set()
@@ -108,9 +109,11 @@ class Engine:
         if fut.exception() is not None:
             traceback.print_exception(fut.exception())
 
-    def flush(self) -> None:
+    def flush(self, restart: bool = False) -> None:
+        """Wait until every job has ended; `restart`: a new worker replaces a dead one, whose
+        jobs the handler may give up (`EngineHandler.restart`)."""
         if self.handler is not None:
-            self.handler.flush()
+            (self.handler.restart if restart else self.handler.flush)()
         while True:
             with self._inflight_lock:
                 futs = list(self.inflight)
@@ -121,7 +124,8 @@ class Engine:
 
     # ---- messages ----------------------------------------------------------------------
     def serve(self, conn: Connection) -> None:
-        self.conn = conn
+        """One worker's messages, in order; its first is its Hello (events reach it from then)."""
+        self.serving = conn
         while not self.stopping.is_set():
             try:
                 msg = conn.recv()
@@ -136,7 +140,12 @@ class Engine:
         conn.close()
 
     def op_hello(self, msg: Hello) -> None:
-        self.flush()
+        # Events of the old worker's jobs ending here (a staging slot freed, a step durable) are
+        # not the new worker's, so it hears events only from here on: it gets every slot in the
+        # reply, and a SlotFree before it would hand out a slot twice, or one this Hello drops.
+        self.flush(restart=True)
+        with self._send_lock:
+            self.conn = self.serving
         self.rank, self.world_size, self.keep = msg.rank, msg.world_size, msg.keep
         self.store = Store(msg.dir)
         self.fault = Fault.parse(msg.fault) if msg.fault else None

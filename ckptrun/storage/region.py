@@ -432,7 +432,30 @@ class RegionWriter:
             _pwrite_all(self.fd, _encode_pointer(new), POINTER_AT + target * POINTER_BYTES)
             os.fdatasync(self.fd)
             self.pointer, self._copy = new, target
+            if before.counter and before.slot != slot and before.slot not in (*self.steps, *self.free):
+                self.free.append(before.slot)  # emptied by `retract` while the pointer named it
+                self._lock.notify_all()
             return True, before
+
+    def retract(self, newest: int, counter: int) -> list[int]:
+        """Steps after `newest` stop counting and their slots go back to the free queue (a restart
+        abandoned them, uncommitted). The pointer's bound moves back to `newest` first, durably,
+        naming newest's slot if this file holds it; a retracted slot the pointer still names is
+        emptied and freed once the pointer moves on. The steps retracted."""
+        with self._lock:
+            gone = {slot: step for slot, step in self.steps.items() if step > newest}
+            if not gone:
+                return []
+            if self.pointer.counter and self.pointer.step > newest:
+                home = next((slot for slot, step in self.steps.items() if step == newest), self.pointer.slot)
+                self.publish(max(counter, self.pointer.counter + 1), home, max(newest, 0))
+            for slot in gone:
+                del self.steps[slot]
+                self.invalidate(slot)
+                if slot != self.pointer.slot and slot not in self.free:
+                    self.free.append(slot)
+            self._lock.notify_all()
+            return sorted(gone.values())
 
     def close(self) -> None:
         if self._map is not None:

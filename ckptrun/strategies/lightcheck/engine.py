@@ -40,7 +40,6 @@ class Job:
 class LightCheckHandler(RegionHandler):
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
-        self.jobs: dict[int, Job] = {}
         self.waiting: list[Take] = []  # takes answered once a slot is free, in order
 
     # ---- messages (the engine's connection thread) -------------------------------------

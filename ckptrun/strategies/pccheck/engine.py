@@ -53,7 +53,6 @@ class Job:
 class PCcheckHandler(RegionHandler):
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
-        self.jobs: dict[int, Job] = {}
         self.io = ThreadPoolExecutor(MAX_JOBS, thread_name_prefix="pccheck-io")
 
     # ---- messages (the engine's connection thread) -------------------------------------
@@ -172,18 +171,22 @@ class PCcheckHandler(RegionHandler):
     def _take_slot(self, job: Job) -> tuple[RegionWriter, int] | None:
         """(writer, free region slot) for `job`: slots for N checkpoints in flight plus the
         `--keep` newest committed ones (one more while a new one commits); a new generation if
-        they are too small for it (the staging slots grew). None if cancelled meanwhile."""
+        they are too small for it (the staging slots grew). None if cancelled meanwhile, or if
+        none is free while a new worker replaces a dead one (`RegionHandler.restart`)."""
         with self.cond:
             writer = self.writer_for(job.capacity, job.meta_hint, job.inflight + max(self.ctx.keep, 1) + 1)
             writer.users += 1
-        slot = None
-        while slot is None:
-            if job.cancelled:
-                return None
+        while not job.cancelled:
             slot = writer.acquire(timeout=0.1)
-            if slot is None:
-                self.settle()  # a step may have become committed elsewhere: retention frees slots
-        return writer, slot
+            if slot is not None:
+                return writer, slot
+            self.settle()  # a step may have become committed elsewhere: retention frees slots
+            if self.replacing:
+                log.info(f"pccheck: step {job.step} given up (no free region slot while the worker restarts)")
+                break
+        with self.cond:
+            writer.users -= 1
+        return None
 
     def _outgrown(self, job: Job, seal: Seal | None) -> None:
         """The checkpoint does not fit the region's slots: the next one gets a larger generation;
