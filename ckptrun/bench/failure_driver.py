@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import CkptrunError
-from ..tuning.durations import format_duration
+from ..tuning.durations import format_duration, parse_duration
 from . import machine, plan, report
 from .failure_runner import run_under_failures
 from .failures import Schedule
@@ -133,8 +133,7 @@ def summarize(configs: list[plan.Configuration], plans: dict[str, list[Schedule]
               results: dict[tuple[str, str], list[Goodput | str]]) -> list[dict[str, Any]]:
     """One row per (failure rate, configuration), baselines without failures first; medians over
     repetitions; `ratio` = goodput / the matching baseline's steps per second without failures."""
-    reference = {c.name: (c.reference if c.kind == "ckptrun" else c.name if c.kind == "baseline" else plan.BASELINE)
-                 for c in configs}
+    reference = {c.name: c.name if c.kind == "baseline" else c.reference for c in configs}
     free = {c.name: _median([r.goodput for r in results.get((NO_FAILURES, c.name), []) if not isinstance(r, str)])
             for c in configs if c.kind == "baseline"}
     rows = []
@@ -186,12 +185,10 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..tuning.durations import parse_duration
-
     fig, ax = plt.subplots(figsize=(7, 4.5))
     rated = [r for r in rows if r["failures"] != NO_FAILURES and r["goodput"] is not None]
     for name in dict.fromkeys(r["name"] for r in rated):
-        pts = sorted((_seconds(r["failures"], parse_duration), r["goodput"]) for r in rated if r["name"] == name)
+        pts = sorted((_seconds(r["failures"]), r["goodput"]) for r in rated if r["name"] == name)
         pts = [p for p in pts if p[0] is not None]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
@@ -210,8 +207,8 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
     plt.close(fig)
 
 
-def _seconds(label: str, parse) -> float | None:
+def _seconds(label: str) -> float | None:
     try:
-        return parse(label)
+        return parse_duration(label)
     except ValueError:
         return None  # a replayed trace has no MTBF to place it at

@@ -42,13 +42,15 @@ def file_cache_bytes() -> int:
         return 0
 
 
-def own_resident_bytes(pid: int) -> int | None:
-    """RssAnon + RssFile of `pid` (its resident pages less shared memory); None where unreadable."""
+def resident_bytes(pid: int) -> tuple[int, int] | None:
+    """(RSS, RssAnon + RssFile) of `pid`: all its resident pages, and those less shared memory,
+    from one read of /proc/PID/status; None where unreadable (the process is gone)."""
     try:
-        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                      if line.startswith(("RssAnon", "RssFile")))
-        return sum(int(v.split()[0]) for v in fields.values()) * 1024
-    except (OSError, ValueError):
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        fields = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in lines)
+                  if k in ("VmRSS", "RssAnon", "RssFile")}
+        return fields["VmRSS"], fields["RssAnon"] + fields["RssFile"]
+    except (OSError, KeyError, ValueError):
         return None
 
 
@@ -120,11 +122,10 @@ class PeakMemory:
         rss = own = 0
         shared: dict[tuple[str, str], int] = {}
         for p in self.processes():
-            try:
-                rss += p.memory_info().rss
-            except psutil.Error:
+            resident = resident_bytes(p.pid)
+            if resident is None:
                 continue
-            own += own_resident_bytes(p.pid) or 0
+            rss, own = rss + resident[0], own + resident[1]
             for key, nbytes in shared_mappings(p.pid, self.shm).items():
                 shared[key] = max(shared.get(key, 0), nbytes)
         staging = sum(shared.values())
