@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from conftest import SCRIPTS, assert_same, ckptrun, load, ok, restore, run_cmd, run_events
 
+from ckptrun.restore.recovery import optimizer_classes, verify_problems
 from ckptrun.storage.layout import align
-from ckptrun.storage.store import Store
+from ckptrun.storage.store import Manifest, Store
 from ckptrun.storage.writeonce import owners, remote_refs
 from ckptrun.strategies import REGISTRY
 
@@ -45,14 +46,13 @@ def truth(tmp_path_factory):
     return get
 
 
-def replicated_bytes_per_rank(ckpt: Path, step: int) -> tuple[list[int], int]:
-    """(the bytes of replicated tensors each rank wrote, the largest one's), after checking that
-    each tensor a rank names as another's is held by that rank and by no other."""
-    m = Store(ckpt).manifests()[-1]
-    indexes = [Store(ckpt).read_index(m.name, r, m) for r in range(m.world_size)]
-    assert m.step == step and m.rank_bytes == [index["data_nbytes"] for index in indexes]
+def replicated_bytes_per_rank(store: Store, m: Manifest) -> tuple[list[int], int]:
+    """(the bytes of replicated tensors each rank wrote in record `m`, the largest one's), after
+    checking that each tensor a rank names as another's is held by that rank and by no other."""
+    indexes = [store.read_index(m.name, r, m) for r in range(m.world_size)]
+    assert m.rank_bytes == [index["data_nbytes"] for index in indexes]
     refs = {(owner, key) for index in indexes for owner, key in remote_refs(index["skeleton"])}
-    assert refs, "nothing was written once"
+    assert refs, f"{m.name}: nothing was written once"
     keys = {key for _, key in refs}
     for owner, key in refs:
         assert [r for r, index in enumerate(indexes) if key in index["tensors"]] == [owner], key
@@ -64,7 +64,8 @@ def replicated_bytes_per_rank(ckpt: Path, step: int) -> tuple[list[int], int]:
 @pytest.mark.parametrize("strategy", WRITE_ONCE)
 def test_ddp_writes_replicated_state_once_and_resumes_exactly(strategy, ranks, truth, tmp_path):
     """Rank 1 killed mid-run: every rank resumes exactly (its tracked Generator too); the last
-    step restores every rank's own state; each replicated tensor was written by one rank, and each
+    step restores every rank's own state; in every record (full checkpoints and the replay
+    strategies' gradient records alike) each replicated tensor was written by one rank, and each
     rank wrote 1/N of them to within one tensor."""
     ok(ckptrun(tmp_path, "--nproc-per-node", ranks, "--max-restarts", "1", "--strategy", strategy,
                *REGISTRY[strategy].short_run_flags, "--dir", "ckpts", "--metrics-dir", "metrics", SCRIPT,
@@ -76,5 +77,15 @@ def test_ddp_writes_replicated_state_once_and_resumes_exactly(strategy, ranks, t
         state, _ = restore(tmp_path, tmp_path / "ckpts", STEPS, rank=rank)
         assert_same([state["model"], state["optimizer"], state["extra"]["mine"]],
                     [own["model"], own["optimizer"], own["mine"]])
-    sizes, largest = replicated_bytes_per_rank(tmp_path / "ckpts", STEPS)
-    assert max(sizes) - min(sizes) <= largest, sizes
+    store = Store(tmp_path / "ckpts")
+    records = store.manifests()
+    assert records[-1].step == STEPS
+    for m in records:
+        sizes, largest = replicated_bytes_per_rank(store, m)
+        assert max(sizes) - min(sizes) <= largest, (m.name, sizes)
+    assert verify_problems(store, optimizer_classes()) == []
+    for m in records:  # a replay step (a diff record) restores every rank's replicated state from all ranks' parts
+        if m.kind == "diff":
+            states = [restore(tmp_path, tmp_path / "ckpts", m.step, rank=r)[0] for r in range(ranks)]
+            for state in states[1:]:
+                assert_same([state["model"], state["optimizer"]], [states[0]["model"], states[0]["optimizer"]])

@@ -107,6 +107,16 @@ class Persist(Message):
 
 
 @dataclass(kw_only=True)
+class BuildsFull(Persist):
+    """A strategy's message from which its engine-side handler builds full records itself (a
+    replica, rolled-forward blocks). `replicated`: the positions of the optimizer's parameters
+    that DDP keeps identical on every rank; their tensors and the optimizer state over them are
+    written by one rank each (storage/writeonce.py `split_state`)."""
+
+    replicated: list[int] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
 class StrategyMessage(Message):
     """Base of a strategy's own messages (defined in its module): the engine hands them to the
     strategy's engine-side handler."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from queue import Queue
 from typing import Any
@@ -22,7 +22,7 @@ from ..log import log
 from ..storage.schema import DiffStep, SavedOptimizer, StateSkeleton, problem, short
 from ..storage.sharding import Sharded, choose
 from ..storage.store import Manifest, Store
-from ..storage.tree import ORPHANS, TENSOR, orphans_key, shards_of, unflatten
+from ..storage.tree import ORPHANS, REMOTE, TENSOR, orphans_key, shards_of, unflatten
 from ..storage.writeonce import remote_refs
 
 READ_AHEAD_BYTES = 256 << 20  # diff records read and checked ahead of replay (memory bound)
@@ -126,6 +126,7 @@ def _param_shapes(store: Store, base: Manifest, rank: int, classes: dict[str, ty
     CorruptCheckpoint where the base's optimizer class is not allowed or its parameters, state
     and groups do not resolve."""
     index = store.read_index(base.name, rank, base)
+    spec = _entries(store, base, rank, index)
     _, info = _optimizer(index, base, rank, classes)
     where = f"{base.name}: rank {rank}"
     state = _shape(StateSkeleton, index["skeleton"], where)
@@ -134,8 +135,7 @@ def _param_shapes(store: Store, base: Manifest, rank: int, classes: dict[str, ty
     for i, aliases in enumerate(info["params"]):
         refs = [state.models.get(model, {}).get(key) for model, key in aliases] if aliases else \
             [orphans.get(str(i)) if isinstance(orphans, dict) else None]
-        found = [index["tensors"][ref[TENSOR]]["shape"] if isinstance(ref, dict) and TENSOR in ref else None
-                 for ref in refs]
+        found = [entry["shape"] if (entry := spec(ref)) is not None else None for ref in refs]
         if None in found or any(shape != found[0] for shape in found):
             raise CorruptCheckpoint(f"{where}: optimizer parameter {i} is not a tensor of the saved state")
         shapes.append(found[0])
@@ -153,6 +153,7 @@ def _diff_fits(store: Store, diff: Manifest, rank: int, classes: dict[str, type]
     shapes, base_state = _param_shapes(store, base, rank, classes)
     groups = len(base_state["optimizers"]["optimizer"]["param_groups"])
     index = store.read_index(diff.name, rank, diff)
+    spec = _entries(store, diff, rank, index)
     for s, skeleton in index["skeleton"]["steps"].items():
         where = f"{diff.name}: rank {rank} step {s}"
         step = _shape(DiffStep, skeleton, where)
@@ -163,17 +164,37 @@ def _diff_fits(store: Store, diff: Manifest, rank: int, classes: dict[str, type]
                 base_state["models"]):
             raise CorruptCheckpoint(f"{where}: names an optimizer or model that {base.name} does not have")
         for i, grad in enumerate(step.grads):
-            if grad is not None and not _grad_fits(grad, shapes[i], index["tensors"]):
+            if grad is not None and not _grad_fits(grad, shapes[i], spec):
                 raise CorruptCheckpoint(f"{where}: gradient {i} does not fit parameter {i} {shapes[i]}")
 
 
-def _grad_fits(grad: Any, shape: list[int], tensors: dict[str, dict]) -> bool:
+def _entries(store: Store, m: Manifest, rank: int, index: dict) -> Callable[[Any], dict | None]:
+    """The index entry of the tensor a reference in rank `rank`'s skeleton (`index`) names: its
+    own, or one another rank wrote for it (storage/writeonce.py; that rank's index is read once);
+    None where it names no tensor held there."""
+    others: dict[int, dict] = {}
+
+    def spec(ref: Any) -> dict | None:
+        if not isinstance(ref, dict):
+            return None
+        if TENSOR in ref:
+            return index["tensors"].get(ref[TENSOR])
+        if REMOTE not in ref:
+            return None
+        owner, key = ref[REMOTE]
+        if not 0 <= owner < m.world_size or owner == rank:
+            return None
+        if owner not in others:
+            others[owner] = store.read_index(m.name, owner, m)["tensors"]
+        return others[owner].get(key)
+
+    return spec
+
+
+def _grad_fits(grad: Any, shape: list[int], spec: Callable[[Any], dict | None]) -> bool:
     """A recorded gradient (replay.decode_grad): a tensor of the parameter's shape, or a sparse
     {"idx", "val"} pair: as many int32/int64 indices as values, in two 1-D tensors (whether each
-    index lies inside the parameter is a value, checked by replay.densify)."""
-    def spec(ref: Any) -> dict | None:
-        return tensors[ref[TENSOR]] if isinstance(ref, dict) and TENSOR in ref else None
-
+    index lies inside the parameter is a value, checked by replay.densify). `spec`: `_entries`."""
     if isinstance(grad, dict) and set(grad) == {"idx", "val"}:
         idx, val = spec(grad["idx"]), spec(grad["val"])
         return idx is not None and val is not None and idx["dtype"] in ("int32", "int64") \
@@ -194,17 +215,17 @@ def fit_problems(store: Store, m: Manifest, classes: dict[str, type] | None, *, 
     refs: list[tuple[int, int, str]] = []
     try:
         for rank in range(m.world_size):
+            index = store.read_index(m.name, rank, m)
+            held[rank] = set(index["tensors"])
+            refs += [(rank, owner, key) for owner, key in remote_refs(index["skeleton"])]
             if m.kind == "diff":
                 _diff_fits(store, m, rank, classes)
             elif replay:
                 _param_shapes(store, m, rank, classes)
             else:
-                index = store.read_index(m.name, rank, m)
                 _shape(StateSkeleton, index["skeleton"], f"{m.name}: rank {rank}")
                 for s in shards_of(index["skeleton"], index["tensors"]):
                     shards.setdefault(s.key, []).append(s)
-                held[rank] = set(index["tensors"])
-                refs += [(rank, owner, key) for owner, key in remote_refs(index["skeleton"])]
         for key, pieces in shards.items():  # restore assembles them whole
             choose(pieces, f"{m.name}: sharded tensor {short(key)}")
         for rank, owner, key in refs:  # restore reads them from the rank that wrote them

@@ -7,26 +7,60 @@ rank with the fewest bytes so far, ties to the lowest rank). Every rank computes
 from the tensors' keys and sizes alone, without communication. A rank's skeleton names the
 owner of each replicated tensor it did not write (`{"__remote__": [rank, key]}`, storage/tree.py);
 restore reads that tensor from the owner's part of the same record (restore/recovery.py).
+
+The trainer splits what it captures (`split`, with the replicated tensors found by storage in
+worker/runtime.py); an engine that writes a state it built itself (lowdiff+'s replica, gockpt's
+rolled blocks) splits it by the optimizer positions the trainer named (`split_state`).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from typing import Any
 
-from .tree import REMOTE, TENSOR, tagged
+import torch
+
+from .layout import align
+from .tree import REMOTE, TENSOR, flatten, tagged
 
 
-def owners(sizes: dict[str, int], world_size: int) -> dict[str, int]:
+def owners(sizes: dict[str, int], world_size: int, rotate: int = 0) -> dict[str, int]:
     """The rank that writes each tensor (`sizes`: key -> bytes), balancing the bytes per rank to
-    within one tensor of each other."""
+    within one tensor of each other. `rotate` shifts every choice by that many ranks (records of
+    consecutive steps, batched into one, do not all leave their one-tensor surplus on rank 0)."""
     heap = [(0, r) for r in range(world_size)]
     out = {}
     for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
         load, rank = heapq.heappop(heap)
-        out[key] = rank
+        out[key] = (rank + rotate) % world_size
         heapq.heappush(heap, (load + sizes[key], rank))
     return out
+
+
+def split(skeleton: Any, tensors: dict[str, torch.Tensor], replicated: Iterable[str], rank: int,
+          world_size: int, rotate: int = 0) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(`skeleton`, `tensors`) less the `replicated` tensors (keys) another rank writes: balanced
+    as written, each tensor taking whole ALIGN blocks; empty tensors stay with every rank."""
+    sizes = {k: align(tensors[k].numel() * tensors[k].element_size()) for k in replicated if tensors[k].numel()}
+    owner = {k: r for k, r in owners(sizes, world_size, rotate).items() if r != rank}
+    if not owner:
+        return skeleton, tensors
+    return leave_out(skeleton, owner), {k: t for k, t in tensors.items() if k not in owner}
+
+
+def split_state(state: dict, positions: Iterable[int], aliases: list[list[list[str]]], rank: int,
+                world_size: int) -> tuple[Any, dict[str, torch.Tensor]]:
+    """`flatten(state)` of a full state (worker/runtime.py's `early_state` shape, one optimizer)
+    less what another rank writes of the parameters at optimizer `positions` (under each of
+    their `aliases`, the index meta's [model, key] pairs) and the optimizer's state of them."""
+    skeleton, tensors = flatten(state)
+    saved = state["optimizers"]["optimizer"]["state"]
+    ids = set()
+    for i in positions:
+        ids |= {id(state["models"][model][key]) for model, key in aliases[i]}
+        ids |= {id(v) for v in saved.get(i, {}).values() if isinstance(v, torch.Tensor)}
+    return split(skeleton, tensors, [k for k, t in tensors.items() if id(t) in ids], rank, world_size)
 
 
 def leave_out(skeleton: Any, owner: dict[str, int]) -> Any:

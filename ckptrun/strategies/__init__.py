@@ -36,8 +36,9 @@ class Entry:
     # through the shared capture path; one that does not (the replay strategies: their engines and
     # offline replay step whole tensors) is refused when such an optimizer appears.
     sharded: bool = False
-    # Under DDP, each replicated tensor (parameters, optimizer state) is written by one rank only
-    # (storage/writeonce.py) in its full checkpoints; one that does not writes them from every rank.
+    # Under DDP, each replicated tensor (parameters, their gradients in diff records, optimizer
+    # state) is written by one rank only (storage/writeonce.py); one that does not writes them
+    # from every rank.
     write_once: bool = False
 
     def load(self):
@@ -62,13 +63,13 @@ BUILTIN: dict[str, Entry] = {
                      "every step's gradient as a batched differential checkpoint; full every F; exact replay",
                      engine_handler="ckptrun.strategies.lowdiff.engine:LowDiffHandler", options=lowdiff.OPTIONS,
                      short_run_flags=("--full-every", "8", "--batch", "3"),
-                     tuning="ckptrun.strategies.lowdiff.tuning:settle"),
+                     tuning="ckptrun.strategies.lowdiff.tuning:settle", write_once=True),
     "lowdiff+": Entry("ckptrun.strategies.lowdiff_plus.trainer:LowDiffPlus",
                       "gradients copied layer-wise during backward update a CPU replica in the engine; a worker "
                       "crash resumes from it (no disk read); the replica is persisted every P steps",
                       engine_handler="ckptrun.strategies.lowdiff_plus.engine:LowDiffPlusHandler",
                       options=lowdiff_plus.OPTIONS, short_run_flags=("--persist-every", "1"),
-                      tuning="ckptrun.strategies.lowdiff_plus.tuning:settle"),
+                      tuning="ckptrun.strategies.lowdiff_plus.tuning:settle", write_once=True),
     "pccheck": Entry("ckptrun.strategies.pccheck.trainer:PCcheck",
                      "N checkpoints in flight, chunks persisted by parallel writers into a slotted region; "
                      "pointer commit", engine_handler="ckptrun.strategies.pccheck.engine:PCcheckHandler",
@@ -90,7 +91,7 @@ BUILTIN: dict[str, Entry] = {
                     "one checkpoint spread over k steps in blocks (parameter + optimizer slices); gradients of "
                     "blocks already sent shipped each step; the engine rolls every block forward to one version",
                     engine_handler="ckptrun.strategies.gockpt.engine:GoCkptHandler", options=gockpt.OPTIONS,
-                    tuning="ckptrun.strategies.gockpt.tuning:settle",
+                    tuning="ckptrun.strategies.gockpt.tuning:settle", write_once=True,
                     # k = 1 (with small blocks: split tensors, shared blocks): the registry-wide suites assume
                     # a record of every due step, which a spread skips; tests/test_gockpt.py spreads
                     short_run_flags=("--spread", "1", "--block-mb", "0.05")),

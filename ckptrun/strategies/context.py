@@ -116,7 +116,7 @@ class StrategyContext:
                 stream: Callable[[Snapshot], Callable[[int], None]] | None = None,
                 into: Callable[[int], torch.Tensor | None] | None = None,
                 order: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
-                lazy: bool = False) -> Snapshot:
+                lazy: bool = False, whole: bool = False) -> Snapshot:
         """`stream(snap)`, called once the slot is taken, returns a callback told each time the
         slot's first N bytes are final (for a handler persisting chunks while the copy runs);
         such a slot is freed only by the engine. `order(tensors)` returns them in the order to
@@ -125,8 +125,14 @@ class StrategyContext:
         snapshot that outgrows that buffer moves to a staging slot (`snap.buf` is None then).
         `lazy` (background, no `into`): only buffers and RNG are taken now; the rest of the state
         is gathered and copied on the copier thread (the slot is taken there: `stream` is called
-        from it, with the skeleton known); `wait_copy` before the next update."""
-        return self._rt.capture(step, background=background, stream=stream, into=into, order=order, lazy=lazy)
+        from it, with the skeleton known); `wait_copy` before the next update.
+
+        Under DDP, with the strategy's `Entry.write_once`, each replicated tensor (parameters,
+        optimizer state over them) is captured by the one rank that writes it
+        (storage/writeonce.py); `whole` captures every tensor on every rank (for an engine that
+        keeps the state and leaves them out when it writes it: `replicated_positions`)."""
+        return self._rt.capture(step, background=background, stream=stream, into=into, order=order, lazy=lazy,
+                                whole=whole)
 
     @property
     def staging_bytes(self) -> int:
@@ -140,8 +146,17 @@ class StrategyContext:
     def begin(self, step: int, kind: str = "full", need: int = 0, prefix: str = "") -> Snapshot:
         return self._rt.begin(step, kind, need, prefix)
 
-    def add(self, snap: Snapshot, state: dict, *, background: bool = False) -> None:
-        self._rt.add(snap, state, background=background)
+    def add(self, snap: Snapshot, state: dict, *, background: bool = False, write_once: bool = False) -> None:
+        """`write_once`: under DDP (with `Entry.write_once`), the replicated tensors in `state`
+        (parameters, their all-reduced gradients at the step, optimizer state over them) are each
+        added by the one rank that writes them; which rank turns with the step."""
+        self._rt.add(snap, state, background=background, write_once=write_once)
+
+    def replicated_positions(self) -> list[int]:
+        """Positions of the primary optimizer's parameters that DDP keeps identical on every rank
+        when replicated state is written once (else empty): an engine-side handler that writes a
+        state it built itself leaves their tensors to one rank (`writeonce.split_state`)."""
+        return self._rt.replicated_positions()
 
     def reserve(self, snap: Snapshot, skeleton: dict, like: dict[str, torch.Tensor]) -> dict[str, TensorSpec]:
         """Places in `snap` for tensors shaped like `like` (named by `skeleton`), filled later by

@@ -603,10 +603,13 @@ class Runtime:
         self.retuner.policies.remove(self.interval)
         self.interval = self.retuner.add(policy)
 
-    def add(self, snap: Snapshot, state: dict, *, background: bool = False) -> None:
+    def add(self, snap: Snapshot, state: dict, *, background: bool = False, write_once: bool = False) -> None:
         """Append `state` to the slot. With `background`, tensors other than module buffers
-        (which the next forward changes) are copied off the training thread (a side stream on GPU)."""
-        self._append(snap, *flatten(state, snap.prefix), background=background)
+        (which the next forward changes) are copied off the training thread (a side stream on GPU).
+        With `write_once`, replicated tensors another rank writes are left out (`_write_once`;
+        which rank writes which turns with the step)."""
+        flat = flatten(state, snap.prefix)
+        self._append(snap, *(self._write_once(*flat, rotate=snap.step) if write_once else flat), background=background)
 
     def post_step_state(self) -> dict:
         """What a replay of the step's gradients cannot rebuild: module buffers (changed by the
@@ -711,17 +714,19 @@ class Runtime:
                 stream: Callable[[Snapshot], Callable[[int], None]] | None = None,
                 into: Callable[[int], torch.Tensor | None] | None = None,
                 order: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
-                lazy: bool = False) -> Snapshot:
+                lazy: bool = False, whole: bool = False) -> Snapshot:
         """Copy the post-step state of `step` (parameters, optimizer state, buffers, RNG) into a
         free slot; `seal` adds what settles later. `stream(snap)` (called once the slot is taken)
         returns a callback told each time the slot's first N bytes are final, so the engine can
         persist them while the rest is still being copied (a chunked pipeline). `order` puts the
         tensors in the order they are laid out and copied; `into(nbytes)` gives the buffer to
         copy them into instead of a staging slot (None: a staging slot after all). `lazy` (with
-        `background`, without `into`): see `_capture_lazily`."""
+        `background`, without `into`): see `_capture_lazily`. `whole`: replicated tensors too,
+        even where another rank writes them (an engine keeping the state leaves them out itself)."""
         if lazy and background and into is None and self._can_be_lazy():
             return self._capture_lazily(step, stream, order)
-        skeleton, tensors = self._write_once(*flatten(self.early_state()))
+        flat = flatten(self.early_state())
+        skeleton, tensors = flat if whole else self._write_once(*flat)
         if order is not None:
             tensors = order(tensors)
         need = Layout.of(tensors).nbytes
@@ -738,24 +743,34 @@ class Runtime:
         self.metrics.last_snapshot_step = self.checkpointed_step = step
         return snap
 
-    def _write_once(self, skeleton: Any, tensors: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
+    def _write_once(self, skeleton: Any, tensors: dict[str, torch.Tensor],
+                    rotate: int = 0) -> tuple[Any, dict[str, torch.Tensor]]:
         """Leave out the replicated tensors another rank writes (storage/writeonce.py), when the
-        strategy supports it. Replicated are exactly the parameters of DDP's modules and the
-        optimizer state tensors over them, found by storage (data_ptr, shape, dtype), not by name:
-        anything else (buffers, which DDP syncs only in the next forward; RNG; tracked objects)
-        is per rank."""
-        if self.world_size == 1 or not self.replicated or not REGISTRY[self.cfg.strategy].write_once:
+        strategy supports it. Replicated are exactly the parameters of DDP's modules, their
+        gradients at the optimizer step (all-reduced by then) and the optimizer state tensors
+        over them, found by storage (data_ptr, shape, dtype), not by name: anything else
+        (buffers, which DDP syncs only in the next forward; RNG; tracked objects) is per rank."""
+        if not self._writes_once():
             return skeleton, tensors
         params = {p.data_ptr(): p for m in self.replicated for p in m.parameters()}
-        same = {_ident(p) for p in params.values()}
+        same = {_ident(p) for p in params.values()} | {_ident(p.grad) for p in params.values() if p.grad is not None}
         for opt in self.optimizers:
             for p in replay.optimizer_params(opt):
                 if params.get(p.data_ptr()) is p:
                     same |= {_ident(v) for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor)}
-        # (balanced as written: each tensor takes whole ALIGN blocks)
-        sizes = {k: align(t.numel() * t.element_size()) for k, t in tensors.items() if t.numel() and _ident(t) in same}
-        owner = {k: r for k, r in writeonce.owners(sizes, self.world_size).items() if r != self.rank}
-        return writeonce.leave_out(skeleton, owner), {k: t for k, t in tensors.items() if k not in owner}
+        return writeonce.split(skeleton, tensors, [k for k, t in tensors.items() if _ident(t) in same], self.rank,
+                               self.world_size, rotate)
+
+    def _writes_once(self) -> bool:
+        return self.world_size > 1 and bool(self.replicated) and REGISTRY[self.cfg.strategy].write_once
+
+    def replicated_positions(self) -> list[int]:
+        """Positions of the primary optimizer's parameters that DDP keeps identical on every rank,
+        when replicated state is written once (else none)."""
+        if not self._writes_once() or self.primary is None:
+            return []
+        params = {p.data_ptr(): p for m in self.replicated for p in m.parameters()}
+        return [i for i, p in enumerate(replay.optimizer_params(self.primary)) if params.get(p.data_ptr()) is p]
 
     def _can_be_lazy(self) -> bool:
         """Whether every buffer in the models' state_dicts is a module buffer by its key (a module

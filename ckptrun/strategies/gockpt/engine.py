@@ -26,9 +26,10 @@ from ...engine.handlers import EngineContext, EngineHandler
 from ...ipc.messages import RecordSpec, StrategyMessage
 from ...restore.recovery import optimizer_classes
 from ...restore.replay import apply_diff
+from ...storage import writeonce
 from ...storage.layout import Layout, TensorSpec, view
 from ...storage.store import full_name
-from ...storage.tree import flatten, unflatten
+from ...storage.tree import unflatten
 from .messages import Spread
 
 OWN_KEYS = ("grads", "hyper", "blocks", "rest", "block_hyper")  # a message's parts that are not the state of V
@@ -161,10 +162,12 @@ class GoCkptHandler(EngineHandler):
             self._write(msg, {k: v for k, v in tree.items() if k not in OWN_KEYS}, r)
 
     def _write(self, msg: Spread, state: dict, r: Rolling) -> None:
-        """V's state with its blocks filled in, written as the ordinary full record of V."""
+        """V's state with its blocks filled in, written as the ordinary full record of V (under
+        DDP without the replicated tensors another rank writes: storage/writeonce.py)."""
         spec = msg.spec
-        r.fill(state, spec.meta["optimizers"]["optimizer"]["params"], msg.exact)
-        skeleton, tensors = flatten(state)
+        aliases = spec.meta["optimizers"]["optimizer"]["params"]
+        r.fill(state, aliases, msg.exact)
+        skeleton, tensors = writeonce.split_state(state, msg.replicated, aliases, self.ctx.rank, self.ctx.world_size)
         layout = Layout.of(tensors)
         buf = torch.empty(max(1, layout.nbytes), dtype=torch.uint8)
         with torch.no_grad():

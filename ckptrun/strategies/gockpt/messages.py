@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ...ipc.messages import Op, Persist
+from ...ipc.messages import BuildsFull, Op
 
 
 @dataclass(kw_only=True)
-class Spread(Persist):
+class Spread(BuildsFull):
     """One step `spec.step` of the spread that started at `start`: first the gradients that step
     consumed for every block already sent (and its hyper-parameters), then the blocks sent at
     this step (at version `spec.step`). `last`: the spread ends here (version V = spec.step); the

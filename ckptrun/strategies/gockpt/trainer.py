@@ -195,7 +195,8 @@ class GoCkpt(Strategy):
             self.start, self.last_version = None, snap.step
         else:
             ctx.wait_copy(snap)  # the update about to run changes what the copy reads
-        ctx.submit(snap, Spread, start=start, last=last, exact=not (self.params and self.params[0].is_cuda))
+        ctx.submit(snap, Spread, start=start, last=last, exact=not (self.params and self.params[0].is_cuda),
+                   replicated=ctx.replicated_positions() if last else [])
         if last and self.fixed_k is None and not self.measured and self.ctx.world_size == 1:
             self._measure(snap.step)
 

@@ -105,7 +105,7 @@ class LowDiff(Strategy):
                                            for g in opt.param_groups]}
         self.pending_diff = ctx.begin(step, "diff", prefix=f"s{step}")
         self.diff_base = self.base
-        ctx.add(self.pending_diff, diff, background=True)
+        ctx.add(self.pending_diff, diff, background=True, write_once=True)  # (DDP: each gradient by one rank)
 
     def after_step(self, step: int) -> None:
         ctx = self.ctx

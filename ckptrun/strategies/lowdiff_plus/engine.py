@@ -29,6 +29,7 @@ from ...ipc.messages import RecordSpec, StrategyMessage
 from ...ipc.staging import EngineSlot
 from ...restore.recovery import build_optimizer, optimizer_classes
 from ...restore.replay import apply_diff
+from ...storage import writeonce
 from ...storage.layout import Layout, TensorSpec, view
 from ...storage.store import full_name
 from ...storage.tree import flatten, unflatten
@@ -42,6 +43,7 @@ class Arena:
 
     def __init__(self, path: Path, layout: Layout) -> None:
         self.file = EngineSlot(path, layout.nbytes)
+        self.layout = layout
         self.nbytes = layout.nbytes
         self.buf = torch.frombuffer(self.file.view, dtype=torch.uint8)[: layout.nbytes]
         self.specs = {spec.key: spec for spec in layout.specs}
@@ -89,6 +91,7 @@ class LowDiffPlusHandler(EngineHandler):
         self.generation = 0
         self.classes = optimizer_classes()
         self.persist_buf: torch.Tensor | None = None  # one buffer, reused by every write
+        self.replicated: list[int] = []  # (Base.replicated: what one rank writes under DDP)
         self.idle = threading.Event()  # no write of the persist buffer in flight
         self.idle.set()
         # The first optimizer step of a process imports and initialises much of torch (about a
@@ -120,6 +123,7 @@ class LowDiffPlusHandler(EngineHandler):
         """Start the replica from a full snapshot (the slot's bytes, then moved into an arena)."""
         spec = msg.spec
         state = self._slot_tree(msg.slot, spec)
+        self.replicated = msg.replicated
         self.replica = Replica(spec.step, state, self._optimizer(spec.meta, state), spec.meta, msg.exact,
                                spec.meta["snapshot_time"])
         self._relayout()
@@ -191,18 +195,30 @@ class LowDiffPlusHandler(EngineHandler):
 
     def _persist(self) -> None:
         """Copy the arena into the persist buffer (waiting for the previous write) and queue its
-        write as the full record of the replica's step."""
+        write as the full record of the replica's step; under DDP, without the replicated tensors
+        another rank writes (storage/writeonce.py)."""
         r, arena = self.replica, self.arena
         self.idle.wait()
-        if self.persist_buf is None or self.persist_buf.numel() < arena.nbytes:
-            self.persist_buf = torch.empty(arena.nbytes, dtype=torch.uint8)
-            self.ctx.emit(type="replica_buffer", rank=self.ctx.rank, nbytes=arena.nbytes)
-        self.persist_buf[: arena.nbytes].copy_(arena.buf)
-        spec = RecordSpec(record=full_name(r.step), kind="full", step=r.step, skeleton=r.skeleton,
-                          tensors={k: s.to_json() for k, s in arena.specs.items()},
+        skeleton, layout, tensors = r.skeleton, arena.layout, None
+        if self.replicated:
+            skeleton, tensors = writeonce.split_state(r.full_state(), self.replicated,
+                                                      r.meta["optimizers"]["optimizer"]["params"], self.ctx.rank,
+                                                      self.ctx.world_size)
+            layout = Layout.of(tensors)
+        if self.persist_buf is None or self.persist_buf.numel() < layout.nbytes:
+            self.persist_buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+            self.ctx.emit(type="replica_buffer", rank=self.ctx.rank, nbytes=layout.nbytes)
+        with torch.no_grad():
+            if tensors is None:
+                self.persist_buf[: layout.nbytes].copy_(arena.buf)
+            else:
+                for s in layout.specs:
+                    view(self.persist_buf, s).copy_(tensors[s.key])
+        spec = RecordSpec(record=full_name(r.step), kind="full", step=r.step, skeleton=skeleton,
+                          tensors={s.key: s.to_json() for s in layout.specs},
                           meta={**r.meta, "step": r.step, "snapshot_time": r.time})
         self.idle.clear()
-        self.ctx.run(self._write, spec, memoryview(self.persist_buf.numpy())[: arena.nbytes])
+        self.ctx.run(self._write, spec, memoryview(self.persist_buf.numpy())[: layout.nbytes])
 
     def _write(self, spec: RecordSpec, data: memoryview) -> None:
         try:

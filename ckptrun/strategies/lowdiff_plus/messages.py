@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ...ipc.messages import Op, Persist
+from ...ipc.messages import BuildsFull, Op, Persist
 
 
 @dataclass(kw_only=True)
-class Base(Persist):
+class Base(BuildsFull):
     """A real full snapshot of its step: the replica starts (or re-bases) from it; `persist` also
     writes it. `exact`: the trainer computes on the CPU, so the replica's updates are bit-exact."""
 

@@ -225,7 +225,7 @@ class LowDiffPlus(Strategy):
 
     def _take_base(self, step: int, *, write: bool) -> None:
         self.rebase = False
-        snap = self.ctx.capture(step, background=True)
+        snap = self.ctx.capture(step, background=True, whole=True)  # (the replica needs every tensor)
         self.pending_base = (snap, write)
 
     def _hand_over(self, final: bool = False) -> None:
@@ -237,7 +237,8 @@ class LowDiffPlus(Strategy):
         if self.pending_base is not None:
             (snap, write), self.pending_base = self.pending_base, None
             ctx.seal(snap)
-            ctx.submit(snap, Base, persist=write or final, exact=not self.params[0].is_cuda)
+            ctx.submit(snap, Base, persist=write or final, exact=not self.params[0].is_cuda,
+                       replicated=ctx.replicated_positions())
 
 
 def replica_bytes(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> int:
