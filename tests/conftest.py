@@ -17,7 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +60,70 @@ def run_cmd(argv: list[Any], cwd: Path, *, fault: str | None = None,
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true",
+                     help="also run the opt-in tests (marked `full`, deselected by default): the registry-wide "
+                          "repeats of slow end-to-end modes (frameworks, kill loop, two nodes, ...) for every "
+                          "strategy, not only a representative few (README, Testing)")
     parser.addoption("--soak", type=int, default=0, metavar="N",
-                     help="test_kill_loop: N whole-tree kills per strategy instead of 5 (long soak mode)")
+                     help="test_kill_loop: N whole-tree kills per strategy instead of 5, for every strategy "
+                          "(long soak mode)")
     parser.addoption("--kill-seed", type=int, default=None, metavar="S",
                      help="test_kill_loop: seed of the random kill delays (default: a new one, printed on failure)")
-    parser.addoption("--multinode-all", action="store_true",
-                     help="test_two_nodes: every registered strategy, not only the default (a minute or more each)")
+
+
+# ---- opt-in tests: one marker, one option ---------------------------------------------------
+# A test (or one parametrisation of it) marked `full` repeats a slow end-to-end mode that the
+# default run already covers for a representative subset; it is deselected unless --full is
+# given, and the run's summary counts it as deselected and says how to include it.
+FULL = pytest.mark.full
+
+
+def full(config: pytest.Config) -> bool:
+    return bool(config.getoption("--full"))
+
+
+# One strategy of each family, for the registry-wide repeats of slow modes whose full run is
+# opt-in: the default (a full snapshot in a staging slot, record folders), a differential one that
+# restores by replaying the optimizer, and one writing a preallocated region.
+REPRESENTATIVES = ("checkfreq", "lowdiff", "lightcheck")
+
+
+def strategy_params(default: Iterable[str]) -> list[Any]:
+    """Every registered strategy as a parametrisation, those outside `default` marked `full`
+    (opt-in). `default` must name registered strategies."""
+    default = set(default)
+    assert default <= set(REGISTRY), f"not registered: {sorted(default - set(REGISTRY))}"
+    return [pytest.param(s, marks=() if s in default else FULL) for s in REGISTRY]
+
+
+def selected_strategies(config: pytest.Config, default: Iterable[str]) -> list[str]:
+    """The strategies `strategy_params(default)` runs in this session (registry order): what a
+    module-scoped fixture shared by such tests needs to prepare."""
+    default = set(default)
+    return [s for s in REGISTRY if full(config) or s in default]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "full: opt-in (a slow mode's registry-wide repeat); run only under --full")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if full(config):
+        return
+    opt_in = [item for item in items if item.get_closest_marker("full")]
+    if opt_in:
+        config.hook.pytest_deselected(items=opt_in)
+        items[:] = [item for item in items if not item.get_closest_marker("full")]
+        config.stash[_OPT_IN] = len(opt_in)
+
+
+_OPT_IN = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    if config.stash.get(_OPT_IN, 0):
+        terminalreporter.write_line(f"{config.stash[_OPT_IN]} opt-in tests deselected (marked `full`): "
+                                    "python -m pytest --full runs them too")
 
 
 def spawn(cwd: Path, *args: Any, log: str = "ckptrun.log", fault: str | None = None) -> subprocess.Popen:
@@ -96,6 +154,18 @@ def kill_tree(pid: int) -> None:
 def ckptrun(cwd: Path, *args: Any, fault: str | None = None) -> subprocess.CompletedProcess:
     """`python -m ckptrun ARGS` in `cwd`; the caller checks the outcome."""
     return run_cmd([sys.executable, "-m", "ckptrun", *args], cwd, fault=fault)
+
+
+def verify(cwd: Path, ckpt_dir: Path) -> subprocess.CompletedProcess:
+    """`ckptrun verify --dir CKPT_DIR` through the CLI's entry point in this process (a subprocess
+    per call costs seconds of imports); exit code, stdout and stderr as a subprocess's."""
+    from ckptrun import cli
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), contextlib.chdir(cwd):
+        code = cli.main(["verify", "--dir", str(ckpt_dir)])
+    return subprocess.CompletedProcess(["ckptrun", "verify", "--dir", str(ckpt_dir)], code, stdout.getvalue(),
+                                       stderr.getvalue())
 
 
 def subclassed_optimizer_script(tmp_path: Path) -> Path:

@@ -4,8 +4,11 @@ that `restore latest` equals the same step of an uninterrupted run, resume, and 
 kills, run to the end and compare the final state bit for bit. Nothing a killed run left behind
 (staging files, temporary folder) outlives the next run's start.
 
-Five kills per strategy by default; `--soak N` makes it N (in cycles of five, each in a fresh
-checkpoint directory), `--kill-seed S` replays the kill delays of a reported seed.
+By default two strategies, one per commit protocol: checkfreq (the default; record folders
+committed by a manifest rename) and lightcheck (a preallocated region the trainer copies into,
+committed by a pointer swap); every registered strategy under `--full` or `--soak`. Five kills
+per strategy by default; `--soak N` makes it N (in cycles of five, each in a fresh checkpoint
+directory), `--kill-seed S` replays the kill delays of a reported seed.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE, TINY, assert_training_state, kill_tree, load, python, spawn
+from conftest import EXAMPLE, TINY, assert_training_state, kill_tree, load, python, spawn, strategy_params
 
 from ckptrun.cli import main as cli
 from ckptrun.restore.export import export
@@ -39,6 +42,7 @@ FIRST_COMMIT_S, FINAL_RUN_S = 40, 120
 # full checkpoints and chains alike.
 OPTIONS = ["--keep", "0", "--no-dashboard"]
 ARGS = [EXAMPLE, *TINY, "--steps", STEPS]
+STRATEGIES = ("checkfreq", "lightcheck")  # by default (see above); every registered one under --full or --soak
 
 
 class Hang(AssertionError):
@@ -161,7 +165,12 @@ class Loop:
                        f"so far: {'; '.join(self.history)}\n{e}\n--- ckptrun log (tail) ---\n{log}")
 
 
-@pytest.mark.parametrize("strategy", list(REGISTRY))
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "strategy" in metafunc.fixturenames:
+        soak = metafunc.config.getoption("--soak")
+        metafunc.parametrize("strategy", strategy_params(REGISTRY if soak else STRATEGIES))
+
+
 def test_kill_loop(strategy, seed, truth, tmp_path, request):
     kills = request.config.getoption("--soak") or KILLS_PER_CYCLE
     loop, done, cycle = Loop(strategy, seed, truth), 0, 0

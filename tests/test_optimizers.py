@@ -1,7 +1,9 @@
 """Optimizers as real training code uses them (issue 11): `step(closure)` (Lightning, LBFGS), a
 wrapper that delegates to the real optimizer (accelerate), several optimizers (GANs). Every
 registered strategy either restores them bit-exact, also after a kill and restart, or refuses
-at start with one clear line; never a crash mid-run or a silently wrong restore."""
+at start with one clear line; never a crash mid-run or a silently wrong restore. The refusals are
+checked for every strategy; the killed-and-restored runs for one strategy per family by default
+(conftest.REPRESENTATIVES), for every registered one under --full."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import sys
 
 import pytest
 from conftest import (
+    FULL,
+    REPRESENTATIVES,
     SCRIPTS,
     STEPS,
     TIMEOUT_S,
@@ -43,8 +47,15 @@ def comparable(state: dict) -> dict:
     return {**state, **state.get("extra", {})}
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("strategy", list(REGISTRY))
+def _strategy_cases() -> list:
+    """(strategy, case) for every registered strategy and case; a run that is not refused is
+    opt-in (--full) outside the representatives."""
+    return [pytest.param(s, case, id=f"{s}-{case}",
+                         marks=() if s in REPRESENTATIVES or (refusal and replays(s)) else FULL)
+            for s in REGISTRY for case, (_, _, refusal) in CASES.items()]
+
+
+@pytest.mark.parametrize(("strategy", "case"), _strategy_cases())
 def test_optimizer_shapes_restore_exactly_or_are_refused(strategy, case, tmp_path):
     script, extra, refusal = CASES[case]
     args = [SCRIPTS / script, *extra, "--steps", STEPS, "--save-at", STEPS, "--save-path"]

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    FULL,
+    REPRESENTATIVES,
     SCRIPTS,
     STRATEGIES,
     assert_training_state,
@@ -123,7 +125,10 @@ def test_unsharded_state_and_replay_chains_are_not_resharded(tmp_path, strategy,
     assert says in line and "this run has 2" in line and "launch 1 ranks" in line, line
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+# Every refusal by default; the killed 2-rank runs for the representatives that support sharded
+# state, for every such strategy under --full.
+@pytest.mark.parametrize("strategy", [
+    pytest.param(s, marks=() if s in REPRESENTATIVES or not REGISTRY[s].sharded else FULL) for s in STRATEGIES])
 def test_every_strategy_resumes_sharded_state_exactly_or_refuses_it(strategy, fsdp_run, tmp_path):
     """A strategy that supports sharded state: rank 1 killed mid-run resumes at 2 ranks bit-exact,
     and restore of the last step is the unsharded run's; one that does not refuses at start."""

@@ -13,6 +13,7 @@ import pytest
 from conftest import (
     EXAMPLE,
     LONG,
+    REPRESENTATIVES,
     STEPS,
     TINY,
     assert_training_state,
@@ -24,12 +25,13 @@ from conftest import (
     restore,
     run_events,
     spawn,
+    strategy_params,
+    verify,
 )
 
 from ckptrun.errors import AlreadyCommitted
 from ckptrun.restore.recovery import find, load_state, optimizer_classes, plans, restorable
 from ckptrun.storage.store import Store, full_name
-from ckptrun.strategies import REGISTRY
 
 
 def wait_committed(ckpt: Path, at_least: int = 1, timeout: float = 120) -> None:
@@ -51,14 +53,16 @@ def final_run(cwd: Path, strategy: str, ckpt: Path, *extra, fault: str | None = 
 
 
 # ---- 1. a re-run of a finished command --------------------------------------------------
-@pytest.mark.parametrize("strategy", list(REGISTRY))
+# One strategy per family by default (record folders, replay chains, a region reusing its slots);
+# every registered one under --full.
+@pytest.mark.parametrize("strategy", strategy_params(REPRESENTATIVES))
 def test_rerun_of_a_finished_command_keeps_every_step(strategy, example_truth, tmp_path):
     ckpt = tmp_path / "ckpts"
     args = ["--strategy", strategy, "--dir", ckpt, "--keep", "0", EXAMPLE, *TINY]
     ok(ckptrun(tmp_path, *args))
     before = {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("step-*/*")}
     ok(ckptrun(tmp_path, *args))
-    ok(ckptrun(tmp_path, "verify", "--dir", ckpt))
+    ok(verify(tmp_path, ckpt))
     after = {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("step-*/*")}
     assert {k: v for k, v in after.items() if k in before} == before, "a committed record changed"
     store, classes = Store(ckpt), optimizer_classes()
@@ -110,7 +114,7 @@ def test_second_launcher_is_refused_and_the_first_is_unharmed(long_truth, tmp_pa
         first.send_signal(signal.SIGTERM)
         first.wait(timeout=60)
     assert first.returncode == 143, (tmp_path / "ckptrun.log").read_text()
-    ok(ckptrun(tmp_path, "verify", "--dir", ckpt))
+    ok(verify(tmp_path, ckpt))
     step = restorable(Store(ckpt))[-1]
     assert_training_state(restore(tmp_path, ckpt, step)[0], long_truth(step))
 
@@ -123,7 +127,7 @@ def test_a_dead_runs_lock_is_taken_over_and_said(tmp_path):
     dead.wait(timeout=30)
     proc = ok(ckptrun(tmp_path, "--dir", ckpt, EXAMPLE, *TINY))
     assert f"took over {ckpt}/ckptrun.lock" in proc.stderr and f"pid {dead.pid}" in proc.stderr
-    ok(ckptrun(tmp_path, "verify", "--dir", ckpt))
+    ok(verify(tmp_path, ckpt))
 
 
 # ---- 7-9. save errors: loud, bounded, recovered from -----------------------------------
@@ -146,7 +150,7 @@ def test_disk_full_for_a_while_is_reported_and_the_run_recovers_exactly(strategy
     assert "No space left on device" in proc.stderr and "training goes on" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert stray_files(ckpt) == []
-    ok(ckptrun(tmp_path, "verify", "--dir", ckpt))
+    ok(verify(tmp_path, ckpt))
     steps = restorable(Store(ckpt))
     assert steps[-1] == STEPS - 3, f"nothing committed after the outage: {steps}"
     if strategy == "lowdiff" and not point.startswith("manifest.dir"):
@@ -199,7 +203,7 @@ def test_a_signal_commits_the_last_finished_step_and_exits_in_time(sig, code, lo
     assert "Traceback" not in err and "died" not in err
     step = int(last.split("step ")[1].split()[0])
     assert restorable(Store(ckpt))[-1] == step and step >= 5
-    ok(ckptrun(tmp_path, "verify", "--dir", ckpt))
+    ok(verify(tmp_path, ckpt))
     # resumed for a few more steps: bit-exact with the uninterrupted run
     ok(ckptrun(tmp_path, "--strategy", "checkfreq", "--every", "5", "--max-steps", step + 2, "--dir", ckpt,
                EXAMPLE, *LONG))
@@ -214,7 +218,7 @@ def test_ddp_ranks_agree_on_the_step_they_stop_after(tmp_path):
     run.wait(timeout=60)
     err = (tmp_path / "ckptrun.log").read_text()
     assert run.returncode == 143, err
-    ok(ckptrun(tmp_path, "verify", "--dir", ckpt))
+    ok(verify(tmp_path, ckpt))
     newest = Store(ckpt).manifests()[-1]
     assert newest.world_size == 2 and f"step {newest.step} is committed" in err
     assert Store(ckpt).incomplete() == []

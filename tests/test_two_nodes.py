@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE, LONG, assert_training_state, ckptrun, clean_env, load, ok
+from conftest import EXAMPLE, LONG, assert_training_state, ckptrun, clean_env, load, ok, strategy_params
 
 from ckptrun.config import RunConfig
 from ckptrun.storage.store import Store
@@ -154,16 +154,8 @@ def _runs(cwd: Path, node: Node) -> list[dict]:
     return sorted((e for e in events if e.get("type") == "run"), key=lambda e: e["t"])
 
 
-def _strategies(config: pytest.Config) -> list[str]:
-    """The default strategy; every registered one under --multinode-all (each adds a minute or more)."""
-    return list(REGISTRY) if config.getoption("--multinode-all") else [RunConfig.strategy]
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "strategy" in metafunc.fixturenames:
-        metafunc.parametrize("strategy", _strategies(metafunc.config))
-
-
+# The default strategy; every registered one under --full (each adds a minute or more).
+@pytest.mark.parametrize("strategy", strategy_params([RunConfig.strategy]))
 def test_node_killed_and_restarted_resumes_exactly(nodes, tmp_path, strategy):
     head, other = nodes
     t0 = time.monotonic()

@@ -3,9 +3,10 @@ HF's own loop to the resumed step, so a killed run ends as an uninterrupted one,
 
 The runs are shared by every test (two at a time, 2 cores): the script under plain python (the
 ground truth, which writes HF's own checkpoint-N folders), HF's own resume from the last of them
-before the kill, per registered strategy one ckptrun run whose worker is killed mid-step KILL and
-restarted (plus `ckptrun restore` of two of HF's checkpoint steps), one such run bounded by
-`--max-steps`, and a ckptrun run of the script passing `resume_from_checkpoint` itself.
+before the kill, per strategy (by default a representative few, every registered one under
+`--full`) one ckptrun run whose worker is killed mid-step KILL and restarted (plus `ckptrun
+restore` of two of HF's checkpoint steps), one such run bounded by `--max-steps`, and a ckptrun run
+of the script passing `resume_from_checkpoint` itself.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_same, ckptrun, load, ok, python, restore, run_events
+from conftest import assert_same, ckptrun, load, ok, python, restore, run_events, selected_strategies, strategy_params
 from safetensors.torch import load_file
 from transformers.trainer_pt_utils import safe_globals
 
@@ -35,6 +36,10 @@ BOUND = 20  # --max-steps of one killed run (an HF checkpoint step)
 TIMING = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_tokens_per_second"}
 TIED = {"lm_head.weight": "transformer.wte.weight"}  # saved once by HF (safetensors drops shared tensors)
 NO_RESUME_WARNING = "does not call ckptrun.resume_step()"
+# By default the default strategy and one of each family (full snapshot, differential, region), the
+# three framework modules taking different ones so that each strategy runs under some framework;
+# every registered strategy under --full.
+STRATEGIES = ("checkfreq", "datastates", "lowdiff", "pccheck")
 
 
 @dataclass
@@ -88,7 +93,7 @@ def _resuming_itself(cwd: Path, hf_checkpoint: Path) -> Run:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+def runs(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("hf-trainer")
     hf_checkpoint = root / "plain" / "out" / f"checkpoint-{HF_RESUME}"
     with ThreadPoolExecutor(2) as pool:
@@ -99,7 +104,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
             return job(*args)
 
         jobs = {s: pool.submit(_killed, root / s, ["--strategy", s, *REGISTRY[s].short_run_flags], RESTORED)
-                for s in REGISTRY}
+                for s in selected_strategies(pytestconfig, STRATEGIES)}
         jobs["bounded"] = pool.submit(_killed, root / "bounded", ["--max-steps", BOUND], (BOUND,))
         jobs["hf-resume"] = pool.submit(after_plain, _plain, root / "hf-resume", "--resume-from", hf_checkpoint)
         jobs["script-resumes"] = pool.submit(after_plain, _resuming_itself, root / "script-resumes", hf_checkpoint)
@@ -128,7 +133,7 @@ def assert_summary_covers_the_last_call(final: dict, losses: dict[int, list[floa
     assert summary["train_loss"] == pytest.approx(sum(steps) / len(steps), rel=1e-6)
 
 
-@pytest.mark.parametrize("strategy", list(REGISTRY))
+@pytest.mark.parametrize("strategy", strategy_params(STRATEGIES))
 def test_every_forward_pass_has_the_plain_runs_loss(runs, strategy):
     plain, lines = losses_by_step(runs["plain"]), runs[strategy].losses()
     assert {line["step"] for line in lines} == set(plain) == set(range(1, STEPS + 1))
@@ -136,7 +141,7 @@ def test_every_forward_pass_has_the_plain_runs_loss(runs, strategy):
         assert line["losses"] == plain[line["step"]], f"step {line['step']}"
 
 
-@pytest.mark.parametrize("strategy", list(REGISTRY))
+@pytest.mark.parametrize("strategy", strategy_params(STRATEGIES))
 def test_a_killed_worker_ends_as_the_uninterrupted_run(runs, strategy):
     run, plain = runs[strategy], runs["plain"]
     assert [e["restart_count"] for e in run_events(run.cwd / "metrics")] == [0, 1], "the fault did not fire"
@@ -173,7 +178,7 @@ def assert_equals_hfs_checkpoint(restored: dict, folder: Path) -> None:
     assert expected == json.loads((folder / "trainer_state.json").read_text()), folder.name
 
 
-@pytest.mark.parametrize("strategy", list(REGISTRY))
+@pytest.mark.parametrize("strategy", strategy_params(STRATEGIES))
 def test_restore_equals_hfs_own_checkpoint(runs, strategy):
     run = runs[strategy]
     assert set(run.restored) == set(RESTORED)
