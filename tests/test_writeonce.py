@@ -8,17 +8,21 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS, assert_same, ckptrun, load, ok, restore, run_cmd, run_events
+from conftest import FULL, REPRESENTATIVES, SCRIPTS, assert_same, ckptrun, load, ok, restore, run_cmd, run_events
 
 from ckptrun.restore.recovery import optimizer_classes, verify_problems
 from ckptrun.storage.layout import align
 from ckptrun.storage.store import Manifest, Store
 from ckptrun.storage.writeonce import owners, remote_refs
-from ckptrun.strategies import REGISTRY
+from ckptrun.strategies import BUILTIN, REGISTRY
 
 SCRIPT = SCRIPTS / "dp_mlp.py"
 STEPS = 8
 WRITE_ONCE = [name for name, entry in REGISTRY.items() if entry.write_once]
+
+
+def test_every_builtin_strategy_writes_replicated_state_once():
+    assert [name for name, entry in BUILTIN.items() if not entry.write_once] == []
 
 
 def test_owners_balance_bytes_to_within_one_tensor():
@@ -60,8 +64,12 @@ def replicated_bytes_per_rank(store: Store, m: Manifest) -> tuple[list[int], int
     return [sum(w) for w in written], max(max(w) for w in written)
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-@pytest.mark.parametrize("strategy", WRITE_ONCE)
+# Every strategy at 2 ranks; at 3 ranks (owners no longer alternate) the representatives, all under --full.
+CASES = [pytest.param(s, n, marks=FULL if n == 3 and s not in REPRESENTATIVES else ())
+         for s in WRITE_ONCE for n in (2, 3)]
+
+
+@pytest.mark.parametrize(("strategy", "ranks"), CASES, ids=[f"{s}-{n}" for s in WRITE_ONCE for n in (2, 3)])
 def test_ddp_writes_replicated_state_once_and_resumes_exactly(strategy, ranks, truth, tmp_path):
     """Rank 1 killed mid-run: every rank resumes exactly (its tracked Generator too); the last
     step restores every rank's own state; in every record (full checkpoints and the replay
