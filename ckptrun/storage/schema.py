@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.dataclasses import dataclass
 
 from ..errors import CorruptCheckpoint
+from .layout import DTYPE_SIZES
 
 FORMAT = 1
 MAX_STEP = 2**40  # steps are optimizer steps: a trillion is far beyond any run
@@ -152,11 +153,9 @@ class TensorEntry(BaseModel):
 
     @model_validator(mode="after")
     def _sized(self) -> TensorEntry:
-        from .layout import _DTYPES  # torch: only once an index is read, not for `ls`
-
-        if self.dtype not in _DTYPES:
+        if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"unknown dtype {short(self.dtype)}")
-        itemsize = _DTYPES[self.dtype].itemsize
+        itemsize = DTYPE_SIZES[self.dtype]
         if math.prod(self.shape) * itemsize != self.nbytes:
             raise ValueError(f"shape {self.shape} of {self.dtype} is not {self.nbytes} bytes")
         if self.offset % itemsize:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .layout import _DTYPES, dtype_from_name
+from .layout import DTYPE_SIZES, dtype_from_name
 from .schema import MAX_SKELETON_DEPTH, MAX_WORLD_SIZE, short
 from .sharding import DTENSOR, Sharded, check_meta, placement_names
 
@@ -233,7 +233,7 @@ def _tagged(tag: str, value: Any, depth: int, as_key: bool, specs: dict[str, dic
             raise ValueError(f"{FLOAT} {short(value)} is not nan or an infinity")
         return []
     if tag == DTYPE:
-        if not isinstance(value, str) or value not in _DTYPES:
+        if not isinstance(value, str) or value not in DTYPE_SIZES:
             raise ValueError(f"unknown dtype {short(value)}")
         return []
     if not isinstance(value, list):

@@ -1,0 +1,35 @@
+"""The checkpoint engine only moves bytes: it must not import torch (a second of start-up and
+~190 MB per engine), except for the engine-side handlers that step an optimizer themselves."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import SCRIPTS, ckptrun, ok
+
+from ckptrun.strategies import REGISTRY
+
+# Engine-side handlers that run an optimizer (lowdiff+'s replica, gockpt's roll-forward): torch is theirs.
+STEPS_AN_OPTIMIZER = {"lowdiff+", "gockpt"}
+
+
+def test_engine_modules_import_no_torch():
+    modules = ["ckptrun.engine.server", "ckptrun.engine.region_handler"] + [
+        e.engine_handler.partition(":")[0] for name, e in REGISTRY.items()
+        if e.engine_handler and name not in STEPS_AN_OPTIMIZER]
+    code = "import importlib, sys\n" + "".join(
+        f"importlib.import_module({m!r}); assert 'torch' not in sys.modules, {m!r}\n" for m in modules)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("strategy", ["checkfreq", "lowdiff"])
+def test_a_running_engine_has_no_torch(strategy, tmp_path):
+    """While it writes, commits and prunes records (what could import torch lazily)."""
+    ok(ckptrun(tmp_path, "--strategy", strategy, "--every", "1", "--dir", "ckpts", SCRIPTS / "engine_footprint.py",
+               tmp_path / "out.json"))
+    engines = json.loads((tmp_path / "out.json").read_text())["engines_with_torch"]
+    assert len(engines) == 1 and not any(engines.values()), engines
