@@ -504,6 +504,11 @@ class Runtime:
         are the same on every rank, so they may be written once (`_write_once`)."""
         self.replicated.append(ddp.module)
         self.strategy.on_ddp(ddp)
+        if self.resume is not None and self.world_size > 2 and self.rank == 0 and len(self.replicated) == 1:
+            log.warning(f"warning: DDP on {self.world_size} ranks resumed at step {self.resume.step}: its first "
+                        "step sums gradients in another order than the uninterrupted run did (DDP lays out its "
+                        "all-reduce buckets again in a new process), so training goes on equal up to float "
+                        "rounding, not bit for bit (on 1 or 2 ranks it is bit-exact)")
 
     def on_scheduler(self, sched: Any) -> None:
         idx = len(self.schedulers)
