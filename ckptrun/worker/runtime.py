@@ -54,6 +54,7 @@ from ..storage.tree import flatten, orphans_key, unflatten
 from ..strategies import REGISTRY
 from ..strategies.context import StrategyContext
 from . import decisions, discovery, sharded
+from .ddp_buckets import DDP_BUCKETS, BucketLayout
 from .metrics import WorkerMetrics
 
 _current: Runtime | None = None
@@ -501,14 +502,12 @@ class Runtime:
 
     def on_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """A DDP wrapper was created: its module's parameters (and the optimizer state over them)
-        are the same on every rank, so they may be written once (`_write_once`)."""
+        are the same on every rank, so they may be written once (`_write_once`). Its all-reduce
+        bucket layout is tracked (worker/ddp_buckets.py)."""
         self.replicated.append(ddp.module)
+        if not ddp.static_graph:  # (its bucket layout, restored before the script registers a comm hook)
+            self.track(f"{DDP_BUCKETS}{len(self.replicated) - 1}", BucketLayout(ddp))
         self.strategy.on_ddp(ddp)
-        if self.resume is not None and self.world_size > 2 and self.rank == 0 and len(self.replicated) == 1:
-            log.warning(f"warning: DDP on {self.world_size} ranks resumed at step {self.resume.step}: its first "
-                        "step sums gradients in another order than the uninterrupted run did (DDP lays out its "
-                        "all-reduce buckets again in a new process), so training goes on equal up to float "
-                        "rounding, not bit for bit (on 1 or 2 ranks it is bit-exact)")
 
     def on_scheduler(self, sched: Any) -> None:
         idx = len(self.schedulers)
