@@ -233,6 +233,32 @@ def test_a_restarted_worker_retracts_steps_a_dead_rank_never_wrote(tmp_path):
     assert committed(tmp_path) == [2] and rank0.ctx.of("committed") == [1, 2]
 
 
+def test_a_new_engine_retracts_what_the_dead_engine_left_uncommitted(tmp_path):
+    """A replaced node: rank 0's engine died with steps 2-3 durable in its region file, which rank
+    1 never wrote. The new engine's first Hello (before its worker writes anything) retracts
+    them, so rank 1 writing step 2 of the resumed run does not commit it beside the dead run's
+    part; step 1 stays committed until the new parts of step 2 commit."""
+    dead0, rank1 = (PCcheckHandler(FakeEngine(tmp_path, r, 2)) for r in range(2))
+    for h in (dead0, rank1):
+        checkpoint(h, 1, 0)
+        h.ctx.join()
+    for step, slot in ((2, 1), (3, 2)):
+        checkpoint(dead0, step, slot)
+        dead0.ctx.join()
+    assert committed(tmp_path) == [1]
+    new0 = PCcheckHandler(FakeEngine(tmp_path, 0, 2))
+    new0.restart()  # its worker's Hello
+    assert sorted(new0.old[0].steps.values()) == [1] and new0.old[0].pointer.step == 1
+    checkpoint(rank1, 2, 1)
+    rank1.ctx.join()
+    rank1.tick()
+    assert committed(tmp_path) == [1] and rank1.ctx.of("committed") == [1]
+    checkpoint(new0, 2, 1)
+    new0.ctx.join()
+    rank1.tick()
+    assert committed(tmp_path) == [2] and rank1.ctx.of("committed") == [1, 2]
+
+
 @pytest.fixture(scope="module")
 def keep3(tmp_path_factory) -> Path:
     cwd = tmp_path_factory.mktemp("keep3")

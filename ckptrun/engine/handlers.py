@@ -141,9 +141,9 @@ class EngineHandler:
         waiting for a message that will not come (its worker died) must end here."""
 
     def restart(self) -> None:
-        """A new worker replaces one that died (its Hello): it resumes from a committed step, so
-        whatever the old one left in flight is abandoned; every job of the old worker must end
-        here. By default that is `flush`."""
+        """A worker starts (its Hello; a new engine's first one too): it resumes from a committed
+        step, so whatever an old worker or engine left in flight is abandoned; every job of the
+        old worker must end here. By default that is `flush`."""
         self.flush()
 
     def tick(self) -> None:

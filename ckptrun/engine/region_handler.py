@@ -10,8 +10,9 @@ trainer copies straight into the mapped region). What they share lives here once
 - retention: the newest `--keep` committed steps stay in the region; `--keep 0` moves each
   step out into an ordinary record before its slot is reused; an earlier generation is
   deleted once it holds nothing kept and no job writes into it;
-- a restarted worker (`restart`): the steps beyond the newest committed one are abandoned and
-  retracted from the region, so that they hold no slot.
+- a starting worker (`restart`, at each Hello, the first one of a new engine too): the steps
+  beyond the newest committed one are abandoned and retracted from the region, so that they
+  hold no slot.
 
 A subclass handles its own messages and calls `writer_for`, `commit_slot` and `settle`;
 `slots_freed` is called (lock held) after retention gave slots back.
@@ -75,9 +76,7 @@ class RegionHandler(EngineHandler):
     def writer_for(self, capacity: int, meta_hint: int, nslots: int) -> RegionWriter:
         """The current region (caller holds the lock), replaced by a new generation with `nslots`
         slots if its slots are too small for `capacity` data bytes and `meta_hint` index bytes."""
-        if not self.adopted:
-            self.adopted = True
-            self.old += self._earlier_generations()
+        self._adopt()
         w = self.writer
         if w is None or not w.fits(capacity, meta_hint):
             gens = [int(REGION_FILE.fullmatch(p)[2]) for p in self._own_files()]
@@ -93,6 +92,12 @@ class RegionHandler(EngineHandler):
             if self.writer is not None and not self.writer.fits(capacity, meta_hint):
                 self.old.append(self.writer)
                 self.writer = None
+
+    def _adopt(self) -> None:
+        """Take over the region files an earlier engine of this rank left (once; lock held)."""
+        if not self.adopted:
+            self.adopted = True
+            self.old += self._earlier_generations()
 
     def _own_files(self) -> list[str]:
         return [p for p in Regions(Path(self.ctx.root)).files() if int(REGION_FILE.fullmatch(p)[1]) == self.ctx.rank]
@@ -137,7 +142,10 @@ class RegionHandler(EngineHandler):
     # ---- a restarted worker ------------------------------------------------------------
     def restart(self) -> None:
         """The new worker resumes from the newest committed step: every step this rank holds
-        beyond it is abandoned. The old worker's jobs end first (one still waiting for a region
+        beyond it is abandoned, in this engine's region and in the files an earlier engine of
+        this rank left (a replaced node's new engine: before its worker writes anything, so that
+        no step ever commits with a part of the dead run beside parts of the resumed one). The
+        old worker's jobs end first (one still waiting for a region
         slot gives up: the slots may be held by steps a dead rank never wrote, which no newer
         commit would ever free before the new worker runs); then those steps are retracted, so
         that they hold no slot and never count beside the parts the new workers write again."""
@@ -155,6 +163,7 @@ class RegionHandler(EngineHandler):
 
     def _retract(self) -> None:
         """Retract the steps beyond the newest committed one from every generation (lock held)."""
+        self._adopt()
         committed = [m.step for m in Regions(Path(self.ctx.root)).scan()[0]]
         newest = max(committed, default=-1)
         self.awaiting = {step: v for step, v in self.awaiting.items() if step <= newest}

@@ -158,6 +158,7 @@ class Engine:
             self.log.emit(type="io_engine", rank=msg.rank, engine=io_engine)
         if self.strategy != msg.strategy:  # a restarted worker keeps what the handler holds
             self.strategy, self.handler = msg.strategy, engine_handler(msg.engine_handler, self)
+            self.handler.restart()  # what an earlier engine (a replaced node's) left uncommitted goes too
         newest = max((s.nbytes for s in self.slots.values()), default=0)
         for i in [i for i, s in self.slots.items() if s.nbytes < newest]:
             self.slots.pop(i).close()
