@@ -171,7 +171,7 @@ class Runtime:
         self.step = 0
         self.optimizers: list[torch.optim.Optimizer] = []
         self.models: dict[str, torch.nn.Module] = {}
-        self.replicated: list[torch.nn.Module] = []  # modules DDP keeps identical on every rank
+        self.replicated: list[torch.nn.parallel.DistributedDataParallel] = []  # (`_replicated_params`)
         self.schedulers: list[Any] = []
         self.scalers: list[Any] = []
         self.tracked: dict[str, Any] = {}
@@ -501,10 +501,10 @@ class Runtime:
         model.load_state_dict(saved)
 
     def on_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
-        """A DDP wrapper was created: its module's parameters (and the optimizer state over them)
-        are the same on every rank, so they may be written once (`_write_once`). Its all-reduce
+        """A DDP wrapper was created: the parameters it synchronises (and the optimizer state over
+        them) are the same on every rank, so they may be written once (`_write_once`). Its all-reduce
         bucket layout is tracked (worker/ddp_buckets.py)."""
-        self.replicated.append(ddp.module)
+        self.replicated.append(ddp)
         if not ddp.static_graph:  # (its bucket layout, restored before the script registers a comm hook)
             self.track(f"{DDP_BUCKETS}{len(self.replicated) - 1}", BucketLayout(ddp))
         self.strategy.on_ddp(ddp)
@@ -756,7 +756,7 @@ class Runtime:
         (buffers, which DDP syncs only in the next forward; RNG; tracked objects) is per rank."""
         if not self._writes_once():
             return skeleton, tensors
-        params = {p.data_ptr(): p for m in self.replicated for p in m.parameters()}
+        params = self._replicated_params()
         same = {_ident(p) for p in params.values()} | {_ident(p.grad) for p in params.values() if p.grad is not None}
         for opt in self.optimizers:
             for p in replay.optimizer_params(opt):
@@ -764,6 +764,13 @@ class Runtime:
                     same |= {_ident(v) for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor)}
         return writeonce.split(skeleton, tensors, [k for k, t in tensors.items() if _ident(t) in same], self.rank,
                                self.world_size, rotate)
+
+    def _replicated_params(self) -> dict[int, torch.Tensor]:
+        """The parameters DDP keeps identical on every rank, by data pointer: those of its
+        wrappers' modules, less any it was told to ignore (`_ddp_params_and_buffers_to_ignore`),
+        which each rank trains on its own."""
+        return {p.data_ptr(): p for ddp in self.replicated for name, p in ddp.module.named_parameters()
+                if name not in ddp.parameters_to_ignore}
 
     def _writes_once(self) -> bool:
         return self.world_size > 1 and bool(self.replicated) and REGISTRY[self.cfg.strategy].write_once
@@ -773,7 +780,7 @@ class Runtime:
         when replicated state is written once (else none)."""
         if not self._writes_once() or self.primary is None:
             return []
-        params = {p.data_ptr(): p for m in self.replicated for p in m.parameters()}
+        params = self._replicated_params()
         return [i for i, p in enumerate(replay.optimizer_params(self.primary)) if params.get(p.data_ptr()) is p]
 
     def _can_be_lazy(self) -> bool:

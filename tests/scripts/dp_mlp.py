@@ -8,7 +8,7 @@ the unsharded one does, and a resumed DDP run what an uninterrupted one does wha
 layout (DDP rebuilds its buckets after its first iteration, so a resumed run sums in another
 order). Dropout draws the same masks on every rank (same seed), so RNG restore is exercised
 without the ranks diverging. A layer of 7 outputs shards unevenly. A per-rank Generator (tracked)
-stands for per-rank state, which is never written once.
+and, under DDP, a parameter DDP ignores stand for per-rank state, which is never written once.
 
 Usage: dp_mlp.py [--wrap fsdp|ddp|plain] [--steps N] [--save-at S,S,...] [--resumed-out FILE]
   --save-at: after those steps, save the full state (model, optimizer) to full-{step}.pt (FSDP2:
@@ -47,6 +47,10 @@ if args.wrap == "fsdp":
     fully_shard(model[3])
     fully_shard(model)
 elif args.wrap == "ddp":
+    # A parameter DDP is told to ignore: each rank trains its own (its value, gradient and optimizer
+    # state differ by rank and are never written once); it leaves the shared gradients alone.
+    model.register_parameter("own", torch.nn.Parameter(torch.full((3,), 0.5 * rank)))
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["own"])
     net = torch.nn.parallel.DistributedDataParallel(model)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
@@ -83,6 +87,8 @@ for step in range(start, args.steps):
     x, y = data[step]
     torch.randint(1000, (1,), generator=mine)  # per-rank draws
     loss = torch.nn.functional.mse_loss(net(x), y)
+    if args.wrap == "ddp":
+        loss = loss + ((model.own - rank) ** 2).sum()
     opt.zero_grad()
     loss.backward()
     opt.step()
