@@ -36,6 +36,7 @@ from safetensors.torch import load_file
 
 from ckptrun.storage.store import Store
 from ckptrun.strategies import REGISTRY
+from ckptrun.worker.ddp_buckets import DDP_BUCKETS
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "accelerate_loop.py"
 STEPS, SAVE_EVERY, KILL = 24, 5, 11  # 8 batches an epoch: the restart resumes mid-epoch, at step 10
@@ -148,7 +149,8 @@ def restored_beside_saved(run: Run, saved: Run, step: int) -> tuple[dict, dict]:
     """(`ckptrun restore --step` of `run`, accelerate's own save of `saved`) as comparable dicts;
     the model's keys sorted (safetensors sorts them)."""
     state, _ = restore(run.cwd, run.cwd / "ckpts", step)
-    assert not state["extra"], f"more state than one model and one optimizer: {list(state['extra'])}"
+    extra = [k for k in state["extra"] if not k.startswith(DDP_BUCKETS)]  # (ckptrun's own: DDP's bucket layout)
+    assert not extra, f"more state than one model and one optimizer: {extra}"
     assert len(state["schedulers"]) == 1, "the scheduler is stored once (not its accelerate wrapper too)"
     mine = {"model": dict(sorted(state["model"].items())), "optimizer": state["optimizer"],
             "scheduler": state["schedulers"][0]}
