@@ -116,7 +116,7 @@ def test_resume_at_another_world_size_reshards(fsdp_run, tmp_path, ranks):
     restore(tmp_path, ckpt, STEPS + 2)
 
 
-@pytest.mark.parametrize("strategy, says", [("checkfreq", "no sharded (DTensor) state"),
+@pytest.mark.parametrize("strategy, says", [("checkfreq", "no sharded (DTensor) or DDP-replicated state"),
                                              ("lowdiff", "is a replay chain written by 1 ranks")])
 def test_unsharded_state_and_replay_chains_are_not_resharded(tmp_path, strategy, says):
     flags = ["--strategy", strategy, *REGISTRY[strategy].short_run_flags, "--dir", "ckpts", SCRIPT, "--wrap", "plain"]

@@ -107,3 +107,23 @@ def replicated(state: dict) -> list:
     """The model and optimizer state DDP keeps the same on every rank: all but dp_mlp's `own`."""
     optimizer = {**state["optimizer"], "state": {k: v for k, v in state["optimizer"]["state"].items() if k != OWN}}
     return [{k: v for k, v in state["model"].items() if k != "own"}, optimizer]
+
+
+@pytest.mark.parametrize(("saved", "ranks"), [(2, 3), (3, 1)])
+def test_ddp_resumes_at_another_world_size(saved, ranks, tmp_path):
+    """DDP saved on `saved` ranks, resumed on `ranks` (an elastic membership change): every rank
+    starts from the replicated state as every saved rank had it, assembled from the parts that
+    wrote it once, and its per-rank state (the parameter DDP ignores, the tracked Generator) from
+    saved rank `rank % saved`; training goes on and commits at the new world size."""
+    run = ["--strategy", "checkfreq", "--every", "1", "--dir", "ckpts", SCRIPT, "--wrap", "ddp"]
+    ok(ckptrun(tmp_path, "--nproc-per-node", saved, *run, "--steps", 4))
+    before = [restore(tmp_path, tmp_path / "ckpts", 4, rank=r)[0] for r in range(saved)]
+    proc = ok(ckptrun(tmp_path, "--nproc-per-node", ranks, *run, "--steps", 6, "--resumed-out", "resumed-{rank}.pt"))
+    assert f"resharding step 4 from {saved} to {ranks} ranks" in proc.stderr
+    for rank in range(ranks):
+        resumed, own = load(tmp_path / f"resumed-{rank}.pt"), before[rank % saved]
+        assert_same(replicated(resumed), replicated(before[0]))
+        assert_same([resumed["model"]["own"], resumed["optimizer"]["state"][OWN], resumed["mine"]],
+                    [own["model"]["own"], own["optimizer"]["state"][OWN], own["extra"]["mine"]])
+    m = Store(tmp_path / "ckpts").manifests()[-1]
+    assert (m.step, m.world_size) == (6, ranks)

@@ -2,7 +2,8 @@
 
 A rank's state of a step holds its own shards (`storage.sharding.Sharded`); restore writes
 the full tensors (`restore --format torch|safetensors`) and a resume at another world size
-slices them for its own mesh. The shards of every rank are read and checked as any record is.
+slices them for its own mesh (DDP's replicated state, the same on every rank, is read whole).
+The shards of every rank are read and checked as any record is.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from ..errors import CheckpointMismatch, CorruptCheckpoint
 from ..log import log
 from ..storage.sharding import Sharded, assemble, find
 from ..storage.store import Manifest, Store
+from ..storage.writeonce import remote_refs
 from .recovery import Plan, read_state
 
 
@@ -37,21 +39,29 @@ def consolidate(store: Store, m: Manifest, state: dict) -> dict:
 def resharded(store: Store, plan: Plan, rank: int, world_size: int) -> dict:
     """The state rank `rank` of a run of `world_size` ranks resumes from when `plan`'s step was
     written by another number of ranks: its sharded tensors whole (the worker takes its own slice
-    for its mesh), and the rest (RNG, unsharded tensors, tracked objects) of saved rank
-    `rank % saved ranks`. CheckpointMismatch unless the step is a full checkpoint holding sharded
-    state: unsharded per-rank state (DDP, single-process) has no rule to split or join it, and
-    a replay chain (diff records) replays each rank's own gradients on its own shards."""
+    for its mesh), DDP's replicated tensors as every rank had them, and the rest (RNG, other
+    tensors, tracked objects) of saved rank `rank % saved ranks`. CheckpointMismatch unless the
+    step is a full checkpoint holding sharded or replicated state: other per-rank state (a
+    single process's) has no rule to split or join it, and a replay chain (diff records)
+    replays each rank's own gradients on its own shards."""
     saved = plan.base.world_size
     fix = f"launch {saved} ranks, or export it with `ckptrun restore`"
     if plan.diffs:
         raise CheckpointMismatch(f"{store.root} step {plan.step} is a replay chain written by {saved} ranks, this run "
                                  f"has {world_size}: its gradients replay on {saved} ranks' shards only; {fix}")
     state = read_state(store, plan.base, rank % saved)
-    if not find(state):
+    if not find(state) and not replicated(store, plan.base):
         raise CheckpointMismatch(f"{store.root} step {plan.step} was written by {saved} ranks, this run has "
-                                 f"{world_size}, and it holds no sharded (DTensor) state to reshard; {fix}")
+                                 f"{world_size}, and it holds no sharded (DTensor) or DDP-replicated state to "
+                                 f"reshard; {fix}")
     if rank == 0:
         log.warning(f"resharding step {plan.step} from {saved} to {world_size} ranks: sharded parameters and "
-                    f"optimizer state are resliced; each rank's other state (RNG, unsharded tensors, tracked "
-                    f"objects) is that of saved rank (rank mod {saved})")
+                    f"optimizer state are resliced, DDP's replicated ones taken whole; each rank's other state "
+                    f"(RNG, per-rank tensors, tracked objects) is that of saved rank (rank mod {saved})")
     return consolidate(store, plan.base, state)
+
+
+def replicated(store: Store, m: Manifest) -> bool:
+    """Whether record `m` holds DDP's replicated state: some rank names tensors another rank
+    wrote once for all (storage/writeonce.py)."""
+    return any(remote_refs(store.read_index(m.name, r, m)["skeleton"]) for r in range(m.world_size))
