@@ -9,7 +9,20 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FULL, REPRESENTATIVES, SCRIPTS, assert_same, ckptrun, load, ok, restore, run_cmd, run_events
+from conftest import (
+    FULL,
+    REPRESENTATIVES,
+    SCRIPTS,
+    assert_same,
+    ckptrun,
+    error_line,
+    load,
+    ok,
+    restore,
+    run_cmd,
+    run_events,
+    strategy_params,
+)
 
 from ckptrun.restore.recovery import optimizer_classes, verify_problems
 from ckptrun.storage.layout import align
@@ -109,17 +122,23 @@ def replicated(state: dict) -> list:
     return [{k: v for k, v in state["model"].items() if k != "own"}, optimizer]
 
 
+@pytest.mark.parametrize("strategy", strategy_params(("checkfreq", "lightcheck", "lowdiff")))
 @pytest.mark.parametrize(("saved", "ranks"), [(2, 3), (3, 1)])
-def test_ddp_resumes_at_another_world_size(saved, ranks, tmp_path):
+def test_ddp_resumes_at_another_world_size(strategy, saved, ranks, tmp_path):
     """DDP saved on `saved` ranks, resumed on `ranks` (an elastic membership change): every rank
     starts from the replicated state as every saved rank had it, assembled from the parts that
     wrote it once, and its per-rank state (the parameter DDP ignores, the tracked Generator) from
-    saved rank `rank % saved`; training goes on and commits at the new world size."""
-    run = ["--strategy", "checkfreq", "--every", "1", "--dir", "ckpts", SCRIPT, "--wrap", "ddp"]
+    saved rank `rank % saved`; training goes on and commits at the new world size. A strategy
+    whose step 4 is a replay chain refuses, naming the fix."""
+    run = ["--strategy", strategy, *REGISTRY[strategy].short_run_flags, "--dir", "ckpts", SCRIPT, "--wrap", "ddp"]
     ok(ckptrun(tmp_path, "--nproc-per-node", saved, *run, "--steps", 4))
     before = [restore(tmp_path, tmp_path / "ckpts", 4, rank=r)[0] for r in range(saved)]
-    proc = ok(ckptrun(tmp_path, "--nproc-per-node", ranks, *run, "--steps", 6, "--resumed-out", "resumed-{rank}.pt"))
-    assert f"resharding step 4 from {saved} to {ranks} ranks" in proc.stderr
+    proc = ckptrun(tmp_path, "--nproc-per-node", ranks, *run, "--steps", 6, "--resumed-out", "resumed-{rank}.pt")
+    if Store(tmp_path / "ckpts").manifests()[-1].kind == "diff":
+        line = error_line(proc)
+        assert f"is a replay chain written by {saved} ranks, this run has {ranks}" in line, line
+        return
+    assert f"resharding step 4 from {saved} to {ranks} ranks" in ok(proc).stderr
     for rank in range(ranks):
         resumed, own = load(tmp_path / f"resumed-{rank}.pt"), before[rank % saved]
         assert_same(replicated(resumed), replicated(before[0]))
