@@ -24,6 +24,13 @@ DDP_BUCKETS = "ckptrun.ddp_buckets."  # the tracked name of each DDP wrapper's l
 
 
 class BucketLayout:
+    """One DDP wrapper's rebuilt bucket layout as a tracked object (`Runtime.on_ddp`).
+
+    The layout is read once, at the first capture after DDP rebuilt its buckets (before that,
+    i.e. a checkpoint sealed before the second step's forward, it is empty and a resume from it
+    keeps DDP's first layout). Reading takes one zero-filled copy of the gradients (DDP exposes
+    its buckets only so), freed at once."""
+
     def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         self.ddp = ddp
         self.buckets: list[list[int]] = []  # parameter indices (DDP's reducer order) per bucket, once rebuilt
