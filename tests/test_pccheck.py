@@ -259,6 +259,31 @@ def test_a_new_engine_retracts_what_the_dead_engine_left_uncommitted(tmp_path):
     assert committed(tmp_path) == [2] and rank1.ctx.of("committed") == [1, 2]
 
 
+def test_a_handler_given_up_lets_go_of_its_region_file_untouched(tmp_path):
+    """Rank 0's worker came back as another rank (the rendezvous ranked the nodes anew): its
+    engine gives the handler up, even with a job waiting for a region slot, and leaves rank 0's
+    file as it was (steps 2-4 included) for the engine now holding rank 0, which retracts them."""
+    rank0, rank1 = (PCcheckHandler(FakeEngine(tmp_path, r, 2)) for r in range(2))
+    for h in (rank0, rank1):
+        checkpoint(h, 1, 0)
+        h.ctx.join()
+    for step, slot in ((2, 1), (3, 2), (4, 0)):
+        checkpoint(rank0, step, slot)
+        rank0.ctx.join()
+    checkpoint(rank0, 5, 1)
+    wait_for(lambda: 5 in rank0.jobs)
+    path = rank0.writer.path
+    before = path.read_bytes()
+    close = threading.Thread(target=rank0.close)
+    close.start()
+    close.join(10)
+    assert not close.is_alive(), "the handler waited for a region slot forever"
+    assert path.read_bytes() == before and rank0.writer is None and not rank0.old
+    adopter = PCcheckHandler(FakeEngine(tmp_path, 0, 2))
+    adopter.restart()
+    assert sorted(adopter.old[0].steps.values()) == [1] and committed(tmp_path) == [1]
+
+
 @pytest.fixture(scope="module")
 def keep3(tmp_path_factory) -> Path:
     cwd = tmp_path_factory.mktemp("keep3")

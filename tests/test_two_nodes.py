@@ -4,7 +4,9 @@ a veth pair, with its own launcher, engine and worker (c10d rendezvous, gloo), o
 One node's whole process tree is SIGKILLed mid-run and started again, as a job scheduler
 restarts a node: the surviving node's agent restarts its worker, both resume from the same
 committed step, and every rank's final state equals an uninterrupted two-node run's bit for bit.
-No step is ever committed without both nodes' parts. Needs root (CAP_NET_ADMIN), `ip` and
+No step is ever committed without both nodes' parts. The replacement node may come back under
+an address that sorts first, so that the rendezvous ranks it 0 and the survivor 1: each rank's
+state follows the rank, and the survivor's engine gives up what it held for its old rank. Needs root (CAP_NET_ADMIN), `ip` and
 `unshare`; skipped, saying which is missing, elsewhere.
 """
 
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE, LONG, assert_training_state, ckptrun, clean_env, load, ok, strategy_params
+from conftest import EXAMPLE, FULL, LONG, assert_training_state, ckptrun, clean_env, load, ok
 
 from ckptrun.config import RunConfig
 from ckptrun.storage.store import Store
@@ -52,15 +54,17 @@ class Node:
     netns: str
     link: str
     addr: str
+    other_addr: str  # a second address of its own (a replacement node that sorts elsewhere)
 
-    def start(self, cwd: Path, host: str, strategy: str) -> subprocess.Popen:
-        """Its launcher (`ckptrun run`, node rank `rank`), under a host name of its own, as a node has."""
+    def start(self, cwd: Path, host: str, strategy: str, *, addr: str | None = None) -> subprocess.Popen:
+        """Its launcher (`ckptrun run`, node rank `rank`), under a host name of its own, as a node
+        has. The rendezvous ranks nodes by their address (`--local-addr`, default `self.addr`)."""
         argv = ["ip", "netns", "exec", self.netns, "unshare", "--uts", "sh", "-c",
                 f'hostname node{self.rank} && exec "$@"', "sh",
                 sys.executable, "-m", "ckptrun", "run", "--nnodes", "2", "--nproc-per-node", "1",
                 "--node-rank", str(self.rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{PORT}",
                 "--rdzv-id", "two-nodes", "--rdzv-conf", f"{RDZV_CONF},is_host={str(self.rank == 0).lower()}",
-                "--local-addr", self.addr, "--max-restarts", "1", "--no-dashboard", "--dir", "ckpts",
+                "--local-addr", addr or self.addr, "--max-restarts", "1", "--no-dashboard", "--dir", "ckpts",
                 "--keep", "0", "--metrics-dir", f"metrics-node{self.rank}", "--strategy", strategy,
                 *REGISTRY[strategy].short_run_flags, EXAMPLE,
                 *map(str, ARGS)]
@@ -96,7 +100,9 @@ def nodes() -> Iterator[tuple[Node, Node]]:
         pytest.skip(f"two-node test skipped: {why}")
     tag = secrets.token_hex(3)
     net = f"10.{200 + int(tag[:2], 16) % 50}.{int(tag[2:4], 16)}"
-    pair = (Node(0, f"ckptrun-{tag}-0", f"ck{tag}0", f"{net}.1"), Node(1, f"ckptrun-{tag}-1", f"ck{tag}1", f"{net}.2"))
+    # Node 1 sorts after node 0 at its first address and before it at its other one.
+    pair = (Node(0, f"ckptrun-{tag}-0", f"ck{tag}0", f"{net}.3", f"{net}.4"),
+            Node(1, f"ckptrun-{tag}-1", f"ck{tag}1", f"{net}.5", f"{net}.2"))
     made: list[Node] = []
     try:
         for node in pair:
@@ -105,7 +111,8 @@ def nodes() -> Iterator[tuple[Node, Node]]:
         _ip("link", "add", pair[0].link, "type", "veth", "peer", "name", pair[1].link)
         for node in pair:
             _ip("link", "set", node.link, "netns", node.netns)
-            _ip("-n", node.netns, "addr", "add", f"{node.addr}/24", "dev", node.link)
+            for addr in (node.addr, node.other_addr):
+                _ip("-n", node.netns, "addr", "add", f"{addr}/24", "dev", node.link)
             _ip("-n", node.netns, "link", "set", node.link, "up")
             _ip("-n", node.netns, "link", "set", "lo", "up")
     except subprocess.CalledProcessError as e:
@@ -154,9 +161,19 @@ def _runs(cwd: Path, node: Node) -> list[dict]:
     return sorted((e for e in events if e.get("type") == "run"), key=lambda e: e["t"])
 
 
-# The default strategy; every registered one under --full (each adds a minute or more).
-@pytest.mark.parametrize("strategy", strategy_params([RunConfig.strategy]))
-def test_node_killed_and_restarted_resumes_exactly(nodes, tmp_path, strategy):
+# By default the default strategy keeping its ranks, and a region strategy (whose engine holds
+# its rank's files) with ranks swapped; every registered strategy both ways under --full (each
+# adds about half a minute).
+CASES = [pytest.param(s, swap, id=f"{s}-{'ranks-swap' if swap else 'same-ranks'}",
+                      marks=() if s == ("pccheck" if swap else RunConfig.strategy) else FULL)
+         for swap in (False, True) for s in REGISTRY]
+
+
+@pytest.mark.parametrize(("strategy", "swap"), CASES)
+def test_node_killed_and_restarted_resumes_exactly(nodes, tmp_path, strategy, swap):
+    """`swap`: the replacement node has another address, which sorts before the surviving
+    node's, so the rendezvous gives it rank 0 and the survivor rank 1: each rank's state follows
+    the rank, not the node, and the survivor's engine serves its worker's new rank."""
     head, other = nodes
     t0 = time.monotonic()
     plain = tmp_path / "uninterrupted"
@@ -180,7 +197,8 @@ def test_node_killed_and_restarted_resumes_exactly(nodes, tmp_path, strategy):
     # Mid-run: had the surviving node's worker finished its steps, its agent would wait at torch
     # elastic's exit barrier and never rejoin, and the restarted node could not rendezvous.
     assert at_kill < STOP and not (killed / "own-0.pt").exists(), "the node was killed after the run ended"
-    procs[1] = other.start(killed, head.addr, strategy)  # the scheduler restarts the node
+    procs[1] = other.start(killed, head.addr, strategy,  # the scheduler restarts the node
+                           addr=other.other_addr if swap else None)
     assert _finish(procs, killed) == [0, 0], _logs(killed)
     t_all = time.monotonic() - t0
 
@@ -195,7 +213,7 @@ def test_node_killed_and_restarted_resumes_exactly(nodes, tmp_path, strategy):
     resumed = survivor + restarted
     assert [e["restart_count"] for e in survivor] in ([0], [1]), resumed
     assert [e["restart_count"] for e in restarted] == [0], resumed
-    assert sorted(e["rank"] for e in resumed) == [0, 1], resumed
+    assert [e["rank"] for e in survivor + restarted] == ([1, 0] if swap else [0, 1]), resumed
     assert len({e["resume_step"] for e in resumed}) == 1, f"the ranks resumed from different steps: {resumed}"
     assert KILL_AFTER <= resumed[0]["resume_step"] < STOP, resumed
     for rank in (0, 1):

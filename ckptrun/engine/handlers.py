@@ -146,6 +146,14 @@ class EngineHandler:
         old worker must end here. By default that is `flush`."""
         self.flush()
 
+    def close(self) -> None:
+        """The engine gives this handler up: its worker came back as another rank (the rendezvous
+        ranked the nodes anew), and what the handler holds (region files, a replica) is its old
+        rank's, which another engine now serves. Every job of the old worker ends here, as in
+        `restart`, and the handler lets go of that state without changing it again. By default
+        that is `restart`."""
+        self.restart()
+
     def tick(self) -> None:
         """Called every few tens of milliseconds by the engine (e.g. to watch other ranks)."""
 

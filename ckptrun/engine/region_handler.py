@@ -12,7 +12,8 @@ trainer copies straight into the mapped region). What they share lives here once
   deleted once it holds nothing kept and no job writes into it;
 - a starting worker (`restart`, at each Hello, the first one of a new engine too): the steps
   beyond the newest committed one are abandoned and retracted from the region, so that they
-  hold no slot.
+  hold no slot; a worker that came back as another rank (`close`): the old rank's files are
+  let go of, untouched, for the engine that now holds that rank.
 
 A subclass handles its own messages and calls `writer_for`, `commit_slot` and `settle`;
 `slots_freed` is called (lock held) after retention gave slots back.
@@ -20,11 +21,12 @@ A subclass handles its own messages and calls `writer_for`, `commit_slot` and `s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -149,6 +151,24 @@ class RegionHandler(EngineHandler):
         slot gives up: the slots may be held by steps a dead rank never wrote, which no newer
         commit would ever free before the new worker runs); then those steps are retracted, so
         that they hold no slot and never count beside the parts the new workers write again."""
+        with self._jobs_ended(), self.cond:
+            self._retract()
+
+    def close(self) -> None:
+        """Its worker came back as another rank: the old worker's jobs end and the region files
+        are let go of, untouched (the engine now holding this rank adopts them)."""
+        with self._jobs_ended():
+            pass
+        self.movers.shutdown(wait=True)
+        with self.cond:
+            for w in [self.writer, *self.old]:
+                if w is not None:
+                    w.close()
+            self.writer, self.old = None, []
+
+    @contextlib.contextmanager
+    def _jobs_ended(self) -> Iterator[None]:
+        """Every job of the old worker ended (one still waiting for a region slot gives up)."""
         with self.cond:
             self.replacing = True
         try:
@@ -156,7 +176,7 @@ class RegionHandler(EngineHandler):
             with self.cond:
                 while self.jobs:
                     self.cond.wait(0.05)
-                self._retract()
+            yield
         finally:
             with self.cond:
                 self.replacing = False

@@ -143,6 +143,8 @@ class Engine:
         # Events of the old worker's jobs ending here (a staging slot freed, a step durable) are
         # not the new worker's, so it hears events only from here on: it gets every slot in the
         # reply, and a SlotFree before it would hand out a slot twice, or one this Hello drops.
+        if self.handler is not None and msg.rank != self.rank:
+            self._give_up_handler()
         self.flush(restart=True)
         with self._send_lock:
             self.conn = self.serving
@@ -164,6 +166,18 @@ class Engine:
             self.slots.pop(i).close()
         self.reply(msg, pid=os.getpid(), slots=self._slot_list(sorted(self.slots)),
                    committed_step=self.committed_step)
+
+    def _give_up_handler(self) -> None:
+        """The worker came back as another rank: the handler's state is its old rank's, which the
+        engine of the node now holding that rank adopts. Its jobs end, it lets go of that state
+        (`EngineHandler.close`), and the Hello makes a new one for the new rank."""
+        self.handler.close()
+        self.strategy, self.handler = None, None
+        self.flush()
+        if self.holds_memory:
+            memory_status.withdraw(self.store.root, self.rank)
+            self.holds_memory = False
+        self.log.emit(type="rank_changed", rank=self.rank)
 
     def op_alloc(self, msg: Alloc) -> None:
         """Add a generation of staging slots; the worker retires the old ones as they free up."""

@@ -229,6 +229,14 @@ class LowDiffPlusHandler(EngineHandler):
     def flush(self) -> None:
         self.idle.wait()
 
+    def close(self) -> None:
+        """Its worker came back as another rank: the replica is the old rank's state. Dropped (a
+        new handler starts from the new rank's records)."""
+        self.restart()
+        arena, self.replica, self.arena = self.arena, None, None
+        if arena is not None:
+            arena.close()
+
     def held(self) -> tuple[int, int] | None:
         if self.replica is None:
             return None
