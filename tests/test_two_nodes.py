@@ -6,8 +6,8 @@ restarts a node: the surviving node's agent restarts its worker, both resume fro
 committed step, and every rank's final state equals an uninterrupted two-node run's bit for bit.
 No step is ever committed without both nodes' parts. The replacement node may come back under
 an address that sorts first, so that the rendezvous ranks it 0 and the survivor 1: each rank's
-state follows the rank, and the survivor's engine gives up what it held for its old rank. Needs root (CAP_NET_ADMIN), `ip` and
-`unshare`; skipped, saying which is missing, elsewhere.
+state follows the rank, and the survivor's engine gives up what it held for its old rank.
+Needs root (CAP_NET_ADMIN), `ip` and `unshare`; skipped, saying which is missing, elsewhere.
 """
 
 from __future__ import annotations
