@@ -96,4 +96,5 @@ for step in range(start, args.steps):
     if step + 1 in save_at:
         save(f"own-{{rank}}-{step + 1}.pt" if args.wrap == "ddp" else f"full-{step + 1}.pt")
 if args.wrap != "plain":
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
