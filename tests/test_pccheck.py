@@ -205,25 +205,37 @@ def test_an_unsealed_checkpoint_of_a_dead_worker_is_dropped(tmp_path):
     assert committed(tmp_path) == [1]
 
 
+def alone_after_step_1(root: Path, steps: tuple[tuple[int, int], ...]) -> tuple[PCcheckHandler, PCcheckHandler]:
+    """Handlers of ranks 0 and 1: both commit step 1, then rank 0 alone makes `steps` ((step,
+    staging slot) pairs) durable, as if rank 1 had died."""
+    rank0, rank1 = (PCcheckHandler(FakeEngine(root, r, 2)) for r in range(2))
+    for h in (rank0, rank1):
+        checkpoint(h, 1, 0)
+        h.ctx.join()
+    for step, slot in steps:
+        checkpoint(rank0, step, slot)
+        rank0.ctx.join()
+    return rank0, rank1
+
+
+def ends_in_time(fn, what: str) -> None:
+    """`fn()` returns within 10 s, even with a job waiting for a region slot."""
+    t = threading.Thread(target=fn)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), f"{what} waited for a region slot forever"
+
+
 def test_a_restarted_worker_retracts_steps_a_dead_rank_never_wrote(tmp_path):
     """Rank 1 died after step 1: rank 0's steps 2-4 can never commit and hold every free region
     slot, and step 5 waits for one. The new worker's Hello must not wait for it forever: step 5
     gives up, steps 2-4 are retracted (the pointer's bound goes back to step 1, their slots are
     free), and the steps the new workers write again commit."""
-    rank0, rank1 = (PCcheckHandler(FakeEngine(tmp_path, r, 2)) for r in range(2))
-    for h in (rank0, rank1):
-        checkpoint(h, 1, 0)
-        h.ctx.join()
-    for step, slot in ((2, 1), (3, 2), (4, 0)):
-        checkpoint(rank0, step, slot)
-        rank0.ctx.join()
+    rank0, rank1 = alone_after_step_1(tmp_path, ((2, 1), (3, 2), (4, 0)))
     assert rank0.ctx.of("durable") == [1, 2, 3, 4] and not rank0.writer.free
     checkpoint(rank0, 5, 1)
     wait_for(lambda: 5 in rank0.jobs)
-    restart = threading.Thread(target=rank0.restart)  # the new worker's Hello
-    restart.start()
-    restart.join(10)
-    assert not restart.is_alive(), "the Hello waited for a region slot forever"
+    ends_in_time(rank0.restart, "the new worker's Hello")
     assert committed(tmp_path) == [1] and rank0.writer.pointer.step == 1
     assert sorted(rank0.writer.steps.values()) == [1] and len(rank0.writer.free) == GEOMETRY.nslots - 1
     for h in (rank0, rank1):  # the new workers write step 2 again
@@ -238,13 +250,7 @@ def test_a_new_engine_retracts_what_the_dead_engine_left_uncommitted(tmp_path):
     1 never wrote. The new engine's first Hello (before its worker writes anything) retracts
     them, so rank 1 writing step 2 of the resumed run does not commit it beside the dead run's
     part; step 1 stays committed until the new parts of step 2 commit."""
-    dead0, rank1 = (PCcheckHandler(FakeEngine(tmp_path, r, 2)) for r in range(2))
-    for h in (dead0, rank1):
-        checkpoint(h, 1, 0)
-        h.ctx.join()
-    for step, slot in ((2, 1), (3, 2)):
-        checkpoint(dead0, step, slot)
-        dead0.ctx.join()
+    dead0, rank1 = alone_after_step_1(tmp_path, ((2, 1), (3, 2)))
     assert committed(tmp_path) == [1]
     new0 = PCcheckHandler(FakeEngine(tmp_path, 0, 2))
     new0.restart()  # its worker's Hello
@@ -263,21 +269,12 @@ def test_a_handler_given_up_lets_go_of_its_region_file_untouched(tmp_path):
     """Rank 0's worker came back as another rank (the rendezvous ranked the nodes anew): its
     engine gives the handler up, even with a job waiting for a region slot, and leaves rank 0's
     file as it was (steps 2-4 included) for the engine now holding rank 0, which retracts them."""
-    rank0, rank1 = (PCcheckHandler(FakeEngine(tmp_path, r, 2)) for r in range(2))
-    for h in (rank0, rank1):
-        checkpoint(h, 1, 0)
-        h.ctx.join()
-    for step, slot in ((2, 1), (3, 2), (4, 0)):
-        checkpoint(rank0, step, slot)
-        rank0.ctx.join()
+    rank0, _ = alone_after_step_1(tmp_path, ((2, 1), (3, 2), (4, 0)))
     checkpoint(rank0, 5, 1)
     wait_for(lambda: 5 in rank0.jobs)
     path = rank0.writer.path
     before = path.read_bytes()
-    close = threading.Thread(target=rank0.close)
-    close.start()
-    close.join(10)
-    assert not close.is_alive(), "the handler waited for a region slot forever"
+    ends_in_time(rank0.close, "giving the handler up")
     assert path.read_bytes() == before and rank0.writer is None and not rank0.old
     adopter = PCcheckHandler(FakeEngine(tmp_path, 0, 2))
     adopter.restart()

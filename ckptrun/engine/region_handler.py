@@ -21,12 +21,11 @@ A subclass handles its own messages and calls `writer_for`, `commit_slot` and `s
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -151,14 +150,14 @@ class RegionHandler(EngineHandler):
         slot gives up: the slots may be held by steps a dead rank never wrote, which no newer
         commit would ever free before the new worker runs); then those steps are retracted, so
         that they hold no slot and never count beside the parts the new workers write again."""
-        with self._jobs_ended(), self.cond:
+        self._end_jobs()
+        with self.cond:
             self._retract()
 
     def close(self) -> None:
         """Its worker came back as another rank: the old worker's jobs end and the region files
         are let go of, untouched (the engine now holding this rank adopts them)."""
-        with self._jobs_ended():
-            pass
+        self._end_jobs()
         self.movers.shutdown(wait=True)
         with self.cond:
             for w in [self.writer, *self.old]:
@@ -166,9 +165,9 @@ class RegionHandler(EngineHandler):
                     w.close()
             self.writer, self.old = None, []
 
-    @contextlib.contextmanager
-    def _jobs_ended(self) -> Iterator[None]:
-        """Every job of the old worker ended (one still waiting for a region slot gives up)."""
+    def _end_jobs(self) -> None:
+        """Wait until every job of the old worker has ended (one still waiting for a region slot
+        gives up; no new job comes while the Hello is handled)."""
         with self.cond:
             self.replacing = True
         try:
@@ -176,7 +175,6 @@ class RegionHandler(EngineHandler):
             with self.cond:
                 while self.jobs:
                     self.cond.wait(0.05)
-            yield
         finally:
             with self.cond:
                 self.replacing = False

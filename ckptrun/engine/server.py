@@ -170,10 +170,10 @@ class Engine:
     def _give_up_handler(self) -> None:
         """The worker came back as another rank: the handler's state is its old rank's, which the
         engine of the node now holding that rank adopts. Its jobs end, it lets go of that state
-        (`EngineHandler.close`), and the Hello makes a new one for the new rank."""
+        (`EngineHandler.close`), and the Hello (whose flush waits for the old worker's writes,
+        still under the old rank) makes a new one for the new rank."""
         self.handler.close()
         self.strategy, self.handler = None, None
-        self.flush()
         if self.holds_memory:
             memory_status.withdraw(self.store.root, self.rank)
             self.holds_memory = False

@@ -33,29 +33,28 @@ class BucketLayout:
 
     def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         self.ddp = ddp
-        self.buckets: list[list[int]] = []  # parameter indices (DDP's reducer order) per bucket, once rebuilt
+        # parameter indices (DDP's reducer order) per bucket; None until read once rebuilt
+        self.buckets: list[list[int]] | None = None
 
     def state_dict(self) -> dict:
-        if not self.buckets and getattr(self.ddp, "_has_rebuilt_buckets", False):
-            self.buckets = self._read() or []
-        return {"buckets": self.buckets}
+        if self.buckets is None and getattr(self.ddp, "_has_rebuilt_buckets", False):
+            self.buckets = self._read()
+        return {"buckets": self.buckets or []}
 
     def load_state_dict(self, state: dict) -> None:
         buckets = state.get("buckets") if isinstance(state, dict) else None
         if buckets:
             self._apply(buckets)
 
-    def _params(self) -> list[torch.Tensor]:
-        return self.ddp._build_params_for_reducer()[0]
-
-    def _read(self) -> list[list[int]] | None:
-        """The reducer's current buckets (one zero-filled gradient copy, taken once)."""
+    def _read(self) -> list[list[int]]:
+        """The reducer's current buckets (one zero-filled gradient copy); empty if torch's
+        internals refuse (not tried again: a capture must not pay for it each time)."""
         try:
-            index = {id(p): i for i, p in enumerate(self._params())}
+            index = {id(p): i for i, p in enumerate(self.ddp._build_params_for_reducer()[0])}
             return [[index[id(p)] for p in b.parameters()] for b in self.ddp.reducer._get_zeros_like_grad_buckets()]
         except Exception as e:  # noqa: BLE001 - torch internals: without them, DDP is left as it is
             log.info(f"DDP bucket layout not recorded ({type(e).__name__}: {e})")
-            return None
+            return []
 
     def _apply(self, buckets: list[list[int]]) -> None:
         ddp = self.ddp
