@@ -75,6 +75,25 @@ def _with_strategy_options(func: Callable) -> Callable:
     return func
 
 
+EVERY_HELP = ("Optimizer steps between checkpoints, or auto: chosen and re-evaluated online from measured costs "
+              "and --mtbf (docs/tuning.md). Given as N (here or in a recipe), every multiple of N is restorable "
+              "once the run ends (a strategy may commit more steps, never fewer), or the run is refused at start "
+              "naming the flag in the way; left unset, each strategy checkpoints every step with its own auto "
+              "settings. How each strategy maps N onto its intervals: the end of this help.")
+
+
+def _intervals_epilog(width: int = 76) -> str:
+    """The end of `run --help`: per strategy, which intervals exist and how --every N maps onto
+    them (each registry entry's `intervals`), laid out for 80 columns."""
+    import textwrap
+
+    from .strategies import REGISTRY
+
+    rows = [textwrap.fill(entry.intervals, width, initial_indent=f"{name:<12}", subsequent_indent=" " * 12)
+            for name, entry in REGISTRY.items() if entry.intervals]
+    return "Intervals per strategy, and how --every N maps onto them:\n\n\b\n" + "\n".join(rows)
+
+
 def _chosen_options(ctx: typer.Context, strategy: str, given: dict[str, str | None]) -> dict[str, str | None]:
     """The chosen strategy's option values; an option of another strategy typed on the command
     line is an error (it would be silently ignored)."""
@@ -91,7 +110,8 @@ def _chosen_options(ctx: typer.Context, strategy: str, given: dict[str, str | No
     return chosen
 
 
-@app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
+@app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+             epilog=_intervals_epilog())
 @_with_strategy_options
 def run(
     ctx: typer.Context,
@@ -100,9 +120,7 @@ def run(
     strategy: Annotated[str, typer.Option(help="Checkpointing strategy (see `ckptrun strategies`).")]
     = "checkfreq",
     dir: Annotated[str, typer.Option("--dir", help="Checkpoint directory.")] = "ckpts",
-    every: Annotated[str, typer.Option(help="Optimizer steps between checkpoints, or auto: chosen and "
-                                            "re-evaluated online from measured costs and --mtbf "
-                                            "(docs/tuning.md).")] = "1",
+    every: Annotated[str, typer.Option(help=EVERY_HELP)] = "1",
     mtbf: Mtbf = "",
     max_steps: Annotated[int, typer.Option(min=0, help="Stop the script cleanly after this many optimizer "
                                                        "steps (0: no limit); its checkpoints are finished.")] = 0,
@@ -169,18 +187,23 @@ def run(
     from .launcher.run import LaunchOptions
     from .launcher.run import run as launch
     from .storage.iowriter import ENGINES
+    from .strategies import REGISTRY
 
     if every != "auto" and not every.lstrip("-").isdigit():
         raise UsageError(f"--every must be a number of steps or auto (got {every!r})")
     if io_engine not in ENGINES:
         raise UsageError(f"--io-engine must be one of {', '.join(ENGINES)} (got {io_engine!r})")
     mtbf_s = _duration("--mtbf", mtbf) if mtbf else 0.0
+    options = _chosen_options(ctx, strategy, strategy_options)
+    # An explicit --every N (command line or recipe; not its default) is honoured as given.
+    every_given = every != "auto" and getattr(ctx.get_parameter_source("every"), "name", "") != "DEFAULT"
+    if every_given and int(every) >= 1 and strategy in REGISTRY:
+        options = REGISTRY[strategy].honour_every(options, int(every))
     cfg = RunConfig(strategy=strategy, dir=dir, every=1 if every == "auto" else int(every), keep=keep,
                     resume=resume, on_save_error=on_save_error, max_inflight=max_inflight, writers=writers,
                     io_threads=io_threads, io_engine=io_engine, metrics_dir=metrics_dir, every_auto=every == "auto",
                     mtbf=mtbf_s, max_steps=max_steps, on_restart=on_restart, dist_env=dist_env,
-                    options={**_chosen_options(ctx, strategy, strategy_options),
-                             **({"mtbf": mtbf_s} if mtbf_s else {})})
+                    every_given=every_given, options={**options, **({"mtbf": mtbf_s} if mtbf_s else {})})
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf,
                          local_addr, master_addr, master_port, max_restarts, standalone,
                          term_timeout=_duration("--term-timeout", term_timeout))

@@ -38,6 +38,9 @@ class RunConfig:
     metrics_dir: str = ""
     final_checkpoint: bool = True
     every_auto: bool = False  # --every auto: the interval is chosen online (ckptrun.worker.decisions)
+    # --every N given (command line or recipe), not left at its default: every multiple of N must be
+    # restorable once the run ends; a strategy maps it onto its own intervals (Entry.explicit_every)
+    every_given: bool = False
     mtbf: float = 0.0  # seconds, --mtbf; 0: not given (--every auto then assumes decisions.DEFAULT_MTBF_S)
     max_steps: int = 0  # --max-steps: stop the script cleanly after this many optimizer steps; 0: no limit
     on_restart: str = "resume"  # --on-restart: resume | fresh | fail, for scripts that do not resume themselves

@@ -188,8 +188,10 @@ def test_an_optimizer_that_is_not_elementwise_is_refused(tmp_path):
 
 
 def test_tune_spreads_by_the_corrected_stall_model():
-    """`ckptrun tune` sets --spread from k* = 1/r + 1/2 on the measured sizes, at most 7, and keeps
-    the interval its measured stall gave."""
+    """`ckptrun tune` sets --spread from k* = 1/r + 1/2 on the measured sizes, at most 7 and at most
+    the interval its measured stall gave (a recipe's --every N is honoured: each spread ends at a
+    multiple of N), and keeps that interval."""
+    from dataclasses import replace
     from types import SimpleNamespace
 
     from ckptrun.strategies.gockpt.tuning import settle
@@ -198,5 +200,8 @@ def test_tune_spreads_by_the_corrected_stall_model():
     sp = StrategyPlan("gockpt", 0.01, 0.1, 1.0, 1, 1.0, 1, 1, 1, {"every": 5}, "Daly", Prediction(1.0, 0.01, 1.0, 0.02))
     third = settle(sp, None, SimpleNamespace(ckpt_bytes=3_000, diff_bytes=1_000), None)  # k* = 3.5: 3 and 4 tie
     assert third.settings == {"every": 5, "spread": 3} and "k* = 1/r + 1/2 = 3.5" in third.rule
-    tenth = settle(sp, None, SimpleNamespace(ckpt_bytes=10_000, diff_bytes=1_000), None)  # k* = 10.5: capped
+    tenth = settle(replace(sp, settings={"every": 20}), None, SimpleNamespace(ckpt_bytes=10_000, diff_bytes=1_000),
+                   None)  # k* = 10.5: capped
     assert tenth.settings["spread"] == 7 and tenth.prediction == sp.prediction
+    within = settle(sp, None, SimpleNamespace(ckpt_bytes=10_000, diff_bytes=1_000), None)  # --every 5
+    assert within.settings == {"every": 5, "spread": 5}

@@ -40,12 +40,26 @@ class Entry:
     # state) is written by one rank only (storage/writeonce.py); one that does not writes them
     # from every rank.
     write_once: bool = False
+    # Its intervals (capture, diff, persist, full) and how --every N maps onto them, one sentence
+    # (`ckptrun run --help`, README).
+    intervals: str = ""
+    # "module:function(options, every) -> options" (torch-free): --every N was given, so every
+    # multiple of N must be restorable once the run ends; returns the strategy's option values
+    # with what N implies filled in where the user left them unset, or raises UsageError naming
+    # the flag that cannot be honoured and what to give instead. Called by the launcher before
+    # anything starts. None: the strategy checkpoints at `ctx.due` steps, which --every sets.
+    explicit_every: str | None = None
 
     def load(self):
         return _attr(self.trainer)
 
     def load_tuning(self):
         return _attr(self.tuning)
+
+    def honour_every(self, options: dict, every: int) -> dict:
+        """`options` with an explicit --every N mapped onto this strategy's intervals (see
+        `explicit_every`)."""
+        return _attr(self.explicit_every)(options, every) if self.explicit_every else options
 
 
 def _attr(path: str):
@@ -55,43 +69,58 @@ def _attr(path: str):
 
 BUILTIN: dict[str, Entry] = {
     "sync": Entry("ckptrun.strategies.sync:Sync",
-                  "blocking write on the training path (the torch.save baseline)", sharded=True, write_once=True),
+                  "blocking write on the training path (the torch.save baseline)", sharded=True, write_once=True,
+                  intervals="one: a checkpoint captured and written every N steps."),
     "checkfreq": Entry("ckptrun.strategies.checkfreq:CheckFreq",
                        "snapshot to host overlapped with the next forward/backward; persist in the engine",
-                       sharded=True, write_once=True),
+                       sharded=True, write_once=True,
+                       intervals="one: a snapshot every N steps, persisted in the background."),
     "lowdiff": Entry("ckptrun.strategies.lowdiff.trainer:LowDiff",
                      "every step's gradient as a batched differential checkpoint; full every F; exact replay",
                      engine_handler="ckptrun.strategies.lowdiff.engine:LowDiffHandler", options=lowdiff.OPTIONS,
                      short_run_flags=("--full-every", "8", "--batch", "3"),
-                     tuning="ckptrun.strategies.lowdiff.tuning:settle", write_once=True),
+                     tuning="ckptrun.strategies.lowdiff.tuning:settle", write_once=True,
+                     intervals="a diff every step, --batch B per record, a full checkpoint every --full-every F; "
+                               "every step is restorable by replay, so any N is met and F, B stay as given "
+                               "(or auto)."),
     "lowdiff+": Entry("ckptrun.strategies.lowdiff_plus.trainer:LowDiffPlus",
                       "gradients copied layer-wise during backward update a CPU replica in the engine; a worker "
                       "crash resumes from it (no disk read); the replica is persisted every P steps",
                       engine_handler="ckptrun.strategies.lowdiff_plus.engine:LowDiffPlusHandler",
                       options=lowdiff_plus.OPTIONS, short_run_flags=("--persist-every", "1"),
-                      tuning="ckptrun.strategies.lowdiff_plus.tuning:settle", write_once=True),
+                      tuning="ckptrun.strategies.lowdiff_plus.tuning:settle", write_once=True,
+                      explicit_every="ckptrun.strategies.lowdiff_plus:explicit_every",
+                      intervals="in memory every step; the replica persisted every --persist-every P: --every N "
+                                "sets P = N (a given P must divide N); without --every, P is auto."),
     "pccheck": Entry("ckptrun.strategies.pccheck.trainer:PCcheck",
                      "N checkpoints in flight, chunks persisted by parallel writers into a slotted region; "
                      "pointer commit", engine_handler="ckptrun.strategies.pccheck.engine:PCcheckHandler",
                      options=pccheck.OPTIONS, short_run_flags=("--max-inflight", "3", "--chunk-mb", "1"),
-                     sharded=True, write_once=True),
+                     sharded=True, write_once=True,
+                     intervals="one: a checkpoint every N steps, up to --max-inflight in flight (auto: f*)."),
     "lightcheck": Entry("ckptrun.strategies.lightcheck.trainer:LightCheck",
                         "layer-wise copies into a mapped region file overlapped with the next step; each layer's "
                         "update waits only for its own copy; slot commit",
                         engine_handler="ckptrun.strategies.lightcheck.engine:LightCheckHandler",
                         options=lightcheck.OPTIONS, short_run_flags=("--copy-to", "region"),
-                        sharded=True, write_once=True),
+                        sharded=True, write_once=True,
+                        intervals="one: a layer-wise copy every N steps."),
     "datastates": Entry("ckptrun.strategies.datastates.trainer:DataStates",
                         "lazy snapshot copied during the next forward/backward, streamed chunk by chunk with objects "
                         "serialized on the side into one self-describing file per rank (header at the end)",
                         engine_handler="ckptrun.strategies.datastates.engine:DataStatesHandler",
                         options=datastates.OPTIONS, short_run_flags=("--stream-mb", "1"),
-                        sharded=True, write_once=True),
+                        sharded=True, write_once=True,
+                        intervals="one: a lazy snapshot every N steps."),
     "gockpt": Entry("ckptrun.strategies.gockpt.trainer:GoCkpt",
                     "one checkpoint spread over k steps in blocks (parameter + optimizer slices); gradients of "
                     "blocks already sent shipped each step; the engine rolls every block forward to one version",
                     engine_handler="ckptrun.strategies.gockpt.engine:GoCkptHandler", options=gockpt.OPTIONS,
                     tuning="ckptrun.strategies.gockpt.tuning:settle", write_once=True,
+                    explicit_every="ckptrun.strategies.gockpt:explicit_every",
+                    intervals="a checkpoint spread over --spread k steps: --every N makes each spread end at "
+                              "a multiple of N (k at most N); without --every, a spread starts whenever none "
+                              "runs (a record every k steps).",
                     # k = 1 (with small blocks: split tensors, shared blocks): the registry-wide suites assume
                     # a record of every due step, which a spread skips; tests/test_gockpt.py spreads
                     short_run_flags=("--spread", "1", "--block-mb", "0.05")),

@@ -101,6 +101,12 @@ class StrategyContext:
     def every_auto(self) -> bool:
         return self._rt.cfg.every_auto
 
+    @property
+    def every_given(self) -> bool:
+        """--every N was given (not left at its default): every multiple of N must be restorable
+        once the run ends (a strategy may commit more steps, never fewer)."""
+        return self._rt.cfg.every_given
+
     def use_interval(self, policy: IntervalPolicy) -> None:
         """Replace the run's `--every auto` rule (Daly's) with the strategy's own."""
         self._rt.use_interval(policy)

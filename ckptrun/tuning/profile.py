@@ -5,11 +5,12 @@ Each run is `python -m ckptrun run ... --max-steps WARMUP_STEPS+N` with its chec
 scratch folder under --dir (so the writes hit --dir's filesystem) and its metrics kept; the
 first WARMUP_STEPS steps (imports, allocation) are not measured.
 
-- one run per strategy with `--every 1`. Its blocking cost δ of one checkpoint is the stall the
-  trainer measured per step (snapshot copy, synchronous write), back-pressure excluded: that only
-  says the interval is shorter than the persist path needs, which the CheckFreq bound rules out.
-  Its writes give the time to persist one checkpoint. The slowdown of its steps against the
-  baseline is reported too, not used: across runs on a shared machine it is mostly noise.
+- one run per strategy with `--every` unset (a checkpoint every step). Its blocking cost δ of
+  one checkpoint is the stall the trainer measured per step (snapshot copy, synchronous write),
+  back-pressure excluded: that only says the interval is shorter than the persist path needs,
+  which the CheckFreq bound rules out. Its writes give the time to persist one checkpoint. The
+  slowdown of its steps against the baseline is reported too, not used: across runs on a shared
+  machine it is mostly noise.
 - the `sync` run is the baseline (it is profiled even when not asked for, and then not planned):
   nothing runs beside its training, so step time − stall is the step time t without
   checkpointing, measured in the same process. It also gives the optimizer's own update time and
@@ -117,7 +118,9 @@ def _launch(strategy: str, max_steps: int, script: str, args: list[str], scratch
     base = scratch / strategy
     ckpt_dir, metrics_dir = base / "ckpts", base / "metrics"
     base.mkdir(parents=True)
-    flags = ["--strategy", strategy, "--every", "1", "--max-steps", str(max_steps)]
+    # --every left unset: each strategy's own cadence (every step; lowdiff+'s persist interval and
+    # gockpt's spread auto), which an explicit --every 1 would pin to every step.
+    flags = ["--strategy", strategy, "--max-steps", str(max_steps)]
     cmd = [sys.executable, "-m", "ckptrun", "run", *flags, "--no-resume", "--dir", str(ckpt_dir),
            "--metrics-dir", str(metrics_dir), script, *args]
     with open(base / "output.log", "wb") as log:

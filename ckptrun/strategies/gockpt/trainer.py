@@ -14,6 +14,8 @@ schedulers, scaler, tracked objects, param_groups, scalar optimizer state) goes 
 
 k (--spread, or auto from the stall model in `model.py`); while a spread runs, due steps are
 skipped; the end of the script sends every block left at once (a record of its last step).
+With --every N given, each spread instead starts k-1 steps before a multiple of N and ends there
+(k at most N, `explicit_every` refuses a larger --spread), so every multiple of N is a record.
 """
 
 from __future__ import annotations
@@ -106,9 +108,13 @@ class GoCkpt(Strategy):
             self.step_times = [*self.step_times, now - self._last_after][-STEP_TIMES_KEPT:]
         self._last_after = now
         if self.start is None:
-            if not self.ctx.due(step):
+            aligned = self.ctx.every_given
+            if not (aligned or self.ctx.due(step)):
                 return
-            if not (self.fixed_k or self.measured) and (k := self._ratio_k()) != self.k:
+            k = self.k if (self.fixed_k or self.measured) else self._ratio_k()
+            if aligned and not self.ctx.due(step + k - 1):  # (the spread must end at a due step)
+                return
+            if k != self.k:
                 self._set_k(k, step, "byte ratio")
             self._start(step, self.k)
         self._hand_share(step, self.shares[step - self.start], last=step == self.version)
@@ -207,7 +213,12 @@ class GoCkpt(Strategy):
         state, grad = self._sizes()
         if state == grad:
             state = 3 * grad
-        return min(MAX_AUTO_SPREAD, model.ratio_k(state, grad))
+        return min(self._max_k(), model.ratio_k(state, grad))
+
+    def _max_k(self) -> int:
+        """The largest auto k: the paper's cap, and with --every N given, N (a spread ends at each
+        multiple of N)."""
+        return min(MAX_AUTO_SPREAD, self.ctx.every) if self.ctx.every_given else MAX_AUTO_SPREAD
 
     def _measure(self, step: int) -> None:
         """After the first checkpoint: k from the stall model with the measured copy bandwidth and
@@ -218,7 +229,7 @@ class GoCkpt(Strategy):
         step_s = statistics.median(self.step_times)
         bw = copy_bandwidth(self.params)
         self.measured = True
-        k = min(MAX_AUTO_SPREAD, model.optimal_k(state, grad, bw, step_s))
+        k = min(self._max_k(), model.optimal_k(state, grad, bw, step_s))
         self.ctx.emit(type="gockpt_model", step=step, state_bytes=state, grad_bytes=grad, bandwidth=bw,
                       step_s=step_s, k=k)
         if k != self.k:

@@ -16,9 +16,10 @@ if TYPE_CHECKING:
 
 
 def settle(sp: StrategyPlan, sc: StrategyCosts, costs: Costs, models: ModelPlans) -> StrategyPlan:
-    k = min(MAX_AUTO_SPREAD, ratio_k(costs.ckpt_bytes, costs.diff_bytes))
+    # The recipe gives --every: each spread ends at a multiple of it, so k is at most that.
+    k = min(MAX_AUTO_SPREAD, ratio_k(costs.ckpt_bytes, costs.diff_bytes), sp.settings.get("every", MAX_AUTO_SPREAD))
     k_c = continuous_optimal_k(costs.ckpt_bytes, costs.diff_bytes)
     return replace(sp, settings={**sp.settings, "spread": k},
                    rule=f"{sp.rule}; each checkpoint spread over {k} steps (k* = 1/r + 1/2 = {k_c:.1f}, r = gradient "
                         f"bytes / checkpoint bytes = {costs.diff_bytes / costs.ckpt_bytes:.2f}; at most "
-                        f"{MAX_AUTO_SPREAD})")
+                        f"{MAX_AUTO_SPREAD} and --every)")

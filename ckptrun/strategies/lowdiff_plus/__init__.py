@@ -4,6 +4,7 @@ them, the replica persisted every P steps, a worker crash recovered from the eng
 Torch-free: the registry imports this package for its options.
 """
 
+from ...errors import UsageError
 from ..options import Option
 
 PERSIST_EVERY = Option(
@@ -20,3 +21,17 @@ REBASE_EVERY = Option(
     "steps between full snapshots that replace the replica (bounds CPU/GPU rounding drift); 0 never; auto: never "
     "on CPU, 100 on a GPU.", ints=(0, 10**9))
 OPTIONS = (PERSIST_EVERY, HW_FAILURE_SHARE, REBASE_EVERY)
+
+
+def explicit_every(options: dict, every: int) -> dict:
+    """--every N given: every multiple of N must be on disk when the run ends, so the replica is
+    persisted every N steps (--persist-every left unset or auto), or every P steps for a given P
+    that divides N; any other P is refused."""
+    given = PERSIST_EVERY.integer(options)
+    if given is None:
+        return {**options, PERSIST_EVERY.name: str(every)}
+    if every % given:
+        raise UsageError(f"{PERSIST_EVERY.flag} {given} with --every {every}: lowdiff+ writes its replica to disk "
+                         f"only every {PERSIST_EVERY.flag} steps, so step {every} would not be restorable; give "
+                         f"{PERSIST_EVERY.flag} a divisor of {every} (or leave it unset: it follows --every)")
+    return options
