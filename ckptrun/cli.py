@@ -394,6 +394,11 @@ def tune(
                                                     "`ckptrun --recipe`.")] = None,
     json_file: Annotated[Path | None, typer.Option("--json", help="Write every measurement, setting and "
                                                                    "prediction to this JSON file.")] = None,
+    repeat_budget: Annotated[str, typer.Option(help="Time for measuring again, in rounds interleaved with the "
+                                                    "baseline, the strategies whose slowdown against no "
+                                                    "checkpointing is within the noise of the baseline's steps "
+                                                    "(e.g. 2m; 0: measure once). What is still within noise "
+                                                    "then is reported as such and counted as 0.")] = "2m",
 ) -> None:
     """Profile SCRIPT briefly under each strategy; print the optimal settings and a recommendation."""
     from .tuning.durations import mtbf_from_failure_log
@@ -415,9 +420,11 @@ def tune(
     else:
         mtbf_s, source = DEFAULT_MTBF_S, "default; pass --mtbf or --failure-log"
     budget = parse_percent(max_overhead)
+    repeat_s = 0.0 if repeat_budget.strip() in ("0", "0s") else _duration("--repeat-budget", repeat_budget)
     result = run_tune(script, list(script_args or []), strategies=choose_strategies(strategies),
                       profile_steps=profile_steps, mtbf_s=mtbf_s, mtbf_source=source, max_overhead=budget,
-                      ckpt_dir=dir, progress=lambda line: err.print(f"tune: {line}", markup=False, soft_wrap=True))
+                      ckpt_dir=dir, progress=lambda line: err.print(f"tune: {line}", markup=False, soft_wrap=True),
+                      repeat_budget_s=repeat_s)
     print_report(out, result)
     if json_file:
         json_file.write_text(json.dumps(to_json(result), indent=2) + "\n")

@@ -5,6 +5,7 @@ is a one-line error; the online interval follows the measured costs and says why
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,7 +17,10 @@ from ckptrun import cli
 from ckptrun.launcher import run as launcher
 from ckptrun.storage.store import Store
 from ckptrun.strategies import REGISTRY
+from ckptrun.tuning import profile as profile_mod
 from ckptrun.tuning.intervals import daly_interval, young_interval
+from ckptrun.tuning.plan import make_plan
+from ckptrun.tuning.profile import needs_repeat, slowdown
 from ckptrun.worker.decisions import FIRST_EVAL, DalyInterval, Decision, PersistBound, Retuner
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -40,8 +44,8 @@ def test_tune_tiny_example_within_a_minute_writes_a_recipe_that_runs(tmp_path):
     log.write_text("# past failures\n2024-05-01T00:00:00Z\n2024-05-01T02:00:00Z\n2024-05-01T04:00:00Z\n")
     t0 = time.monotonic()
     proc = ok(ckptrun(tmp_path, "tune", "--strategies", "sync,checkfreq", "--profile-steps", "8",
-                      "--failure-log", log, "--dir", "ck", "--write", "tuned.yaml", "--json", "tune.json",
-                      EXAMPLE, *TINY))
+                      "--repeat-budget", "0", "--failure-log", log, "--dir", "ck", "--write", "tuned.yaml",
+                      "--json", "tune.json", EXAMPLE, *TINY))
     elapsed = time.monotonic() - t0
     assert elapsed < 60, f"tune took {elapsed:.0f} s"
     assert "recommendation: " in proc.stdout
@@ -104,6 +108,89 @@ def test_bad_input_is_a_one_line_usage_error(tmp_path, args, message):
     proc = ckptrun(tmp_path, *args, EXAMPLE)
     assert proc.returncode == 2
     assert message in error_line(proc)
+
+
+# ---- tune's measurements: a cost within the noise is no cost ---------------------------------------
+
+
+def fake_run(step_ms: list[float], stall_ms: float = 0.0) -> profile_mod._Run:
+    """What one profiling run reports: its steps (WARMUP_STEPS of them unmeasured first) taking
+    `step_ms` of training plus `stall_ms` of checkpoint stall each, a checkpoint and a write every step."""
+    steps = [{"step": i + 1, "step_s": (ms + stall_ms) / 1e3, "stall_s": {"snapshot": stall_ms / 1e3},
+              "optim_s": 0.001, "last_snapshot_step": i + 1}
+             for i, ms in enumerate([step_ms[0]] * profile_mod.WARMUP_STEPS + step_ms)]
+    writes = [{"step": e["step"], "write_s": 0.01, "bytes": 10**6, "queue_depth": 1} for e in steps]
+    return profile_mod._Run(steps, writes, [{"type": "optimizer", "param_bytes": 10**5}], Path("unused"))
+
+
+def fake_profile(monkeypatch, rounds: list[dict[str, profile_mod._Run]], budget_s: float):
+    """`profile` over runs that `rounds` (one dict per round, by strategy; the last repeats) give,
+    no process started; returns (the profile, the strategies in launch order, the progress lines)."""
+    launched, lines = [], []
+
+    def launch(name, total, script, args, scratch):
+        launched.append(name)
+        return rounds[min(launched.count(name), len(rounds)) - 1][name]
+
+    monkeypatch.setattr(profile_mod, "_launch", launch)
+    monkeypatch.setattr(profile_mod, "_load_time", lambda ckpt_dir: (0.01, 10**6, 0.001))
+    names = [n for n in rounds[0] if n != "sync"]
+    prof = profile_mod.profile("train.py", [], names, 8, str(Path(tempfile.mkdtemp())), 7200.0, lines.append,
+                               repeat_budget_s=budget_s)
+    return prof, launched, lines
+
+
+NOISY = [110, 150, 120, 140, 128, 115, 135, 128]  # ms: 128 ms steps on a loaded machine, ±~10 ms
+
+
+def test_a_negative_slowdown_is_measured_again_interleaved_and_never_used(monkeypatch):
+    """The issue's case: the no-checkpoint run happened to be slow (128 ms steps), datastates'
+    run fast (26.6 ms): its slowdown -101.5 ms is no cost. It is measured again, interleaved with
+    the baseline, until the budget or MAX_ROUNDS ends it; reported within noise and counted as 0,
+    while a strategy with a real cost (resolved in round 1) is not run again."""
+    quiet = [27.0, 27.2, 26.8, 27.1, 26.9, 27.0, 27.3, 26.7]
+    first = {"sync": fake_run(NOISY, 0.5), "datastates": fake_run([26.6] * 8, 0.05),
+             "checkfreq": fake_run([n + 40 for n in NOISY], 2.0)}
+    later = {"sync": fake_run(quiet, 0.5), "datastates": fake_run([27.0] * 8, 0.05)}
+    prof, launched, lines = fake_profile(monkeypatch, [first, later], budget_s=60.0)
+    assert launched[:3] == ["sync", "datastates", "checkfreq"]
+    assert launched[3:] == ["sync", "datastates"] * (profile_mod.MAX_ROUNDS - 1)  # interleaved
+    costs = {sc.name: sc for sc in prof.strategies}
+    ds = costs["datastates"].slowdown
+    assert not ds.resolved and ds.cost_s == 0.0 and ds.rounds == profile_mod.MAX_ROUNDS
+    assert ds.low_s < -0.1 and "counted as 0" in ds.text()
+    assert costs["datastates"].delta_s == costs["datastates"].stall_s > 0  # the stall, never less
+    cf = costs["checkfreq"]
+    assert cf.slowdown.resolved and cf.slowdown.rounds == 1
+    assert cf.delta_s == pytest.approx(cf.slowdown.median_s) and cf.delta_s > cf.stall_s  # contention counts
+    assert any("round 2: datastates within noise" in line for line in lines)
+
+    plan = make_plan(prof, 7200.0, "--mtbf", 0.05)
+    assert all(sp.delta_s > 0 for sp in plan.strategies)
+    if plan.recommended == "datastates":
+        assert "within noise" in plan.reason
+
+
+def test_a_spent_budget_ends_the_rounds_and_a_real_cost_decides(monkeypatch):
+    """Budget 0: one round. datastates' stall is tiny but its steps are 30 ms slower than the
+    baseline's (well above the noise): that is its cost, so checkfreq (2 ms) is recommended,
+    where the stall alone (the old rule) recommended datastates."""
+    rounds = [{"sync": fake_run(NOISY, 0.5), "datastates": fake_run([n + 30 for n in NOISY], 0.05),
+               "checkfreq": fake_run([n + 2 for n in NOISY], 2.0)}]
+    prof, launched, lines = fake_profile(monkeypatch, rounds, budget_s=0.0)
+    assert launched == ["sync", "datastates", "checkfreq"]
+    ds = next(sc for sc in prof.strategies if sc.name == "datastates")
+    assert ds.slowdown.resolved and ds.delta_s == pytest.approx(0.030, abs=1e-4)  # (its stall included)
+    assert make_plan(prof, 7200.0, "--mtbf", 0.05).recommended == "checkfreq"
+
+
+def test_slowdown_is_noise_within_the_spread_of_the_no_checkpoint_steps():
+    spread = [d / 1e3 for d in (-10, -5, 0, 5, 10)]  # IQR 10 ms
+    assert slowdown([0.008], spread).cost_s == 0.0  # within ±10 ms
+    assert slowdown([-0.1015], spread).cost_s == 0.0  # negative: never a cost, never a gain
+    assert slowdown([0.012], spread).cost_s == pytest.approx(0.012)
+    assert slowdown([0.008] * 4, spread).cost_s == pytest.approx(0.008)  # 4 rounds: ±5 ms
+    assert needs_repeat(slowdown([0.008], spread), 0.001) and not needs_repeat(slowdown([0.008], spread), 0.02)
 
 
 # ---- recipes ----------------------------------------------------------------------------------

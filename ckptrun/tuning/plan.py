@@ -13,6 +13,10 @@ module decides which formula answers which question and for which strategy:
   `tuning` function (lowdiff) takes its settings from it. Any other strategy gets the interval
   rows without change.
 
+A strategy's cost δ is the larger of its measured stall and its slowdown against no
+checkpointing when that is above the noise (`profile.Slowdown`): never negative, and a
+slowdown within the noise never lowers it.
+
 Predictions at each setting, per unit of run time (fractions) and per failure (seconds):
 overhead = δ / interval; work lost per failure = interval/2 + the time a checkpoint takes to
 become durable (a failure during it loses the previous interval too); wasted-time fraction =
@@ -188,11 +192,15 @@ def _pccheck_plan(costs: Costs, mtbf_s: float, budget: float,
                        source, pred), ""
 
 
-def _reason(best: StrategyPlan, others: list[StrategyPlan], budget: float, mtbf_s: float, fits: bool) -> str:
+def _reason(best: StrategyPlan, others: list[StrategyPlan], budget: float, mtbf_s: float, fits: bool,
+            measured: StrategyCosts | None = None) -> str:
     p = best.prediction
     runner_up = min(others, key=lambda s: s.prediction.waste, default=None)
     vs = f" (next: {runner_up.name} {runner_up.prediction.waste:.2%})" if runner_up else ""
     tail = "" if fits else "; no strategy meets the overhead budget, so this is the least wasteful one"
+    if measured is not None and not measured.slowdown.resolved:
+        tail += (f"; its slowdown against no checkpointing is within noise ({measured.slowdown.text()}), so its "
+                 "cost is its measured stall")
     return (f"{best.name} {settings_flags(best.settings)}: lowest predicted waste {p.waste:.2%} of run time{vs}; "
             f"set by {best.rule}; overhead {p.overhead:.2%} (budget {budget:.2%}), about "
             f"{format_duration(p.lost_work_s)} of work lost per failure at MTBF {format_duration(mtbf_s)}{tail}")
@@ -214,5 +222,5 @@ def make_plan(profile: Profile, mtbf_s: float, mtbf_source: str, budget: float) 
         plans.append(sp)
     fitting = [p for p in plans if p.prediction.overhead <= budget]
     best = min(fitting or plans, key=lambda p: p.prediction.waste)
-    reason = _reason(best, [p for p in plans if p is not best], budget, mtbf_s, bool(fitting))
+    reason = _reason(best, [p for p in plans if p is not best], budget, mtbf_s, bool(fitting), measured.get(best.name))
     return Plan(mtbf_s, mtbf_source, budget, plans, lowdiff, pccheck, pc_note, best.name, reason)

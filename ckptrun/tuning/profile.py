@@ -8,9 +8,16 @@ first WARMUP_STEPS steps (imports, allocation) are not measured.
 - one run per strategy with `--every` unset (a checkpoint every step). Its blocking cost δ of
   one checkpoint is the stall the trainer measured per step (snapshot copy, synchronous write),
   back-pressure excluded: that only says the interval is shorter than the persist path needs,
-  which the CheckFreq bound rules out. Its writes give the time to persist one checkpoint. The
-  slowdown of its steps against the baseline is reported too, not used: across runs on a shared
-  machine it is mostly noise.
+  which the CheckFreq bound rules out. Its writes give the time to persist one checkpoint.
+- its slowdown: its step time (back-pressure excluded) minus the no-checkpoint step time of the
+  same round, median over rounds [min-max]. Runs are interleaved in rounds (baseline, A, B, ...;
+  as `ckptrun bench` does) so that a drift of the machine's load falls on both sides. A
+  slowdown not above the noise, the spread (interquartile range) of the no-checkpoint steps
+  about their round's median, narrowed by √rounds, is noise: reported as such and counted as 0, never below. While a
+  strategy's stall and slowdown are both within the noise (another round could change its
+  cost), another round of the baseline and those strategies runs, until --repeat-budget is
+  spent. The cost the plan uses is δ = the larger of the stall and a slowdown above the noise
+  (a background copy competing for the cores shows in the slowdown, not in the stall).
 - the `sync` run is the baseline (it is profiled even when not asked for, and then not planned):
   nothing runs beside its training, so step time − stall is the step time t without
   checkpointing, measured in the same process. It also gives the optimizer's own update time and
@@ -47,10 +54,11 @@ from .durations import format_duration
 
 WARMUP_STEPS = 3
 MIN_MEASURED = 2  # steps, after the warm-up, that a run must reach
+MAX_ROUNDS = 8  # interleaved rounds at most, whatever the budget
 BASELINE_STRATEGY = "sync"
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:?")
 
-__all__ = ["WARMUP_STEPS", "Costs", "Profile", "StrategyCosts", "profile"]
+__all__ = ["WARMUP_STEPS", "Costs", "Profile", "Slowdown", "StrategyCosts", "needs_repeat", "profile", "slowdown"]
 
 
 @dataclass(frozen=True)
@@ -70,16 +78,82 @@ class Costs:
 
 
 @dataclass(frozen=True)
+class Slowdown:
+    """A strategy's step time (back-pressure excluded) minus the no-checkpoint step time of the
+    same round, over the rounds it ran in; `noise_s` is the spread of the no-checkpoint steps
+    about their round's median (interquartile range) narrowed by √rounds: a slowdown not above
+    it is noise."""
+
+    median_s: float
+    low_s: float
+    high_s: float
+    noise_s: float
+    rounds: int
+
+    @property
+    def resolved(self) -> bool:
+        """Above the noise: a cost. Within it, or negative (the load changed between runs): not."""
+        return self.median_s > self.noise_s
+
+    @property
+    def cost_s(self) -> float:
+        """What a plan may use: the slowdown when resolved, else 0 (never a negative cost)."""
+        return self.median_s if self.resolved else 0.0
+
+    def text(self) -> str:
+        figure = (f"slowdown {self.median_s * 1e3:.1f} ms [{self.low_s * 1e3:.1f}, {self.high_s * 1e3:.1f}] over "
+                  f"{self.rounds} round{'s' if self.rounds > 1 else ''}")
+        if self.resolved:
+            return f"{figure} (noise ±{self.noise_s * 1e3:.1f} ms)"
+        why = "within noise" if self.median_s >= -self.noise_s else "negative: the load changed between runs"
+        return f"{figure}: {why} (±{self.noise_s * 1e3:.1f} ms), counted as 0"
+
+
+def slowdown(paired_s: list[float], baseline_spread_s: list[float]) -> Slowdown:
+    """`paired_s`: per round, the strategy's median step minus that round's no-checkpoint median;
+    `baseline_spread_s`: every no-checkpoint step measured so far minus its round's median (a
+    drift between rounds falls on both sides of a pair, so it is no noise of the pairs)."""
+    q1, q3 = _quartiles(baseline_spread_s)
+    return Slowdown(median(paired_s), min(paired_s), max(paired_s), (q3 - q1) / len(paired_s) ** 0.5,
+                    len(paired_s))
+
+
+def needs_repeat(sd: Slowdown, stall_s: float) -> bool:
+    """Another round could change the cost the plan uses (max(stall, resolved slowdown)): the
+    slowdown is not resolved and the stall alone is within the noise too."""
+    return not sd.resolved and stall_s <= sd.noise_s
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    ordered = sorted(values)
+    if len(ordered) < 2:
+        return (ordered[0], ordered[0]) if ordered else (0.0, 0.0)
+
+    def at(q: float) -> float:
+        pos = q * (len(ordered) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(ordered) - 1)
+        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+    return at(0.25), at(0.75)
+
+
+@dataclass(frozen=True)
 class StrategyCosts:
-    """What one strategy's run measured (medians over its window)."""
+    """What one strategy's runs measured (medians over their windows, all rounds)."""
 
     name: str
     step_s: float  # a step with a checkpoint every step
-    delta_s: float  # blocking cost of one checkpoint: the stall per step, back-pressure excluded
-    slowdown_s: float  # step time − back-pressure − baseline step time (information; noisy)
+    delta_s: float  # cost of one checkpoint: the larger of the stall and a resolved slowdown (never < 0)
+    stall_s: float  # the stall per step, back-pressure excluded
+    slowdown: Slowdown  # against the no-checkpoint steps of the same rounds
     backpressure_s: float
     persist_s: float  # time to write one of its checkpoints
-    checkpoints: int  # full checkpoints captured in the window (a diff strategy takes diffs between them)
+    checkpoints: int  # full checkpoints captured in a window (a diff strategy takes diffs between them)
+
+    @property
+    def slowdown_s(self) -> float:
+        return self.slowdown.median_s
 
 
 @dataclass(frozen=True)
@@ -171,21 +245,39 @@ def _bandwidth(writes: list[dict[str, Any]]) -> float | None:
     return sum(w["bytes"] for w in writes) / seconds if seconds > 0 else None
 
 
-def _strategy_costs(name: str, run: _Run, window: list[dict[str, Any]], step_s: float) -> StrategyCosts:
+def _stall(e: dict[str, Any]) -> float:
+    return sum(v for c, v in e["stall_s"].items() if c != "backpressure")
+
+
+def _no_checkpoint_steps(window: list[dict[str, Any]]) -> list[float]:
+    """The baseline run's steps without their checkpoint stall: steps without checkpointing."""
+    return [e["step_s"] - sum(e["stall_s"].values()) for e in window]
+
+
+Runs = dict[str, list[tuple[_Run, list[dict[str, Any]]]]]  # per strategy: (run, window) of each round it ran in
+
+
+def _strategy_costs(name: str, runs: Runs, baselines: list[float], rounds: dict[str, list[int]]) -> StrategyCosts:
+    """One strategy's costs over every round it ran in so far: its slowdown against the
+    no-checkpoint median of the same round (`baselines`), the noise from every no-checkpoint step."""
+    mine = runs[name]
+    window = [e for _, w in mine for e in w]
     bp = [e["stall_s"].get("backpressure", 0.0) for e in window]
-    stall = [sum(v for c, v in e["stall_s"].items() if c != "backpressure") for e in window]
-    slowdown = median(e["step_s"] - b for e, b in zip(window, bp, strict=True)) - step_s
-    ckpts = sum(1 for e in window if e.get("last_snapshot_step") == e["step"])
-    writes = [w["write_s"] for w in run.writes if w["step"] > WARMUP_STEPS]
+    stall = max(median(_stall(e) for e in window), 1e-9)
+    paired = [median(e["step_s"] - e["stall_s"].get("backpressure", 0.0) for e in w) - baselines[r]
+              for (_, w), r in zip(mine, rounds[name], strict=True)]
+    sd = slowdown(paired, [s - baselines[r] for (_, w), r in zip(runs[BASELINE_STRATEGY], rounds[BASELINE_STRATEGY],
+                                                                 strict=True) for s in _no_checkpoint_steps(w)])
+    writes = [w["write_s"] for run, _ in mine for w in run.writes if w["step"] > WARMUP_STEPS]
     if not writes:
         raise CkptrunError(f"profiling run {name!r} wrote no checkpoint; cannot measure its persist time")
-    return StrategyCosts(name=name, step_s=median(e["step_s"] for e in window),
-                         delta_s=max(median(stall), 1e-9), slowdown_s=slowdown,
-                         backpressure_s=median(bp), persist_s=median(writes), checkpoints=ckpts)
+    return StrategyCosts(name=name, step_s=median(e["step_s"] for e in window), delta_s=max(stall, sd.cost_s),
+                         stall_s=stall, slowdown=sd, backpressure_s=median(bp), persist_s=median(writes),
+                         checkpoints=sum(1 for e in mine[0][1] if e.get("last_snapshot_step") == e["step"]))
 
 
 def profile(script: str, args: list[str], strategies: list[str], steps: int, ckpt_dir: str, mtbf_s: float,
-            progress: Callable[[str], None]) -> Profile:
+            progress: Callable[[str], None], repeat_budget_s: float = 0.0) -> Profile:
     """Measure `script` (run with `args`) for `steps` steps per run; see the module docstring.
 
     The MTBF is checked against the measured step time right after the baseline (fail early)."""
@@ -198,35 +290,56 @@ def profile(script: str, args: list[str], strategies: list[str], steps: int, ckp
         raise UsageError(f"cannot write into --dir {ckpt_dir} ({e.strerror}); pass --dir with a writable path "
                          "on the storage you will checkpoint to") from None
     total = WARMUP_STEPS + steps
+    names = [BASELINE_STRATEGY, *(s for s in strategies if s != BASELINE_STRATEGY)]
+    runs: Runs = {n: [] for n in names}
+    baselines: list[float] = []  # each round's no-checkpoint median step
+    rounds: dict[str, list[int]] = {n: [] for n in names}  # the rounds each strategy ran in
+    took: dict[str, float] = {}  # seconds of each strategy's last run
     try:
-        measured, all_writes = [], []
-        for name in [BASELINE_STRATEGY, *(s for s in strategies if s != BASELINE_STRATEGY)]:
-            progress(f"{name}: a checkpoint every step, {total} steps")
-            run = _launch(name, total, script, args, scratch)
-            window = _window(run, name)
-            if name == BASELINE_STRATEGY:
-                step_s = median(e["step_s"] - sum(e["stall_s"].values()) for e in window)
-                if mtbf_s <= step_s:
-                    raise UsageError(f"the MTBF ({format_duration(mtbf_s)}) is shorter than one training step "
-                                     f"({format_duration(step_s)}): no step would ever finish; check --mtbf or "
-                                     "--failure-log")
-                optim_s = median(e["optim_s"] for e in window)
-                load_s, ckpt_bytes, record_s = _load_time(run.ckpt_dir)
-                diff_bytes = sum(e["param_bytes"] for e in run.events
-                                 if e.get("type") == "optimizer" and e.get("rank", 0) == 0)
-                progress(f"{name}: step without checkpointing {step_s * 1e3:.1f} ms (optimizer update "
-                         f"{optim_s * 1e3:.2f} ms), checkpoint {ckpt_bytes / 1e6:.2f} MB, load {load_s * 1e3:.1f} ms")
-            sc = _strategy_costs(name, run, window, step_s)
-            progress(f"{name}: blocking {sc.delta_s * 1e3:.2f} ms per checkpoint, persist {sc.persist_s * 1e3:.1f} ms "
-                     f"(step {sc.step_s * 1e3:.1f} ms, slowdown {sc.slowdown_s * 1e3:.1f} ms)")
-            if name in strategies:
-                measured.append(sc)
-            all_writes += run.writes
+        deadline = None
+        for r in range(MAX_ROUNDS):
+            if r == 0:
+                todo = names
+            else:
+                if deadline is None:
+                    deadline = time.monotonic() + repeat_budget_s
+                todo = [n for n in names[1:]
+                        if needs_repeat((sc := _strategy_costs(n, runs, baselines, rounds)).slowdown, sc.stall_s)]
+                if not todo:
+                    break
+                todo = [BASELINE_STRATEGY, *todo]
+                if time.monotonic() + sum(took[n] for n in todo) >= deadline:
+                    progress(f"within noise after {r} round{'s' if r > 1 else ''} ({', '.join(todo[1:])}); "
+                             "--repeat-budget spent")
+                    break
+                progress(f"round {r + 1}: {', '.join(todo[1:])} within noise; measuring again, interleaved "
+                         "with the baseline")
+            for name in todo:
+                if r == 0:
+                    progress(f"{name}: a checkpoint every step, {total} steps")
+                t0 = time.monotonic()
+                run = _launch(name, total, script, args, scratch / f"round-{r + 1}")
+                took[name] = time.monotonic() - t0
+                window = _window(run, name)
+                runs[name].append((run, window))
+                rounds[name].append(r)
+                if name == BASELINE_STRATEGY:
+                    baselines.append(median(_no_checkpoint_steps(window)))
+                    if r == 0:
+                        base = _baseline(run, window, mtbf_s, progress)
+                if r == 0 or name != BASELINE_STRATEGY:
+                    sc = _strategy_costs(name, runs, baselines, rounds)
+                    progress(f"{name}: blocking {sc.stall_s * 1e3:.2f} ms per checkpoint, persist "
+                             f"{sc.persist_s * 1e3:.1f} ms (step {sc.step_s * 1e3:.1f} ms, {sc.slowdown.text()})")
+        step_s = median(baselines)
+        measured = [_strategy_costs(n, runs, baselines, rounds) for n in names if n in strategies]
+        all_writes = [w for n in names for run, _ in runs[n] for w in run.writes]
         by_depth: dict[int, list[dict[str, Any]]] = {}
         for w in all_writes:
             by_depth.setdefault(max(1, int(w.get("queue_depth") or 1)), []).append(w)
         bw = {n: b for n, ws in sorted(by_depth.items()) if (b := _bandwidth(ws))}
         write_bps = bw.get(1) or _bandwidth(all_writes)
+        optim_s, load_s, ckpt_bytes, record_s, diff_bytes = base
         costs = Costs(step_s=step_s, optim_s=optim_s, ckpt_bytes=ckpt_bytes, diff_bytes=diff_bytes,
                       write_Bps=write_bps, load_s=load_s, replay_s=load_s * diff_bytes / ckpt_bytes + optim_s,
                       record_s=record_s,
@@ -237,3 +350,19 @@ def profile(script: str, args: list[str], strategies: list[str], steps: int, ckp
         shutil.rmtree(scratch, ignore_errors=True)
         if created and not any(root.iterdir()):
             root.rmdir()
+
+
+def _baseline(run: _Run, window: list[dict[str, Any]], mtbf_s: float,
+              progress: Callable[[str], None]) -> tuple[float, float, int, float, int]:
+    """From the first baseline run: (optimizer update, load time, checkpoint bytes, record open
+    time, diff bytes); UsageError when the MTBF is shorter than a step."""
+    step_s = median(_no_checkpoint_steps(window))
+    if mtbf_s <= step_s:
+        raise UsageError(f"the MTBF ({format_duration(mtbf_s)}) is shorter than one training step "
+                         f"({format_duration(step_s)}): no step would ever finish; check --mtbf or --failure-log")
+    optim_s = median(e["optim_s"] for e in window)
+    load_s, ckpt_bytes, record_s = _load_time(run.ckpt_dir)
+    diff_bytes = sum(e["param_bytes"] for e in run.events if e.get("type") == "optimizer" and e.get("rank", 0) == 0)
+    progress(f"{BASELINE_STRATEGY}: step without checkpointing {step_s * 1e3:.1f} ms (optimizer update "
+             f"{optim_s * 1e3:.2f} ms), checkpoint {ckpt_bytes / 1e6:.2f} MB, load {load_s * 1e3:.1f} ms")
+    return optim_s, load_s, ckpt_bytes, record_s, diff_bytes

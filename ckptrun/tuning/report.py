@@ -14,6 +14,7 @@ from rich.table import Table
 
 from .durations import format_duration
 from .plan import settings_flags
+from .profile import StrategyCosts
 from .tune import TuneResult
 
 __all__ = ["print_report", "to_json", "write_recipe"]
@@ -33,6 +34,17 @@ def _measured_line(result: TuneResult) -> str:
             f" · free {c.free_bytes / 1e9:.1f} GB")
 
 
+def _slowdown(sc: StrategyCosts | None) -> str:
+    """Its slowdown against no checkpointing with its spread over rounds, or `noise` (counted as 0)."""
+    if sc is None:
+        return "-"
+    sd = sc.slowdown
+    spread = f"[{sd.low_s * 1e3:.1f}, {sd.high_s * 1e3:.1f}]" if sd.rounds > 1 else f"±{sd.noise_s * 1e3:.1f}"
+    if not sd.resolved:
+        return f"noise ({sd.median_s * 1e3:.1f} ms {spread})"
+    return f"{sd.median_s * 1e3:.1f} ms {spread}"
+
+
 def print_report(console: Console, result: TuneResult) -> None:
     """The per-strategy table, the model answers and the one-line recommendation."""
     prof, plan = result.profile, result.plan
@@ -45,12 +57,14 @@ def print_report(console: Console, result: TuneResult) -> None:
     say(f"ckptrun tune: {shlex.join([prof.script, *prof.args])} ({prof.steps} steps measured per run)")
     say(_measured_line(result))
     say(f"MTBF {format_duration(plan.mtbf_s)} ({plan.mtbf_source}); overhead budget {plan.max_overhead:.2%}")
-    table = Table("strategy", "δ/ckpt", "persist", "Young", "Daly", "CheckFreq ≥", "setting", "overhead",
-                  "lost/failure", "waste", title="per strategy (intervals: time = steps)")
+    table = Table("strategy", "δ/ckpt", "slowdown", "persist", "Young", "Daly", "CheckFreq ≥", "setting",
+                  "overhead", "lost/failure", "waste", title="per strategy (intervals: time = steps)")
+    measured = {sc.name: sc for sc in prof.strategies}
     for sp in plan.strategies:
         p = sp.prediction
         mark = "→ " if sp.name == plan.recommended else ""
-        table.add_row(mark + sp.name, format_duration(sp.delta_s), format_duration(sp.persist_s),
+        table.add_row(mark + sp.name, format_duration(sp.delta_s), _slowdown(measured.get(sp.name)),
+                      format_duration(sp.persist_s),
                       f"{format_duration(sp.young_s)} = {sp.young_steps}",
                       f"{format_duration(sp.daly_s)} = {sp.daly_steps}",
                       str(sp.checkfreq_min_steps), settings_flags(sp.settings), f"{p.overhead:.2%}",

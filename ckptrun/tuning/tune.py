@@ -36,9 +36,10 @@ def choose_strategies(text: str) -> list[str]:
 
 
 def tune(script: str, args: list[str], *, strategies: list[str], profile_steps: int, mtbf_s: float,
-         mtbf_source: str, max_overhead: float, ckpt_dir: str, progress: Callable[[str], None]) -> TuneResult:
+         mtbf_source: str, max_overhead: float, ckpt_dir: str, progress: Callable[[str], None],
+         repeat_budget_s: float = 0.0) -> TuneResult:
     """Profile `script` under each strategy, then plan (see the package docstring)."""
     if not Path(script).is_file():
         raise UsageError(f"script {script!r} not found; give the path of a Python training script")
-    prof = profile(script, args, strategies, profile_steps, ckpt_dir, mtbf_s, progress)
+    prof = profile(script, args, strategies, profile_steps, ckpt_dir, mtbf_s, progress, repeat_budget_s)
     return TuneResult(prof, make_plan(prof, mtbf_s, mtbf_source, max_overhead))
