@@ -185,9 +185,9 @@ def _env() -> dict[str, str]:
 
 
 def _ckptrun_argv(cfg: Configuration, work: Workload, run_dir: Path, steps: int, max_restarts: int) -> list[str]:
-    # Interval 1 leaves --every unset: each strategy's own cadence (lowdiff+'s persist interval, gockpt's
-    # spread: the variants set them). A given --every N is honoured as given (every multiple of N
-    # restorable), which pins those to N, or refuses a variant that cannot honour it.
+    # Interval 1 leaves --every unset: each strategy's own cadence (its own intervals auto, or as a
+    # variant sets them). A given --every N is honoured as given (every multiple of N restorable),
+    # which pins those intervals to N, or refuses a variant that cannot honour it.
     every = ["--every", str(cfg.every)] if cfg.every != 1 else []
     return [sys.executable, "-m", "ckptrun", "run", "--strategy", cfg.method, *cfg.flags,
             "--dir", str(run_dir / "ckpt"), *every, "--max-restarts", str(max_restarts),
