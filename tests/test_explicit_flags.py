@@ -82,6 +82,26 @@ def test_explicit_every_maps_onto_the_strategy_options():
     assert REGISTRY["checkfreq"].honour_every({}, 7) == {}  # its due steps are --every's
 
 
+@pytest.mark.parametrize(("argv", "recipe", "given", "persist_every"), [
+    ([], "", False, "auto"),  # --every left at its default: lowdiff+'s own auto interval
+    (["--every", "1"], "", True, "1"),  # the issue's "--every 1": persisted every step
+    ([], "every: 10\n", True, "10"),  # a recipe's value is given too
+    (["--every", "auto"], "", False, "auto"),
+    (["--every", "10", "--persist-every", "5"], "", True, "5"),  # an explicit --persist-every wins
+], ids=["default", "every-1", "recipe", "auto", "both"])
+def test_the_run_command_tells_a_given_every_from_its_default(argv, recipe, given, persist_every, tmp_path,
+                                                              monkeypatch):
+    from ckptrun import cli
+    from ckptrun.launcher import run as launcher
+
+    seen = []
+    monkeypatch.setattr(launcher, "run", lambda cfg, opts, script, args, **kw: seen.append(cfg) or 0)
+    path = tmp_path / "r.yaml"
+    path.write_text("strategy: lowdiff+\n" + recipe)
+    assert cli.main(["--recipe", str(path), *argv, str(EXAMPLE)]) == 0
+    assert (seen[0].every_given, seen[0].options["persist_every"]) == (given, persist_every)
+
+
 # ---- each auto flag: an explicit value wins -------------------------------------------------------
 
 
