@@ -77,7 +77,8 @@ def _with_strategy_options(func: Callable) -> Callable:
 
 EVERY_HELP = ("Optimizer steps between checkpoints, or auto: chosen and re-evaluated online from measured costs "
               "and --mtbf (docs/tuning.md). Given as N (here or in a recipe), every multiple of N is restorable "
-              "once the run ends (a strategy may commit more steps, never fewer), or the run is refused at start "
+              "once the run ends, within --keep's retention (a strategy may commit more steps, never fewer), "
+              "or the run is refused at start "
               "naming the flag in the way; left unset, each strategy checkpoints every step with its own auto "
               "settings. How each strategy maps N onto its intervals: the end of this help.")
 
