@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import (
     EXAMPLE,
+    FULL,
     STEPS,
     STRATEGIES,
     TINY,
@@ -23,6 +24,7 @@ from conftest import (
     restore,
     run_events,
     tear,
+    verify,
 )
 
 from ckptrun.restore.recovery import load_state, newest_good
@@ -94,16 +96,34 @@ def test_killed_run_finishes_exactly(strategy, example_truth, tmp_path):
     assert_clean_and_final(tmp_path / "ckpts", example_truth(STEPS))
 
 
-@pytest.mark.parametrize("how", ["no-manifest", "truncated", "bad-manifest"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_torn_newest_record_is_ignored(strategy, how, example_run, example_truth, tmp_path):
-    ckpt = copy_dir(example_run(strategy), tmp_path / "ckpts", up_to=K + 1)
+HOWS = ["no-manifest", "truncated", "bad-manifest"]
+# Each strategy resumes after one kind of damage by default, the kinds taken in turn along the
+# registry so that each is resumed from by several layouts; --full resumes after every kind.
+RESUMES = [pytest.param(s, how, marks=() if i % len(HOWS) == HOWS.index(how) else FULL)
+           for i, s in enumerate(STRATEGIES) for how in HOWS]
+
+
+def torn_copy(example_run, strategy: str, how: str, dst: Path) -> tuple[Path, str, int]:
+    """A copy of the strategy's run up to step K + 1 whose newest record is damaged `how`; that
+    record's name, and the step restore and resume must fall back to."""
+    ckpt = copy_dir(example_run(strategy), dst, up_to=K + 1)
     target, fallback = newest_and_fallback(ckpt)
     tear(ckpt, target, how)
+    return ckpt, target, fallback
+
+
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_torn_newest_record_is_ignored(strategy, how, example_run, example_truth, tmp_path):
+    ckpt, _, fallback = torn_copy(example_run, strategy, how, tmp_path / "ckpts")
     state, _ = restore(tmp_path, ckpt, "latest")
     assert state["step"] == fallback
     assert_training_state(state, example_truth(fallback))
 
+
+@pytest.mark.parametrize("strategy, how", RESUMES)
+def test_run_resumes_past_a_torn_record(strategy, how, example_run, example_truth, tmp_path):
+    ckpt, target, fallback = torn_copy(example_run, strategy, how, tmp_path / "ckpts")
     resume_run(tmp_path, strategy, ckpt)
     assert run_events(tmp_path / "metrics")[0]["resume_step"] == fallback
     assert_training_state(load(tmp_path / "final.pt"), example_truth(STEPS))
@@ -116,7 +136,7 @@ def test_flipped_byte_is_reported_and_skipped(strategy, example_run, example_tru
     target, fallback = newest_and_fallback(ckpt)
     key = flip_tensor_byte(ckpt, target)
 
-    proc = ckptrun(tmp_path, "verify", "--dir", ckpt)
+    proc = verify(tmp_path, ckpt)
     assert proc.returncode == 1
     bad = [line for line in proc.stdout.splitlines() if line.startswith("BAD")]
     assert len(bad) == 1 and target in bad[0] and key in bad[0], proc.stdout
