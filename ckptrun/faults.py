@@ -6,7 +6,8 @@ written), `kill-engine:step=7:phase=write` (the engine dies mid-write, leaving a
 `enospc:step=7:at=manifest.synced[:times=3]` makes the engine's writes fail with ENOSPC at that
 point of the durable-write sequence (data|index|manifest . open|written|synced|renamed|dir-synced)
 for records of step 7 and later, `times` times in all (default 1): a full disk for a while.
-Faults fire only in the first attempt, so the restarted run can finish.
+Faults fire only in the first attempt, so the restarted run can finish. Several faults joined by
+`;` fire one per attempt, in order (the i-th in restart i): one run goes through each of them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Fault:
     rank: int | None = None
     at: str = ""  # enospc: the fault point of fsutil.publish_bytes, e.g. "data:written"
     times: int = 1  # enospc: how many writes fail
+    text: str = ""  # the form it was parsed from (what the worker hands its engine)
 
     @classmethod
     def parse(cls, text: str) -> Fault:
@@ -37,18 +39,16 @@ class Fault:
         phase = opts.get("phase", "compute" if parts[0] == "kill" else "write")
         rank = int(opts["rank"]) if "rank" in opts else None
         return cls(parts[0], int(opts["step"]), phase, rank, opts.get("at", "").replace(".", ":", 1),
-                   int(opts.get("times", 1)))
-
-    def applies(self, rank: int, restart_count: int) -> bool:
-        return restart_count == 0 and (self.rank is None or self.rank == rank)
+                   int(opts.get("times", 1)), text)
 
 
 def from_env(rank: int, restart_count: int) -> Fault | None:
-    text = os.environ.get(ENV)
-    if not text:
+    """The fault of this attempt of `rank`, if any."""
+    forms = [f for f in os.environ.get(ENV, "").split(";") if f]
+    if restart_count >= len(forms):
         return None
-    fault = Fault.parse(text)
-    return fault if fault.applies(rank, restart_count) else None
+    fault = Fault.parse(forms[restart_count])
+    return fault if fault.rank is None or fault.rank == rank else None
 
 
 def die() -> None:

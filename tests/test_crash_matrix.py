@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import (
     EXAMPLE,
+    FULL,
     STEPS,
     STRATEGIES,
     TINY,
@@ -23,15 +24,18 @@ from conftest import (
     restore,
     run_events,
     tear,
+    verify,
 )
 
 from ckptrun.restore.recovery import load_state, newest_good
 from ckptrun.storage.store import Store
 from ckptrun.strategies import REGISTRY
 
-K = 7  # the step every fault hits
+K = 7  # the step the restore and damage tests look at
 
-FAULTS = ["kill:step=7", "kill:step=7:phase=write", "kill-engine:step=7:phase=write"]
+# One run per strategy goes through each fault in turn, one per attempt (faults.py): the worker killed
+# mid-step, the worker killed while a checkpoint is written, the engine killed mid-write.
+FAULTS = {3: "kill:step=3", 6: "kill:step=6:phase=write", 9: "kill-engine:step=9:phase=write"}
 
 
 def resume_run(cwd: Path, strategy: str, ckpt_dir: Path, *extra: str, fault: str | None = None):
@@ -77,29 +81,49 @@ def test_restore_any_step_equals_script_save(strategy, example_run, example_trut
         assert_training_state(state, example_truth(step))
 
 
-@pytest.mark.parametrize("fault", FAULTS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_killed_run_finishes_exactly(strategy, fault, example_truth, tmp_path):
-    proc = resume_run(tmp_path, strategy, tmp_path / "ckpts", "--max-restarts", "1", fault=fault)
+def test_killed_run_finishes_exactly(strategy, example_truth, tmp_path):
+    proc = resume_run(tmp_path, strategy, tmp_path / "ckpts", "--max-restarts", len(FAULTS),
+                      fault=";".join(FAULTS.values()))
     attempts = run_events(tmp_path / "metrics")
-    assert [e["restart_count"] for e in attempts] == [0, 1], "the fault did not fire"
-    assert 0 < attempts[1]["resume_step"] <= K
-    if fault.startswith("kill-engine"):
-        assert "checkpoint engine of local rank 0 died" in proc.stderr
+    assert [e["restart_count"] for e in attempts] == list(range(len(FAULTS) + 1)), "a fault did not fire"
+    resumed = [e["resume_step"] for e in attempts[1:]]
+    for at, (step, fault) in zip(resumed, FAULTS.items(), strict=True):
+        assert 0 < at <= step, f"after {fault} the run resumed at step {at}"
+    assert resumed == sorted(resumed), f"a resume went back past a committed step: {resumed}"
+    assert "checkpoint engine of local rank 0 died" in proc.stderr
     assert_training_state(load(tmp_path / "final.pt"), example_truth(STEPS))
     assert_clean_and_final(tmp_path / "ckpts", example_truth(STEPS))
 
 
-@pytest.mark.parametrize("how", ["no-manifest", "truncated", "bad-manifest"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_torn_newest_record_is_ignored(strategy, how, example_run, example_truth, tmp_path):
-    ckpt = copy_dir(example_run(strategy), tmp_path / "ckpts", up_to=K + 1)
+HOWS = ["no-manifest", "truncated", "bad-manifest"]
+# Each strategy resumes after one kind of damage by default, the kinds taken in turn along the
+# registry so that each is resumed from by several layouts; --full resumes after every kind.
+RESUMES = [pytest.param(s, how, marks=() if i % len(HOWS) == HOWS.index(how) else FULL)
+           for i, s in enumerate(STRATEGIES) for how in HOWS]
+
+
+def torn_copy(example_run, strategy: str, how: str, dst: Path) -> tuple[Path, str, int]:
+    """A copy of the strategy's run up to step K + 1 whose newest record is damaged `how`; that
+    record's name, and the step restore and resume must fall back to."""
+    ckpt = copy_dir(example_run(strategy), dst, up_to=K + 1)
     target, fallback = newest_and_fallback(ckpt)
     tear(ckpt, target, how)
+    return ckpt, target, fallback
+
+
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_torn_newest_record_is_ignored(strategy, how, example_run, example_truth, tmp_path):
+    ckpt, _, fallback = torn_copy(example_run, strategy, how, tmp_path / "ckpts")
     state, _ = restore(tmp_path, ckpt, "latest")
     assert state["step"] == fallback
     assert_training_state(state, example_truth(fallback))
 
+
+@pytest.mark.parametrize("strategy, how", RESUMES)
+def test_run_resumes_past_a_torn_record(strategy, how, example_run, example_truth, tmp_path):
+    ckpt, target, fallback = torn_copy(example_run, strategy, how, tmp_path / "ckpts")
     resume_run(tmp_path, strategy, ckpt)
     assert run_events(tmp_path / "metrics")[0]["resume_step"] == fallback
     assert_training_state(load(tmp_path / "final.pt"), example_truth(STEPS))
@@ -112,7 +136,7 @@ def test_flipped_byte_is_reported_and_skipped(strategy, example_run, example_tru
     target, fallback = newest_and_fallback(ckpt)
     key = flip_tensor_byte(ckpt, target)
 
-    proc = ckptrun(tmp_path, "verify", "--dir", ckpt)
+    proc = verify(tmp_path, ckpt)
     assert proc.returncode == 1
     bad = [line for line in proc.stdout.splitlines() if line.startswith("BAD")]
     assert len(bad) == 1 and target in bad[0] and key in bad[0], proc.stdout

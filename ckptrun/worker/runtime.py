@@ -212,7 +212,7 @@ class Runtime:
             rank=rank, world_size=world_size, restart_count=restart_count, dir=cfg.dir, keep=cfg.keep,
             strategy=cfg.strategy, engine_handler=REGISTRY[cfg.strategy].engine_handler, writers=cfg.writers,
             io_threads=cfg.io_threads,
-            fault=os.environ.get(faults.ENV) if self.fault else None, io_engine=cfg.io_engine))
+            fault=self.fault.text if self.fault else None, io_engine=cfg.io_engine))
         self.engine_pid = hello["pid"]
         if hello["slots"]:
             self.slots.add(hello["slots"], pin=self._cuda)
