@@ -12,7 +12,6 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from .errors import CkptrunError, UsageError
 
@@ -227,11 +226,15 @@ def _time_or_none(value: object) -> float | None:
 
 @app.command("ls")
 def ls(dir: Dir = Path("ckpts"),
-       as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
+       as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output, every field.")] = False,
+       wide: Annotated[bool, typer.Option("--wide", help="Every column, however narrow the terminal (by "
+                                                         "default the less important ones are left out "
+                                                         "where they do not fit).")] = False) -> None:
     """List committed steps, and the step a live run's engines hold in memory (kind `memory`:
     survives a worker crash, not a machine loss; lowdiff+)."""
     from .storage import memory_status
     from .storage.store import Store
+    from .widthfit import Col, fit_table, left_out_line
 
     store = Store.existing(dir)
     rows = [{"step": m.step, "kind": m.kind, "record": m.name, "bytes": m.bytes, "ranks": m.world_size,
@@ -251,12 +254,16 @@ def ls(dir: Dir = Path("ckpts"),
     if as_json:
         out.print_json(json.dumps(rows))
         return
-    table = Table("step", "kind", "record", "bytes", "ranks", "bytes per rank", "depends_on", "layout")
-    for r in rows:
-        steps = str(r["step"]) if r["first_step"] == r["step"] else f"{r['first_step']}-{r['step']}"
-        table.add_row(steps, r["kind"], r["record"], f"{r['bytes']:,}", str(r["ranks"]), _per_rank(r["rank_bytes"]),
-                      ", ".join(r["depends_on"]) or "-", r["layout"])
+    columns = (Col("step", key=True), Col("kind", 1, justify="left"), Col("record", key=True, justify="left"),
+               Col("bytes", 2), Col("ranks", 5), Col("bytes per rank", 4), Col("depends_on", 3, justify="left"),
+               Col("layout", 6, justify="left"))
+    cells = [[str(r["step"]) if r["first_step"] == r["step"] else f"{r['first_step']}-{r['step']}", r["kind"],
+              r["record"], f"{r['bytes']:,}", str(r["ranks"]), _per_rank(r["rank_bytes"]),
+              ", ".join(r["depends_on"]) or "-", r["layout"]] for r in rows]
+    table, left_out = fit_table(columns, cells, None if wide else out.width)
     out.print(table)
+    if left_out:
+        out.print(left_out_line(left_out, "--wide or --json shows them"))
 
 
 def _per_rank(sizes: list[int] | None) -> str:
@@ -342,6 +349,9 @@ def bench(
                                                   "--traces writes them) instead of drawing kills.")] = "",
     traces: Annotated[str, typer.Option(help="With --failures: write each kill schedule used to this folder "
                                              "as a failure trace.")] = "",
+    wide: Annotated[bool, typer.Option("--wide", help="Every column of the tables, however narrow the terminal "
+                                                      "(by default the less important ones are left out where "
+                                                      "they do not fit, and said so).")] = False,
 ) -> None:
     """Measure every strategy against no checkpointing, torch.save and DCP async_save; with
     --failures, their goodput when failures really happen."""
@@ -349,7 +359,7 @@ def bench(
 
     raise typer.Exit(run_bench(BenchOptions(model, strategies, every, steps, repeat, device, trainer_threads,
                                             warmup, dir, json_file, plot, io_engine, failures, mtbf, duration,
-                                            seed, failure_log, traces), out, err))
+                                            seed, failure_log, traces, wide), out, err))
 
 
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})

@@ -44,6 +44,7 @@ class BenchOptions:
     seed: int = 0
     failure_log: str = ""  # replay this failure trace instead of drawing kills
     traces: str = ""  # write each kill schedule here as a failure trace
+    wide: bool = False  # every column of the tables, however narrow the terminal
 
     def validate(self) -> None:
         if self.model not in plan.MODELS:
@@ -114,7 +115,7 @@ def run_bench(o: BenchOptions, console: Console | None = None, progress: Console
     title = (f"ckptrun bench: model {o.model}, {o.steps} steps (first {o.warmup} untimed), median of {o.repeat} "
              f"[min-max], {o.device}, {o.trainer_threads} trainer thread(s), dir on {fs}, writer {o.io_engine} "
              f"({desc['io_engine']})")
-    report.print_table(report.table(rows, title), console)
+    report.print_tables(report.tables(rows, title, report.report_width(console, o.wide)), console)
     params = next((out.params for runs in outcomes.values() for out in runs if out.params), None)
     settings = {**asdict(o), "model_args": plan.MODELS[o.model], "params": params, "dir": str(root)}
     if o.json:
