@@ -130,8 +130,21 @@ def run(
     metrics_file: Annotated[str | None, typer.Option(help="Append every metrics event (one JSON object per "
                                                           "line, per step per rank, per commit, per restart) "
                                                           "to this file as it happens.")] = None,
-    dashboard: Annotated[bool, typer.Option(help="Live panel on a terminal, a log line every few seconds "
-                                                 "otherwise; an exit summary either way.")] = True,
+    dashboard: Annotated[bool, typer.Option(help="Live panel on a terminal (made for 80 columns: per rank "
+                                                 "step, durable step, work at risk, stall, bandwidth, errors). "
+                                                 "--no-dashboard, or off a terminal: a log line every "
+                                                 "--log-interval seconds, each warning and error, and the exit "
+                                                 "summary, through Python logging (logger `ckptrun`, on "
+                                                 "stderr).")] = True,
+    dashboard_wide: Annotated[bool, typer.Option("--dashboard-wide", help="The live panel with every column "
+                                                                          "(snapshot, in-flight, queue, stall "
+                                                                          "by cause, ...; about 160 "
+                                                                          "columns).")] = False,
+    log_interval: Annotated[float, typer.Option(min=0.1, help="Seconds between two progress lines of the "
+                                                              "log (without the live panel).")] = 5.0,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Errors only: no panel, no progress lines, no "
+                                                              "summary (the script's own output is "
+                                                              "unchanged).")] = False,
     nproc_per_node: Annotated[str, typer.Option(help="Workers per node (torchrun).")] = "1",
     nnodes: Annotated[str, typer.Option(help="Number of nodes, or MIN:MAX (torchrun).")] = "1",
     node_rank: Annotated[int | None, typer.Option(help="Rank of this node (torchrun).")] = None,
@@ -165,10 +178,12 @@ def run(
 ) -> None:
     """Run SCRIPT under ckptrun: hooks installed, state checkpointed, failures restarted."""
     from .config import RunConfig
-    from .launcher.run import LaunchOptions
+    from .launcher.run import LaunchOptions, OutputOptions
     from .launcher.run import run as launch
+    from .log import configure
     from .storage.iowriter import ENGINES
 
+    configure(quiet=quiet)
     if every != "auto" and not every.lstrip("-").isdigit():
         raise UsageError(f"--every must be a number of steps or auto (got {every!r})")
     if io_engine not in ENGINES:
@@ -183,8 +198,8 @@ def run(
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf,
                          local_addr, master_addr, master_port, max_restarts, standalone,
                          term_timeout=_duration("--term-timeout", term_timeout))
-    raise typer.Exit(launch(cfg, opts, script, list(script_args or []), dashboard=dashboard,
-                            metrics_file=metrics_file))
+    output = OutputOptions(dashboard=dashboard, wide=dashboard_wide, log_interval=log_interval, quiet=quiet)
+    raise typer.Exit(launch(cfg, opts, script, list(script_args or []), output=output, metrics_file=metrics_file))
 
 
 @app.command()
