@@ -275,6 +275,8 @@ def ls(dir: Dir = Path("ckpts"),
     cells = [[str(r["step"]) if r["first_step"] == r["step"] else f"{r['first_step']}-{r['step']}", r["kind"],
               r["record"], f"{r['bytes']:,}", str(r["ranks"]), _per_rank(r["rank_bytes"]),
               ", ".join(r["depends_on"]) or "-", r["layout"]] for r in rows]
+    if all(r["ranks"] <= 1 for r in rows):  # bytes per rank would repeat bytes
+        columns, cells = columns[:5] + columns[6:], [c[:5] + c[6:] for c in cells]
     table, left_out = fit_table(columns, cells, None if wide else out.width)
     out.print(table)
     if left_out:
@@ -324,15 +326,19 @@ def verify(dir: Dir = Path("ckpts"), optimizer_class: OptimizerClass = None) -> 
 def bench(
     model: Annotated[str, typer.Option(help="Example GPT size: tiny (seconds, for tests), small (CPU; ~55 MB "
                                             "of state), medium (GPU; ~1.3 GB).")] = "small",
-    strategies: Annotated[str, typer.Option(help="Comma-separated references (torch.save, dcp-thread, "
-                                                 "dcp-process) and ckptrun strategies to run, or `all`; "
-                                                 "`none` (no checkpointing) always runs.")] = "all",
+    strategies: Annotated[str, typer.Option(help="What to measure, comma-separated: references (torch.save, "
+                                                 "dcp-thread, dcp-process), ckptrun strategies and their variants "
+                                                 "(lightcheck-whole, gockpt-k4, lowdiff+topk, ...). `default`: "
+                                                 "torch.save, dcp-thread and each strategy once at its defaults "
+                                                 "(about 3 minutes on 2 cores with the other defaults); `all`: "
+                                                 "every reference, strategy and variant. `none` (no "
+                                                 "checkpointing) always runs.")] = "default",
     every: Annotated[str, typer.Option(help="Checkpoint interval(s) in steps, comma-separated, e.g. 1,5,10,50; "
                                             "each configuration runs at each.")] = "1",
     steps: Annotated[int, typer.Option(help="Training steps per run (not with --failures: those runs last "
                                             "--duration).")] = 30,
-    repeat: Annotated[int, typer.Option(help="Repetitions, interleaved; figures are their median "
-                                             "[min-max].")] = 3,
+    repeat: Annotated[int, typer.Option(help="Repetitions, interleaved; figures are their median, with their "
+                                             "min-max in a second table (3 for figures to quote).")] = 1,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     trainer_threads: Annotated[int, typer.Option(help="torch threads of the trainer; the default 1 leaves "
                                                       "the checkpoint engine a core.")] = 1,

@@ -28,6 +28,7 @@ from . import machine, plan, report
 from .failure_runner import run_under_failures
 from .failures import Schedule
 from .goodput import Goodput, goodput
+from .progress import RunProgress
 
 if TYPE_CHECKING:  # (the driver imports this module)
     from .driver import BenchOptions
@@ -72,20 +73,22 @@ def run_failure_bench(o: BenchOptions, console: Console, progress: Console) -> i
     t0 = time.perf_counter()
     results: dict[tuple[str, str], list[Goodput | str]] = {}
     n = 0
-    for rep in range(o.repeat):
-        runs = [(NO_FAILURES, c, Schedule((), o.duration_s(), NO_FAILURES)) for c in baselines]
-        runs += [(label, c, ss[rep]) for label, ss in plans.items() for c in configs]
-        for label, cfg, schedule in runs:
-            n += 1
-            run_dir = root / f"fail-{os.getpid()}-r{rep}-{n:03d}-{cfg.name.replace('@', '-every-')}"
-            try:
-                result: Goodput | str = goodput(run_under_failures(cfg, work, run_dir, schedule, o.failures))
-                shutil.rmtree(run_dir, ignore_errors=True)
-            except CkptrunError as e:
-                result = str(e)
-            results.setdefault((label, cfg.name), []).append(result)
-            progress.print(f"[{n}/{total}] {cfg.name}, {label} (repetition {rep + 1}): {_line(result)} "
-                           f"[{time.perf_counter() - t0:.0f} s]", markup=False)
+    with RunProgress(progress, total) as shown:
+        for rep in range(o.repeat):
+            runs = [(NO_FAILURES, c, Schedule((), o.duration_s(), NO_FAILURES)) for c in baselines]
+            runs += [(label, c, ss[rep]) for label, ss in plans.items() for c in configs]
+            for label, cfg, schedule in runs:
+                n += 1
+                shown.running(f"{cfg.name}, {label} ({rep + 1}/{o.repeat})")
+                run_dir = root / f"fail-{os.getpid()}-r{rep}-{n:03d}-{cfg.name.replace('@', '-every-')}"
+                try:
+                    result: Goodput | str = goodput(run_under_failures(cfg, work, run_dir, schedule, o.failures))
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                except CkptrunError as e:
+                    result = str(e)
+                results.setdefault((label, cfg.name), []).append(result)
+                shown.done(f"{cfg.name}, {label} (repetition {rep + 1}): {_line(result)}",
+                           failed=isinstance(result, str))
     rows = summarize(configs, plans, results)
     title = (f"ckptrun bench --failures {o.failures}: model {o.model}, {format_duration(o.duration_s())} per run, "
              f"median of {o.repeat}, {o.device}, {o.trainer_threads} trainer thread(s)")
