@@ -10,6 +10,10 @@ from types import TracebackType
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+# The time left is estimated from the runs' mean time over the whole bench: a run takes longer
+# than rich's default 30-second window, which would leave the estimate blank between runs.
+SPEED_WINDOW_S = 24 * 3600.0
+
 
 class RunProgress:
     """`with RunProgress(console, total) as p:` then `p.running(name)` before each run and
@@ -23,7 +27,8 @@ class RunProgress:
         if console.is_terminal:
             self._bar = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                                  MofNCompleteColumn(), TextColumn("runs"), TimeElapsedColumn(),
-                                 TextColumn("elapsed, left"), TimeRemainingColumn(), console=console, transient=True)
+                                 TextColumn("elapsed, left"), TimeRemainingColumn(), console=console, transient=True,
+                                 speed_estimate_period=SPEED_WINDOW_S)
 
     def __enter__(self) -> RunProgress:
         if self._bar is not None:
