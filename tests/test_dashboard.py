@@ -589,3 +589,24 @@ def test_metrics_file_writer_appends_json_lines(tmp_path: Path) -> None:
     lines = path.read_text().splitlines()
     assert [json.loads(ln)["type"] for ln in lines] == ["old", "step", "note"]
     assert json.loads(lines[2])["text"] == "line\nbreak"
+
+
+def test_quiet_keeps_errors_only_and_a_users_handler_gets_the_log() -> None:
+    """The launcher logs through the `ckptrun` logger: a handler added to it (a JSON formatter, a
+    log shipper) gets each line; --quiet keeps the errors only."""
+    from ckptrun.log import configure, log
+
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    log.addHandler(handler)
+    try:
+        log.info("step 1 | durable 1")
+        configure(quiet=True)
+        log.info("step 2 | durable 2")
+        log.warning("rank 0 restarted")
+        log.error("save error: rank 0 step 3: ENOSPC")
+    finally:
+        configure(quiet=False)
+        log.removeHandler(handler)
+    assert buf.getvalue().splitlines() == ["INFO step 1 | durable 1", "ERROR save error: rank 0 step 3: ENOSPC"]
