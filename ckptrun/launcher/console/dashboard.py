@@ -1,9 +1,12 @@
-"""The launcher's live view of checkpointing, and the log lines and summary when not on a TTY.
+"""The launcher's live view of checkpointing, and its log when there is no live view.
 
-:func:`render` turns :class:`~ckptrun.launcher.console.metrics_feed.MetricsState` into a rich renderable.
-:class:`Dashboard` runs a background thread that tails the metrics folder, keeps the state,
-copies events to ``--metrics-file`` and either refreshes a rich ``Live`` view (TTY) or prints
-a compact log line every few seconds (pipes, CI logs). It must never raise into the launcher.
+:func:`render` turns :class:`~ckptrun.launcher.console.metrics_feed.MetricsState` into a rich
+renderable: the compact view, made for 80 columns (one per-rank table fitted to the terminal,
+ckptrun/widthfit.py), or the wide one (every column). :class:`Dashboard` runs a background thread
+that tails the metrics folder, keeps the state, copies events to ``--metrics-file`` and either
+refreshes a rich ``Live`` view (TTY) or logs a progress line every few seconds
+(:mod:`~ckptrun.launcher.console.batch_log`: pipes, batch jobs). It must never raise into the
+launcher.
 """
 
 from __future__ import annotations
