@@ -12,7 +12,6 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from .errors import CkptrunError, UsageError
 
@@ -150,8 +149,21 @@ def run(
     metrics_file: Annotated[str | None, typer.Option(help="Append every metrics event (one JSON object per "
                                                           "line, per step per rank, per commit, per restart) "
                                                           "to this file as it happens.")] = None,
-    dashboard: Annotated[bool, typer.Option(help="Live panel on a terminal, a log line every few seconds "
-                                                 "otherwise; an exit summary either way.")] = True,
+    dashboard: Annotated[bool, typer.Option(help="Live panel on a terminal (made for 80 columns: per rank "
+                                                 "step, durable step, work at risk, stall, bandwidth, errors). "
+                                                 "--no-dashboard, or off a terminal: a log line every "
+                                                 "--log-interval seconds, each warning and error, and the exit "
+                                                 "summary, through Python logging (logger `ckptrun`, on "
+                                                 "stderr).")] = True,
+    dashboard_wide: Annotated[bool, typer.Option("--dashboard-wide", help="The live panel with every column "
+                                                                          "(snapshot, in-flight, queue, stall "
+                                                                          "by cause, ...; about 160 "
+                                                                          "columns).")] = False,
+    log_interval: Annotated[float, typer.Option(min=0.1, help="Seconds between two progress lines of the "
+                                                              "log (without the live panel).")] = 5.0,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Errors only: no panel, no progress lines, no "
+                                                              "summary (the script's own output is "
+                                                              "unchanged).")] = False,
     nproc_per_node: Annotated[str, typer.Option(help="Workers per node (torchrun).")] = "1",
     nnodes: Annotated[str, typer.Option(help="Number of nodes, or MIN:MAX (torchrun).")] = "1",
     node_rank: Annotated[int | None, typer.Option(help="Rank of this node (torchrun).")] = None,
@@ -185,11 +197,13 @@ def run(
 ) -> None:
     """Run SCRIPT under ckptrun: hooks installed, state checkpointed, failures restarted."""
     from .config import RunConfig
-    from .launcher.run import LaunchOptions
+    from .launcher.run import LaunchOptions, OutputOptions
     from .launcher.run import run as launch
+    from .log import configure
     from .storage.iowriter import ENGINES
     from .strategies import REGISTRY
 
+    configure(quiet=quiet)
     if every != "auto" and not every.lstrip("-").isdigit():
         raise UsageError(f"--every must be a number of steps or auto (got {every!r})")
     if io_engine not in ENGINES:
@@ -208,8 +222,8 @@ def run(
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf,
                          local_addr, master_addr, master_port, max_restarts, standalone,
                          term_timeout=_duration("--term-timeout", term_timeout))
-    raise typer.Exit(launch(cfg, opts, script, list(script_args or []), dashboard=dashboard,
-                            metrics_file=metrics_file))
+    output = OutputOptions(dashboard=dashboard, wide=dashboard_wide, log_interval=log_interval, quiet=quiet)
+    raise typer.Exit(launch(cfg, opts, script, list(script_args or []), output=output, metrics_file=metrics_file))
 
 
 @app.command()
@@ -251,11 +265,15 @@ def _time_or_none(value: object) -> float | None:
 
 @app.command("ls")
 def ls(dir: Dir = Path("ckpts"),
-       as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
+       as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output, every field.")] = False,
+       wide: Annotated[bool, typer.Option("--wide", help="Every column, however narrow the terminal (by "
+                                                         "default the less important ones are left out "
+                                                         "where they do not fit).")] = False) -> None:
     """List committed steps, and the step a live run's engines hold in memory (kind `memory`:
     survives a worker crash, not a machine loss; lowdiff+)."""
     from .storage import memory_status
     from .storage.store import Store
+    from .widthfit import Col, fit_table, left_out_line
 
     store = Store.existing(dir)
     rows = [{"step": m.step, "kind": m.kind, "record": m.name, "bytes": m.bytes, "ranks": m.world_size,
@@ -275,12 +293,18 @@ def ls(dir: Dir = Path("ckpts"),
     if as_json:
         out.print_json(json.dumps(rows))
         return
-    table = Table("step", "kind", "record", "bytes", "ranks", "bytes per rank", "depends_on", "layout")
-    for r in rows:
-        steps = str(r["step"]) if r["first_step"] == r["step"] else f"{r['first_step']}-{r['step']}"
-        table.add_row(steps, r["kind"], r["record"], f"{r['bytes']:,}", str(r["ranks"]), _per_rank(r["rank_bytes"]),
-                      ", ".join(r["depends_on"]) or "-", r["layout"])
+    columns = (Col("step", key=True), Col("kind", 1, justify="left"), Col("record", key=True, justify="left"),
+               Col("bytes", 2), Col("ranks", 5), Col("bytes per rank", 4), Col("depends_on", 3, justify="left"),
+               Col("layout", 6, justify="left"))
+    cells = [[str(r["step"]) if r["first_step"] == r["step"] else f"{r['first_step']}-{r['step']}", r["kind"],
+              r["record"], f"{r['bytes']:,}", str(r["ranks"]), _per_rank(r["rank_bytes"]),
+              ", ".join(r["depends_on"]) or "-", r["layout"]] for r in rows]
+    if all(r["ranks"] <= 1 for r in rows):  # bytes per rank would repeat bytes
+        columns, cells = columns[:5] + columns[6:], [c[:5] + c[6:] for c in cells]
+    table, left_out = fit_table(columns, cells, None if wide else out.width)
     out.print(table)
+    if left_out:
+        out.print(left_out_line(left_out, "--wide or --json shows them"))
 
 
 def _per_rank(sizes: list[int] | None) -> str:
@@ -326,15 +350,19 @@ def verify(dir: Dir = Path("ckpts"), optimizer_class: OptimizerClass = None) -> 
 def bench(
     model: Annotated[str, typer.Option(help="Example GPT size: tiny (seconds, for tests), small (CPU; ~55 MB "
                                             "of state), medium (GPU; ~1.3 GB).")] = "small",
-    strategies: Annotated[str, typer.Option(help="Comma-separated references (torch.save, dcp-thread, "
-                                                 "dcp-process) and ckptrun strategies to run, or `all`; "
-                                                 "`none` (no checkpointing) always runs.")] = "all",
+    strategies: Annotated[str, typer.Option(help="What to measure, comma-separated: references (torch.save, "
+                                                 "dcp-thread, dcp-process), ckptrun strategies and their variants "
+                                                 "(lightcheck-whole, gockpt-k4, lowdiff+topk, ...). `default`: "
+                                                 "torch.save, dcp-thread and each strategy once at its defaults "
+                                                 "(about 3 minutes on 2 cores with the other defaults); `all`: "
+                                                 "every reference, strategy and variant. `none` (no "
+                                                 "checkpointing) always runs.")] = "default",
     every: Annotated[str, typer.Option(help="Checkpoint interval(s) in steps, comma-separated, e.g. 1,5,10,50; "
                                             "each configuration runs at each.")] = "1",
     steps: Annotated[int, typer.Option(help="Training steps per run (not with --failures: those runs last "
                                             "--duration).")] = 30,
-    repeat: Annotated[int, typer.Option(help="Repetitions, interleaved; figures are their median "
-                                             "[min-max].")] = 3,
+    repeat: Annotated[int, typer.Option(help="Repetitions, interleaved; figures are their median, with their "
+                                             "min-max in a second table (3 for figures to quote).")] = 1,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     trainer_threads: Annotated[int, typer.Option(help="torch threads of the trainer; the default 1 leaves "
                                                       "the checkpoint engine a core.")] = 1,
@@ -366,6 +394,9 @@ def bench(
                                                   "--traces writes them) instead of drawing kills.")] = "",
     traces: Annotated[str, typer.Option(help="With --failures: write each kill schedule used to this folder "
                                              "as a failure trace.")] = "",
+    wide: Annotated[bool, typer.Option("--wide", help="Every column of the tables, however narrow the terminal "
+                                                      "(by default the less important ones are left out where "
+                                                      "they do not fit, and said so).")] = False,
 ) -> None:
     """Measure every strategy against no checkpointing, torch.save and DCP async_save; with
     --failures, their goodput when failures really happen."""
@@ -373,7 +404,7 @@ def bench(
 
     raise typer.Exit(run_bench(BenchOptions(model, strategies, every, steps, repeat, device, trainer_threads,
                                             warmup, dir, json_file, plot, io_engine, failures, mtbf, duration,
-                                            seed, failure_log, traces), out, err))
+                                            seed, failure_log, traces, wide), out, err))
 
 
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})

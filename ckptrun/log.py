@@ -14,7 +14,24 @@ import sys
 
 
 class _Stderr(logging.StreamHandler):
-    """Writes to whatever `sys.stderr` is at the time (pytest and the worker bootstrap swap it)."""
+    """Writes to whatever `sys.stderr` is at the time (pytest and the worker bootstrap swap it).
+
+    `fresh_lines`: start each line on a new line unless the output is known to be at a line start
+    (the launcher off a terminal, whose output the workers share: one may have left a progress
+    bar's line open)."""
+
+    fresh_lines = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.fresh_lines:
+            from .launcher.console.worker_logs import at_line_start
+
+            try:
+                if not at_line_start(self.stream):
+                    self.stream.write("\n")
+            except Exception:
+                pass
+        super().emit(record)
 
     @property
     def stream(self):
@@ -23,6 +40,17 @@ class _Stderr(logging.StreamHandler):
     @stream.setter
     def stream(self, value) -> None:
         pass
+
+
+def configure(*, quiet: bool | None = None, fresh_lines: bool | None = None) -> None:
+    """The launcher's settings (`ckptrun run`): `quiet` logs errors only; `fresh_lines` as
+    `_Stderr`'s. A handler a user added to the ``ckptrun`` logger gets the same records."""
+    if quiet is not None:
+        log.setLevel(logging.ERROR if quiet else logging.INFO)
+    if fresh_lines is not None:
+        for handler in log.handlers:
+            if isinstance(handler, _Stderr):
+                handler.fresh_lines = fresh_lines
 
 
 log = logging.getLogger("ckptrun")

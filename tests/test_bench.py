@@ -4,17 +4,21 @@ configuration choice) without runs. Nothing here asserts speed."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import sys
 
 import pytest
 from conftest import EXAMPLE, assert_training_state, ckptrun, load, ok, python
+from rich.console import Console
 
-from ckptrun.bench import figures, plan, report, stats
+from ckptrun.bench import BenchOptions, figures, plan, report, stats
 from ckptrun.bench.figures import FIGURES, RunFigures
+from ckptrun.bench.progress import RunProgress
 from ckptrun.bench.runner import Outcome
 from ckptrun.errors import CkptrunError, UsageError
+from ckptrun.strategies import REGISTRY
 
 MACHINE_KEYS = {"cpu_model", "logical_cores", "torch", "gpus", "dir_filesystem"}
 
@@ -78,10 +82,36 @@ def test_configurations_put_none_first_and_name_intervals():
     assert names == ["none", "checkfreq@1", "checkfreq@5", "torch.save@1", "torch.save@5"]
     everything = {c.method for c in plan.configurations("all", "1")}
     assert {"none", "torch.save", "dcp-thread", "dcp-process", "sync", "checkfreq"} <= everything
+    # The default answers "what does each strategy cost against what I would use otherwise": each
+    # registered strategy once at its defaults, one DCP mode; the variants only under `all`.
+    default = [c.name for c in plan.configurations("default", "1")]
+    assert default == ["none", "torch.save", "dcp-thread", *REGISTRY]
+    assert not set(default) & {*plan.VARIANTS, "dcp-process"}
+    assert {*plan.VARIANTS, "dcp-process"} <= {c.name for c in plan.configurations("all", "1")}
+    assert BenchOptions().strategies == "default" and BenchOptions().repeat == 1
     with pytest.raises(UsageError, match="unknown --strategies nope"):
         plan.configurations("nope", "1")
     with pytest.raises(UsageError, match="--every"):
         plan.configurations("sync", "0")
+
+
+def test_progress_is_a_bar_on_a_terminal_and_a_line_per_run_in_a_log():
+    log = Console(file=io.StringIO(), width=120)
+    with RunProgress(log, 2) as shown:
+        shown.running("sync (1/1)")
+        shown.done("none (repetition 1): 10.0 ms/step")
+        shown.done("sync (repetition 1): FAILED: boom", failed=True)
+    assert [ln.split(" [")[0] for ln in log.file.getvalue().splitlines()] == [
+        "[1/2] none (repetition 1): 10.0 ms/step", "[2/2] sync (repetition 1): FAILED: boom"]
+    term = Console(file=io.StringIO(), width=120, force_terminal=True, color_system=None)
+    with RunProgress(term, 2) as shown:
+        shown.running("sync (1/1)")
+        shown.done("none (repetition 1): 10.0 ms/step")
+        shown._bar.refresh()
+        shown.done("sync (repetition 1): FAILED: boom", failed=True)
+    out = term.file.getvalue()
+    assert "sync (1/1)" in out and "1/2 runs" in out and "elapsed, left" in out and "0:00:00" in out
+    assert "FAILED: boom" in out and "10.0 ms/step" not in out  # a run's figures: in the report, not here
 
 
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
 import sys
@@ -153,8 +154,8 @@ class FakeNvml:
         return SimpleNamespace(used=30_000_000_000, total=80_000_000_000, free=50_000_000_000)
 
 
-def _text(renderable: object) -> str:
-    console = Console(record=True, width=140, file=io.StringIO())
+def _text(renderable: object, width: int = 140) -> str:
+    console = Console(record=True, width=width, file=io.StringIO())
     console.print(renderable)
     return console.export_text()
 
@@ -320,7 +321,7 @@ def test_render_with_simulated_gpu() -> None:
     assert host.rss["gone"] is None
     assert host.gpus is not None and [g.util_percent for g in host.gpus] == [87.0, 88.0]
 
-    out = _text(render(state, host, now=T0 + 50))
+    out = _text(render(state, host, now=T0 + 50, wide=True), width=400)
     for expected in (
         "async-overlap",
         "interval=10",
@@ -355,7 +356,7 @@ def test_render_without_pynvml(monkeypatch: pytest.MonkeyPatch) -> None:
     host = HostSampler().sample({})
     assert host.gpus is None and host.gpu_note == "pynvml not installed"
     out = _text(render(_scenario(), host, now=T0 + 50))
-    assert "GPU n/a (pynvml not installed)" in out
+    assert out.rstrip().endswith("GPU -")  # no GPU to read: nothing more to say
 
 
 @pytest.mark.parametrize(
@@ -374,7 +375,9 @@ def test_render_when_nvml_fails(fake: FakeNvml, note: str) -> None:
         host = sampler.sample({})
         assert host.gpus is None and host.gpu_note.startswith(note)
     out = _text(render(_scenario(), host, now=T0 + 50))
-    assert "GPU n/a (" + note in out
+    # a GPU that NVML found but cannot read says so, in short; no NVML or no GPU: `GPU -`
+    assert ("GPU n/a (NVML error)" if note.startswith("NVML error") else "GPU -") in out
+    assert "NVMLError" not in out and "exploded" not in out
     assert "host CPU 5%" in out
 
 
@@ -407,9 +410,40 @@ def test_summary_table_shows_totals() -> None:
 def test_log_line_format() -> None:
     line = log_line(_scenario(), now=T0 + 50)
     assert line == (
-        "[ckptrun] step 100 | 2.0 it/s | stall 50.5 ms/step (p99 99.0) | durable 90 (2.0 s ago) "
+        "step 100 | 2.0 it/s | durable 90 (2.0 s ago) | at risk 10 st / 5.0 s | stall 50.5 ms/step (p99 99.0) "
         "| 30 MB/s | restarts 0"
     )
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_compact_view_fits_the_terminal_without_cutting_a_header(width: int) -> None:
+    """Made for 80 columns: one table, one line per rank, every header whole; what is left out
+    is said in one line; the wide view has every column."""
+    state = _scenario()
+    state.apply(_run(1))
+    state.apply(_step(1, 1, T0 + 1, snapshot=0.001))
+    state.apply({"type": "in_memory", "t": T0 + 50, "rank": 0, "step": 99})
+    host = HostSampler(nvml_loader=lambda: FakeNvml(fail="nvmlInit"), cpu_percent=lambda: 5.0).sample(
+        {"rank0": os.getpid(), "engine0": os.getpid()})
+    console = Console(record=True, width=width, file=io.StringIO())
+    console.print(render(state, host, now=T0 + 50, width=width))
+    lines = console.export_text().splitlines()
+    assert all(len(ln.rstrip()) <= width for ln in lines), "\n".join(lines)
+    assert "…" not in "\n".join(lines)
+    header = next(ln for ln in lines if ln.lstrip().startswith("rank"))
+    for name in ("step", "durable", "at risk", "stall ms/step"):
+        assert name in header, header
+    rows = [ln for ln in lines if re.match(r"^\s+[01]\s+\d+\s", ln)]
+    assert len(rows) == 2, "\n".join(lines)  # one line per rank
+    shown = re.split(r"\s{2,}", header.strip())
+    missing = [c for c in ("it/s", "in memory", "MB/s", "restarts", "errors") if c not in shown]
+    note = [ln for ln in lines if ln.startswith("not shown: ")]
+    assert bool(missing) == bool(note)
+    if note:
+        assert all(c in note[0] for c in missing) and "--dashboard-wide" in note[0]
+    assert lines[-1].endswith("GPU -") and "RSS trainers" in lines[-1]
+    wide = _text(render(state, host, now=T0 + 50, wide=True), width=400)
+    assert "in-flight" in wide and "bandwidth history" in wide and "at risk (machine)" in wide
 
 
 # --------------------------------------------------------------------------- driver
@@ -425,20 +459,31 @@ def _wait_for(predicate, timeout: float = 3.0) -> bool:
 
 
 LOG_RE = re.compile(
-    r"^\[ckptrun\] (step \d+ \| ([\d.]+|n/a) it/s \| stall [\d.]+ ms/step \(p99 [\d.]+\) \| "
-    r"durable (\d+ \([\d.]+ s ago\)|none) \| (\d+|n/a) MB/s \| restarts \d+"
+    r"^ckptrun: (step \d+ \| ([\d.]+|n/a) it/s \| durable (\d+ \([\d.]+ s ago\)|none) \| at risk \d+ st / [\d.]+ s "
+    r"\| stall [\d.]+ ms/step \(p99 [\d.]+\) \| (\d+|n/a) MB/s \| restarts \d+"
     r"|rank \d+ restarted .*)$"
 )
 
 
-def test_non_tty_prints_log_lines_and_writes_metrics_file(tmp_path: Path) -> None:
+def _logger(buf: io.StringIO) -> logging.Logger:
+    """A logger of ckptrun's form writing to `buf` (the launcher's is `ckptrun`, on stderr)."""
+    logger = logging.getLogger(f"ckptrun-test-{id(buf)}")
+    handler = logging.StreamHandler(buf)
+    handler.setFormatter(logging.Formatter("ckptrun: %(message)s"))
+    logger.handlers, logger.propagate = [handler], False
+    logger.setLevel(logging.INFO)
+    return logger
+
+
+def test_non_tty_logs_lines_and_writes_metrics_file(tmp_path: Path) -> None:
     metrics_dir = tmp_path / "metrics"
     metrics_dir.mkdir()
     metrics_file = tmp_path / "out" / "metrics.jsonl"
     buf = io.StringIO()
-    console = Console(file=buf, width=80)  # not a terminal
+    console = Console(file=io.StringIO(), width=80)  # not a terminal
     dash = Dashboard(
-        metrics_dir, metrics_file, live=None, console=console, poll_interval=0.01, log_interval=0.05
+        metrics_dir, metrics_file, live=None, console=console, poll_interval=0.01, log_interval=0.05,
+        logger=_logger(buf)
     )
     assert dash.live is False
     dash.start()
@@ -447,7 +492,7 @@ def test_non_tty_prints_log_lines_and_writes_metrics_file(tmp_path: Path) -> Non
         _step(0, i, now + 0.01 * i, snapshot=0.001, nbytes=5_000_000 * (i == 3)) for i in range(1, 4)
     ]
     _append(metrics_dir / "worker-0.jsonl", "".join(_line(e) for e in events) + '{"type": "step", "t"')
-    assert _wait_for(lambda: "[ckptrun] step 3" in buf.getvalue())
+    assert _wait_for(lambda: "ckptrun: step 3" in buf.getvalue())
     late = [
         {
             "type": "commit",
@@ -472,8 +517,8 @@ def test_non_tty_prints_log_lines_and_writes_metrics_file(tmp_path: Path) -> Non
     dash.stop()  # idempotent
 
     out = buf.getvalue()
-    assert "\x1b" not in out  # no colours, no cursor movement
-    log_part, _, summary = out.partition("ckptrun summary")
+    assert "\x1b" not in out and console.file.getvalue() == ""  # all through logging
+    log_part, _, summary = out.partition("ckptrun: summary: ")
     lines = [ln for ln in log_part.splitlines() if ln.strip()]
     assert len(lines) >= 3
     for ln in lines:
@@ -489,7 +534,8 @@ def test_non_tty_prints_log_lines_and_writes_metrics_file(tmp_path: Path) -> Non
 
 def test_dashboard_errors_are_reported_once_and_never_raise(tmp_path: Path) -> None:
     buf = io.StringIO()
-    dash = Dashboard(tmp_path, live=False, console=Console(file=buf, width=200), poll_interval=0.01)
+    dash = Dashboard(tmp_path, live=False, console=Console(file=io.StringIO(), width=200), poll_interval=0.01,
+                     logger=_logger(buf))
 
     def broken(event: dict) -> None:
         raise RuntimeError("kaboom")
@@ -519,6 +565,20 @@ def test_live_mode_draws_dashboard(tmp_path: Path) -> None:
     assert "0: 87% mem 30.0/80.0 GB" in out and "ckptrun summary" in out
 
 
+@pytest.mark.parametrize("live", [True, False])
+def test_no_summary_before_the_first_step(tmp_path: Path, live: bool) -> None:
+    """A run stopped before its first step (no optimizer, a refused flag) ends with its error
+    alone: no summary of nothing."""
+    buf, log = io.StringIO(), io.StringIO()
+    console = Console(file=buf, width=80, force_terminal=live, color_system=None)
+    _append(tmp_path / "worker-0.jsonl", _line(_run(0)))
+    dash = Dashboard(tmp_path, live=live, console=console, poll_interval=0.01, logger=_logger(log),
+                     sampler=HostSampler(nvml_loader=None, cpu_percent=lambda: 1.0))
+    dash.start()
+    dash.stop()
+    assert "summary" not in buf.getvalue() + log.getvalue()
+
+
 def test_metrics_file_writer_appends_json_lines(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
     path.write_text('{"type": "old"}\n')
@@ -529,3 +589,24 @@ def test_metrics_file_writer_appends_json_lines(tmp_path: Path) -> None:
     lines = path.read_text().splitlines()
     assert [json.loads(ln)["type"] for ln in lines] == ["old", "step", "note"]
     assert json.loads(lines[2])["text"] == "line\nbreak"
+
+
+def test_quiet_keeps_errors_only_and_a_users_handler_gets_the_log() -> None:
+    """The launcher logs through the `ckptrun` logger: a handler added to it (a JSON formatter, a
+    log shipper) gets each line; --quiet keeps the errors only."""
+    from ckptrun.log import configure, log
+
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    log.addHandler(handler)
+    try:
+        log.info("step 1 | durable 1")
+        configure(quiet=True)
+        log.info("step 2 | durable 2")
+        log.warning("rank 0 restarted")
+        log.error("save error: rank 0 step 3: ENOSPC")
+    finally:
+        configure(quiet=False)
+        log.removeHandler(handler)
+    assert buf.getvalue().splitlines() == ["INFO step 1 | durable 1", "ERROR save error: rank 0 step 3: ENOSPC"]

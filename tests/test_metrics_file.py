@@ -23,9 +23,10 @@ STEP_FIELDS = {"t", "rank", "step", "step_s", "stall_s", "bytes", "inflight", "l
 def lowdiff_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict], str]:
     cwd = tmp_path_factory.mktemp("metrics")
     proc = ok(ckptrun(cwd, "--strategy", "lowdiff", "--full-every", "4", "--batch", "3", "--keep", "0",
-                      "--nproc-per-node", "2", "--metrics-file", "m.jsonl", "--dir", "ck", EXAMPLE, *TINY))
+                      "--nproc-per-node", "2", "--metrics-file", "m.jsonl", "--dir", "ck", "--no-dashboard",
+                      "--log-interval", "0.5", EXAMPLE, *TINY))
     events = [json.loads(line) for line in (cwd / "m.jsonl").read_text().splitlines()]
-    return cwd, events, proc.stdout
+    return cwd, events, proc.stderr
 
 
 def test_one_valid_step_line_per_step_and_rank(lowdiff_run) -> None:
@@ -52,11 +53,14 @@ def test_durable_step_never_ahead_of_committed(lowdiff_run) -> None:
     assert all(d in committed for d in durable), sorted(set(durable) - committed)
 
 
-def test_output_off_a_terminal_is_line_based(lowdiff_run) -> None:
-    _, _, stdout = lowdiff_run
-    assert "\x1b[" not in stdout
-    assert re.search(r"^\[ckptrun\] step \d+ \|", stdout, re.M) or "ckptrun summary" in stdout
-    assert "checkpoints committed" in stdout
+def test_batch_log_has_progress_lines_and_the_exit_summary(lowdiff_run) -> None:
+    """--no-dashboard (or no terminal): the log, through logging on stderr, has the progress lines
+    (step, durable step, work at risk, stall, bandwidth) and the exit summary, last."""
+    _, _, stderr = lowdiff_run
+    assert "\x1b[" not in stderr
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("ckptrun: ")]
+    assert re.search(r"^ckptrun: step \d+ \| .* \| durable .* \| at risk .* \| stall .* MB/s", stderr, re.M), stderr
+    assert lines[-1].startswith("ckptrun: summary: steps 12 ") and "checkpoints committed" in lines[-1]
 
 
 def test_header_follows_settings_chosen_at_run_time() -> None:

@@ -49,6 +49,7 @@ def test_script_without_optimizer_fails_clearly_once(iterations, ran, when, tmp_
     line = error_line(proc)
     assert proc.returncode == 1 and when in line and "torch.optim optimizer" in line, line
     assert proc.stderr.count("torch.optim optimizer") == 1, proc.stderr
+    assert "summary" not in proc.stdout + proc.stderr  # nothing to summarize: the error ends the output
     iterations_run = [line for line in proc.stdout.splitlines() if line.startswith("iteration ")]
     assert iterations_run == [f"iteration {i}" for i in range(ran)], proc.stdout[-500:]
     store = Store(tmp_path / "ckpts")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import io
+import logging
 import os
 import pty
 import re
@@ -23,6 +24,7 @@ from rich.text import Text
 from ckptrun.ipc.stdio import MERGE_ENV
 from ckptrun.launcher.console.dashboard import Dashboard
 from ckptrun.launcher.console.worker_logs import WorkerLogTailer, at_line_start, last_state
+from ckptrun.log import _Stderr
 
 
 def _console() -> tuple[Console, io.StringIO]:
@@ -146,32 +148,40 @@ def test_at_line_start(tmp_path: Path) -> None:
     assert not at_line_start(io.StringIO())
 
 
-def test_piped_log_lines_start_on_a_fresh_line(tmp_path: Path) -> None:
+def test_piped_log_lines_start_on_a_fresh_line(tmp_path: Path, monkeypatch) -> None:
     """Off a terminal, a worker's open progress bar (same file, its own descriptor) is ended before
-    ckptrun's line; a line that is already ended gets no empty line after it."""
+    the launcher's log line; a line that is already ended gets no empty line after it."""
+    handler = _Stderr()
+    handler.fresh_lines = True
+    handler.setFormatter(logging.Formatter("ckptrun: %(message)s"))
+    logger = logging.getLogger("ckptrun-fresh-lines-test")
+    logger.handlers, logger.propagate = [handler], False
+    logger.setLevel(logging.INFO)
     path = tmp_path / "out.log"
-    with open(path, "a") as f, open(path, "a") as worker:  # `>> out.log`
-        dash = Dashboard(tmp_path, live=False, console=Console(file=f, width=200), poll_interval=0.01)
+    with open(path, "a") as f, open(path, "a") as worker:  # `>> out.log 2>&1`
+        monkeypatch.setattr(sys, "stderr", f)
         worker.write("\r 50%|#####")
         worker.flush()
-        dash._print_line("[ckptrun] one")
+        logger.info("one")
         worker.write("epoch done\n")
         worker.flush()
-        dash._print_line("[ckptrun] two")
-    assert path.read_bytes().decode() == "\r 50%|#####\n[ckptrun] one\nepoch done\n[ckptrun] two\n"
-    console, buf = _console()  # cannot be read back: always a new line first
-    dash = Dashboard(tmp_path, live=False, console=console)
-    dash._print_line("[ckptrun] three")
-    assert buf.getvalue() == "\n[ckptrun] three\n"
+        logger.info("two")
+    assert path.read_bytes().decode() == "\r 50%|#####\nckptrun: one\nepoch done\nckptrun: two\n"
+    buf = io.StringIO()  # cannot be read back: always a new line first
+    monkeypatch.setattr(sys, "stderr", buf)
+    logger.info("three")
+    assert buf.getvalue() == "\nckptrun: three\n"
 
 
 def test_piped_run_keeps_ckptrun_lines_at_column_0(tmp_path: Path) -> None:
-    """Off a terminal, with a worker's bar on ckptrun's own stdout, left open when the script ends."""
-    proc = ok(ckptrun(tmp_path, "--dir", "ck", SCRIPTS / "progress_bar.py", "--bar-to", "stdout"))
-    lines = proc.stdout.replace("\r", "\n").split("\n")  # (text mode has made each \r a \n already)
-    assert not [ln for ln in lines if "[ckptrun]" in ln and not ln.startswith("[ckptrun]")], proc.stdout
-    assert [ln for ln in lines if ln.startswith("[ckptrun] step 12 |")], proc.stdout
-    assert "100%|##########| 6/6\nepoch 0 done\n" in proc.stdout
+    """Off a terminal, with a worker's bar on ckptrun's own stderr (its log), left open when the
+    script ends."""
+    proc = ok(ckptrun(tmp_path, "--dir", "ck", SCRIPTS / "progress_bar.py", "--bar-to", "stderr"))
+    lines = proc.stderr.replace("\r", "\n").split("\n")  # (text mode has made each \r a \n already)
+    assert not [ln for ln in lines if "ckptrun: " in ln and not ln.startswith("ckptrun: ")], proc.stderr
+    assert [ln for ln in lines if ln.startswith("ckptrun: step 12 |")], proc.stderr
+    assert [ln for ln in lines if ln.startswith("ckptrun: summary: steps 12")], proc.stderr
+    assert "100%|##########| 6/6\n" in proc.stderr and "epoch 0 done\n" in proc.stdout
 
 
 def _screen(data: str) -> list[str]:

@@ -20,16 +20,17 @@ from ..tuning.durations import parse_duration
 from . import machine, plan, report, stats
 from .failure_driver import run_failure_bench
 from .failure_runner import MODES
+from .progress import RunProgress
 from .runner import Outcome, run_configuration
 
 
 @dataclass
 class BenchOptions:
     model: str = "small"
-    strategies: str = "all"
+    strategies: str = "default"
     every: str = "1"
     steps: int = 30
-    repeat: int = 3
+    repeat: int = 1
     device: str = "cpu"
     trainer_threads: int = 1
     warmup: int = 2
@@ -44,6 +45,7 @@ class BenchOptions:
     seed: int = 0
     failure_log: str = ""  # replay this failure trace instead of drawing kills
     traces: str = ""  # write each kill schedule here as a failure trace
+    wide: bool = False  # every column of the tables, however narrow the terminal
 
     def validate(self) -> None:
         if self.model not in plan.MODELS:
@@ -111,10 +113,10 @@ def run_bench(o: BenchOptions, console: Console | None = None, progress: Console
     wall = time.perf_counter() - t0
     desc["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     rows = stats.summarize(configs, outcomes)
-    title = (f"ckptrun bench: model {o.model}, {o.steps} steps (first {o.warmup} untimed), median of {o.repeat} "
-             f"[min-max], {o.device}, {o.trainer_threads} trainer thread(s), dir on {fs}, writer {o.io_engine} "
-             f"({desc['io_engine']})")
-    report.print_table(report.table(rows, title), console)
+    runs = f"median of {o.repeat}" if o.repeat > 1 else "1 run each (--repeat 3 for medians and ranges)"
+    title = (f"ckptrun bench: model {o.model}, {o.steps} steps (first {o.warmup} untimed), {runs}, {o.device}, "
+             f"{o.trainer_threads} trainer thread(s), dir on {fs}, writer {o.io_engine} ({desc['io_engine']})")
+    report.print_tables(report.tables(rows, title, report.report_width(console, o.wide)), console)
     params = next((out.params for runs in outcomes.values() for out in runs if out.params), None)
     settings = {**asdict(o), "model_args": plan.MODELS[o.model], "params": params, "dir": str(root)}
     if o.json:
@@ -131,16 +133,16 @@ def run_bench(o: BenchOptions, console: Console | None = None, progress: Console
 
 def _interleaved(o: BenchOptions, configs: list[plan.Configuration], work: plan.Workload, root: Path,
                  progress: Console) -> dict[str, list[Outcome]]:
-    """Every configuration once per round, `repeat` rounds; a progress line per run."""
+    """Every configuration once per round, `repeat` rounds; their progress shown (RunProgress)."""
     outcomes: dict[str, list[Outcome]] = {c.name: [] for c in configs}
-    t0, total = time.perf_counter(), len(configs) * o.repeat
-    for rep in range(o.repeat):
-        for i, cfg in enumerate(configs):
-            run_dir = root / f"run-{os.getpid()}-r{rep}-{i:02d}-{cfg.name.replace('@', '-every-')}"
-            out = run_configuration(cfg, work, run_dir, o.steps, o.warmup, o.run_timeout_s())
-            outcomes[cfg.name].append(out)
-            progress.print(f"[{rep * len(configs) + i + 1}/{total}] {cfg.name} (repetition {rep + 1}): "
-                           f"{_line(out)} [{time.perf_counter() - t0:.0f} s]", markup=False)
+    with RunProgress(progress, len(configs) * o.repeat) as shown:
+        for rep in range(o.repeat):
+            for i, cfg in enumerate(configs):
+                shown.running(f"{cfg.name} ({rep + 1}/{o.repeat})")
+                run_dir = root / f"run-{os.getpid()}-r{rep}-{i:02d}-{cfg.name.replace('@', '-every-')}"
+                out = run_configuration(cfg, work, run_dir, o.steps, o.warmup, o.run_timeout_s())
+                outcomes[cfg.name].append(out)
+                shown.done(f"{cfg.name} (repetition {rep + 1}): {_line(out)}", failed=out.figures is None)
     return outcomes
 
 

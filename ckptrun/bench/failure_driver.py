@@ -18,15 +18,17 @@ from pathlib import Path
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.table import Table
+from rich.console import Console, RenderableType
+from rich.text import Text
 
 from ..errors import CkptrunError
 from ..tuning.durations import format_duration, parse_duration
+from ..widthfit import Col, fit_table, left_out_line
 from . import machine, plan, report
 from .failure_runner import run_under_failures
 from .failures import Schedule
 from .goodput import Goodput, goodput
+from .progress import RunProgress
 
 if TYPE_CHECKING:  # (the driver imports this module)
     from .driver import BenchOptions
@@ -71,24 +73,26 @@ def run_failure_bench(o: BenchOptions, console: Console, progress: Console) -> i
     t0 = time.perf_counter()
     results: dict[tuple[str, str], list[Goodput | str]] = {}
     n = 0
-    for rep in range(o.repeat):
-        runs = [(NO_FAILURES, c, Schedule((), o.duration_s(), NO_FAILURES)) for c in baselines]
-        runs += [(label, c, ss[rep]) for label, ss in plans.items() for c in configs]
-        for label, cfg, schedule in runs:
-            n += 1
-            run_dir = root / f"fail-{os.getpid()}-r{rep}-{n:03d}-{cfg.name.replace('@', '-every-')}"
-            try:
-                result: Goodput | str = goodput(run_under_failures(cfg, work, run_dir, schedule, o.failures))
-                shutil.rmtree(run_dir, ignore_errors=True)
-            except CkptrunError as e:
-                result = str(e)
-            results.setdefault((label, cfg.name), []).append(result)
-            progress.print(f"[{n}/{total}] {cfg.name}, {label} (repetition {rep + 1}): {_line(result)} "
-                           f"[{time.perf_counter() - t0:.0f} s]", markup=False)
+    with RunProgress(progress, total) as shown:
+        for rep in range(o.repeat):
+            runs = [(NO_FAILURES, c, Schedule((), o.duration_s(), NO_FAILURES)) for c in baselines]
+            runs += [(label, c, ss[rep]) for label, ss in plans.items() for c in configs]
+            for label, cfg, schedule in runs:
+                n += 1
+                shown.running(f"{cfg.name}, {label} ({rep + 1}/{o.repeat})")
+                run_dir = root / f"fail-{os.getpid()}-r{rep}-{n:03d}-{cfg.name.replace('@', '-every-')}"
+                try:
+                    result: Goodput | str = goodput(run_under_failures(cfg, work, run_dir, schedule, o.failures))
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                except CkptrunError as e:
+                    result = str(e)
+                results.setdefault((label, cfg.name), []).append(result)
+                shown.done(f"{cfg.name}, {label} (repetition {rep + 1}): {_line(result)}",
+                           failed=isinstance(result, str))
     rows = summarize(configs, plans, results)
     title = (f"ckptrun bench --failures {o.failures}: model {o.model}, {format_duration(o.duration_s())} per run, "
              f"median of {o.repeat}, {o.device}, {o.trainer_threads} trainer thread(s)")
-    report.print_table(table(rows, title), console)
+    report.print_tables(table(rows, title, report.report_width(console, o.wide)), console)
     if o.json:
         doc = {"schema": SCHEMA, "command": o.command(), "wall_s": time.perf_counter() - t0,
                "settings": {**asdict(o), "model_args": plan.MODELS[o.model], "dir": str(root)},
@@ -162,20 +166,25 @@ def _num(v: float | None, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def table(rows: list[dict[str, Any]], title: str) -> Table:
-    t = Table("failures", "configuration", "every", "goodput steps/s", "vs no failures", "against", "useful steps",
-              "kills", "steps lost/failure", "recovery s/failure", "of it restore s", title=title,
-              title_justify="left")
+def table(rows: list[dict[str, Any]], title: str, width: int | None) -> list[RenderableType]:
+    """The goodput table, fitted to `width` (report.tables), and a line per failed configuration."""
+    columns = (Col("failures", key=True, justify="left"), Col("configuration", key=True, justify="left"),
+               Col("every", 6), Col("goodput steps/s"), Col("vs no failures"), Col("against", 7, justify="left"),
+               Col("useful steps", 3), Col("kills", 4), Col("steps lost/failure", 1), Col("recovery s/failure", 2),
+               Col("of it restore s", 5))
+    cells, failed = [], []
     for r in rows:
         if not r["repetitions"]:
-            t.add_row(r["failures"], r["name"], _num(r["every"], "d"),
-                      f"failed: {r['errors'][0].splitlines()[0][:60]}", *["-"] * 7)
+            failed.append(f"{r['name']} ({r['failures']}) failed: {r['errors'][0].splitlines()[0]}")
+            cells.append([r["failures"], r["name"], _num(r["every"], "d"), "failed", *["-"] * 7])
             continue
-        t.add_row(r["failures"], r["name"], _num(r["every"], "d"), _num(r["goodput"], ".2f"),
-                  _num(r["ratio"], ".1%"), r["against"], _num(r["useful_steps"], ".0f"), _num(r["kills"], ".0f"),
-                  _num(r["lost_steps_per_failure"], ".1f"), _num(r["recovery_s_per_failure"], ".2f"),
-                  _num(r["restore_s_per_failure"], ".2f"))
-    return t
+        cells.append([r["failures"], r["name"], _num(r["every"], "d"), _num(r["goodput"], ".2f"),
+                      _num(r["ratio"], ".1%"), r["against"], _num(r["useful_steps"], ".0f"), _num(r["kills"], ".0f"),
+                      _num(r["lost_steps_per_failure"], ".1f"), _num(r["recovery_s_per_failure"], ".2f"),
+                      _num(r["restore_s_per_failure"], ".2f")])
+    t, left_out = fit_table(columns, cells, width, title=title, title_justify="left")
+    return [t, *([Text(left_out_line(left_out, report.HINT))] if left_out else []),
+            *(Text(line, style="red") for line in failed)]
 
 
 def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:

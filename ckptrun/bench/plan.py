@@ -24,6 +24,8 @@ from ..faults import ENV as FAULT_ENV
 BASELINE = "none"
 # Display name -> the example script's `--ref-save` value.
 REFERENCES = {"torch.save": "torch", "dcp-thread": "dcp-thread", "dcp-process": "dcp-process"}
+# The references of `--strategies default` (one DCP mode; `all` adds dcp-process).
+DEFAULT_REFERENCES = ("torch.save", "dcp-thread")
 
 # Example-script flags per size. tiny: seconds, for tests; small (CPU default): ~4.2M parameters,
 # ~55 MB of model + AdamW state, so checkpoint costs show next to a ~0.1 s step on one core;
@@ -103,14 +105,17 @@ def parse_io_engines(text: str) -> list[str]:
 
 def configurations(methods: str, every: str, io_engines: str = "auto") -> list[Configuration]:
     """`none` first, then each chosen reference and strategy at each interval (and each writer,
-    strategies only), in that order."""
+    strategies only), in that order. `default` stands for DEFAULT_REFERENCES and every registered
+    strategy at its defaults (what each strategy costs against what one would use otherwise);
+    `all` for every reference, strategy and VARIANTS entry."""
     from ..strategies import REGISTRY
 
     known = [*REFERENCES, *REGISTRY, *VARIANTS]
-    wanted = known if methods.strip() == "all" else [m.strip() for m in methods.split(",") if m.strip()]
+    groups = {"default": [*DEFAULT_REFERENCES, *REGISTRY], "all": known}
+    wanted = [n for m in methods.split(",") if m.strip() for n in groups.get(m.strip(), [m.strip()])]
     unknown = [m for m in wanted if m != BASELINE and m not in known]
     if unknown:
-        raise UsageError(f"unknown --strategies {', '.join(unknown)}; choose from: all, {BASELINE}, "
+        raise UsageError(f"unknown --strategies {', '.join(unknown)}; choose from: default, all, {BASELINE}, "
                          f"{', '.join(known)}")
     intervals, engines = parse_every(every), parse_io_engines(io_engines)
     baselines = {BASELINE: Configuration(BASELINE, BASELINE, "baseline", None)}

@@ -7,10 +7,11 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
+from rich.console import Console, RenderableType
+from rich.text import Text
 
 from ..errors import CkptrunError
+from ..widthfit import Col, fit_table, left_out_line, width_of
 
 SCHEMA = "ckptrun-bench/1"
 
@@ -20,41 +21,77 @@ def _num(v: float | None, fmt: str) -> str:
 
 
 def _spread(row: dict[str, Any], key: str, fmt: str, scale: float = 1.0) -> str:
-    """median [min-max]"""
-    mid, lo, hi = row[key], row["min"][key], row["max"][key]
-    if mid is None:
-        return "-"
-    text = format(mid * scale, fmt)
-    return text if lo == hi else f"{text} [{lo * scale:{fmt}}-{hi * scale:{fmt}}]"
+    """min-max over the repetitions"""
+    lo, hi = row["min"][key], row["max"][key]
+    return "-" if lo is None else f"{lo * scale:{fmt}}-{hi * scale:{fmt}}"
 
 
-def table(rows: list[dict[str, Any]], title: str) -> Table:
-    columns = ("configuration", "every", "writer", "step ms", "overhead", "against", "stall ms/step",
-               "of it layer wait", "MB/step", "write MB/s", "effective MB/s", "memory MB", "staging MB",
-               "page cache MB", "commits", "recovery s", "of it restart s", "of it restore s")
-    t = Table(*columns, title=title, title_justify="left")
+def _mid(row: dict[str, Any], key: str, fmt: str, scale: float = 1.0) -> str:
+    return _num(None if row[key] is None else row[key] * scale, fmt)
+
+
+# (column, how soon it is left out at a narrow width, the row's key, format, scale); medians
+FIGURE_COLUMNS = (("step ms", 0, "median_step_s", ".1f", 1e3), ("overhead", 0, "overhead_ratio", ".2f", 1.0),
+                  ("stall ms/step", 1, "stall_ms_per_step", ".1f", 1.0),
+                  ("of it layer wait", 8, "layer_wait_ms_per_step", ".1f", 1.0),
+                  ("MB/step", 3, "bytes_per_step", ".1f", 1e-6), ("write MB/s", 4, "write_MBps", ".0f", 1.0),
+                  ("effective MB/s", 7, "effective_MBps", ".0f", 1.0), ("memory MB", 5, "peak_MB", ".0f", 1.0),
+                  ("staging MB", 9, "staging_MB", ".0f", 1.0), ("page cache MB", 10, "page_cache_MB", ".0f", 1.0),
+                  ("commits", 6, "committed", ".0f", 1.0), ("recovery s", 2, "recovery_s", ".2f", 1.0),
+                  ("of it restart s", 11, "setup_s", ".2f", 1.0), ("of it restore s", 11, "restore_s", ".2f", 1.0))
+# the figures whose spread over the repetitions the second table shows
+RANGED = ("step ms", "overhead", "stall ms/step", "MB/step", "write MB/s", "recovery s")
+HINT = "--wide shows them, --json FILE keeps every run's figures"
+
+
+def tables(rows: list[dict[str, Any]], title: str, width: int | None) -> list[RenderableType]:
+    """The medians (the configuration never cut; at a narrow `width` (None: any) the less
+    important columns left out, said in a line), then each figure's min-max over the repetitions
+    in a second table, then a line per failed configuration."""
+    columns = (Col("configuration", key=True, justify="left"), Col("every", 12), Col("writer", 12, justify="left"),
+               *(Col(h, d) for h, d, *_ in FIGURE_COLUMNS[:2]), Col("against", 12, justify="left"),
+               *(Col(h, d) for h, d, *_ in FIGURE_COLUMNS[2:]))
+    cells, ranges, failed = [], [], []
     for r in rows:
         if r["repetitions"] == 0:
-            t.add_row(r["name"], _num(r["every"], "d"), "-", f"failed: {r['errors'][0].splitlines()[0][:60]}",
-                      *["-"] * (len(columns) - 4))
+            failed.append(f"{r['name']} failed: {r['errors'][0].splitlines()[0]}")
+            cells.append([r["name"], _num(r["every"], "d"), "-", "failed", *["-"] * (len(columns) - 4)])
             continue
-        t.add_row(r["name"], _num(r["every"], "d"), ",".join(r["io_engines"]) or "-",
-                  _spread(r, "median_step_s", ".1f", 1e3),
-                  _spread(r, "overhead_ratio", ".2f") + ("x" if r["overhead_ratio"] is not None else ""),
-                  r["against"] or "-",
-                  _spread(r, "stall_ms_per_step", ".1f"), _spread(r, "layer_wait_ms_per_step", ".1f"),
-                  _spread(r, "bytes_per_step", ".1f", 1e-6),
-                  _spread(r, "write_MBps", ".0f"), _spread(r, "effective_MBps", ".0f"),
-                  _num(r["peak_MB"], ".0f"), _num(r["staging_MB"], ".0f"), _spread(r, "page_cache_MB", ".0f"),
-                  _num(r["committed"], ".0f"),
-                  _spread(r, "recovery_s", ".2f"), _spread(r, "setup_s", ".2f"), _spread(r, "restore_s", ".2f"))
-    return t
+        figs = {h: _mid(r, key, fmt, scale) for h, _, key, fmt, scale in FIGURE_COLUMNS}
+        figs["overhead"] += "x" if r["overhead_ratio"] is not None else ""
+        cells.append([r["name"], _num(r["every"], "d"), ",".join(r["io_engines"]) or "-", figs["step ms"],
+                      figs["overhead"], r["against"] or "-", *(figs[h] for h, *_ in FIGURE_COLUMNS[2:])])
+        ranges.append([r["name"], *(_spread(r, key, fmt, scale) for h, _, key, fmt, scale in FIGURE_COLUMNS
+                                    if h in RANGED)])
+    main, left_out = fit_table(columns, cells, width, title=title, title_justify="left")
+    out: list[RenderableType] = [main]
+    if left_out:
+        out.append(Text(left_out_line(left_out, HINT)))
+    if any(r["repetitions"] > 1 for r in rows):
+        n = max(r["repetitions"] for r in rows)
+        spread, gone = fit_table((Col("configuration", key=True, justify="left"),
+                                  *(Col(h, i) for i, h in enumerate(RANGED))), ranges, width,
+                                 title=f"min-max over the {n} repetitions", title_justify="left")
+        out += [spread, *([Text(left_out_line(gone, HINT))] if gone else [])]
+    out += [Text(line, style="red") for line in failed]
+    return out
 
 
-def print_table(t: Table, console: Console) -> None:
-    if not console.is_terminal:  # piped or logged: full rows rather than 80 columns of truncated cells
-        console = Console(file=console.file, width=max(console.width, 200), highlight=False)
-    console.print(t)
+def print_tables(parts: list[RenderableType], console: Console) -> None:
+    """Print `parts` at their full width (tables fitted by `tables` already fit the width asked)."""
+    need = max((width_of(p) for p in parts if not isinstance(p, Text)), default=0)
+    if need > console.width:
+        console = Console(file=console.file, width=need, highlight=False, color_system=console.color_system)
+    for part in parts:
+        console.print(part)
+
+
+def report_width(console: Console, wide: bool) -> int | None:
+    """The width a bench table may take: the console's; piped or logged, at least 200 columns
+    rather than 80; any with --wide."""
+    if wide:
+        return None
+    return console.width if console.is_terminal else max(console.width, 200)
 
 
 def document(settings: dict[str, Any], machine: dict[str, Any], rows: list[dict[str, Any]],

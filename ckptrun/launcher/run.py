@@ -17,6 +17,7 @@ from pathlib import Path
 from ..config import ENV, RunConfig, is_torchrun_var
 from ..errors import CkptrunError, UsageError
 from ..ipc.messages import Shutdown
+from ..log import configure as configure_log
 from ..log import log
 from ..storage.dirlock import DirLock, lock_name
 from ..storage.leftovers import new_tag, remove_staging, run_name, sweep_stale
@@ -145,17 +146,28 @@ def preflight(cfg: RunConfig, script: str, *, per_host_lock: bool = False) -> Di
     return lock
 
 
-def run(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str], *,
-        dashboard: bool = True, metrics_file: str | None = None) -> int:
-    """Launch and supervise a training run; returns the exit code. The directory is locked for
-    the whole run (engines included).
+@dataclass
+class OutputOptions:
+    """What the launcher shows: `dashboard`: a live panel on a terminal (`wide`: every column),
+    else (or off a terminal) a log line every `log_interval` seconds (logging, logger `ckptrun`);
+    `quiet`: errors only, no panel, no summary."""
 
-    `dashboard`: a live panel on a terminal, a log line every few seconds otherwise."""
+    dashboard: bool = True
+    wide: bool = False
+    log_interval: float = 5.0
+    quiet: bool = False
+
+
+def run(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str], *,
+        output: OutputOptions | None = None, metrics_file: str | None = None) -> int:
+    """Launch and supervise a training run; returns the exit code. The directory is locked for
+    the whole run (engines included)."""
+    output = output or OutputOptions()
     if not cfg.dist_env:
         _one_process(opts)
     lock = preflight(cfg, script, per_host_lock=opts.nnodes != "1")
     try:
-        return _launch(cfg, opts, script, script_args, str(lock.engines_path), dashboard, metrics_file)
+        return _launch(cfg, opts, script, script_args, str(lock.engines_path), output, metrics_file)
     finally:
         lock.release()
 
@@ -169,7 +181,7 @@ def _one_process(opts: LaunchOptions) -> None:
 
 
 def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str], engines_lock: str,
-            dashboard: bool, metrics_file: str | None) -> int:
+            output: OutputOptions, metrics_file: str | None) -> int:
     import torch.distributed.run as torchrun
     from rich.console import Console
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -202,7 +214,8 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
         # by worker rank 0 (ckptrun.worker.jobstore).
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     console = Console()
-    live = dashboard and console.is_terminal
+    live = output.dashboard and not output.quiet and console.is_terminal
+    configure_log(fresh_lines=not live)
     # On SIGTERM/SIGINT the elastic agent forwards the signal and gives the workers this long to
     # hand over their newest finished step; the engines then get the rest of the grace period.
     worker_grace = max(1, int(opts.term_timeout * 2 / 3))
@@ -212,10 +225,9 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
         argv += torchrun_args(os.path.join(engine_dir, "logs"))
         logs = WorkerLogTailer(os.path.join(engine_dir, "logs"), console)
         logs.start()
-    dash = Dashboard(cfg.metrics_dir, metrics_file, live=live, console=console, sampler=HostSampler(),
-                     top=logs.open_lines if logs else None) if dashboard or metrics_file else None
-    if dash is not None:
-        dash.start()
+    dash = Dashboard(cfg.metrics_dir, metrics_file, live=live, console=console, sampler=HostSampler() if live else None,
+                     top=logs.open_lines if logs else None, wide=output.wide, log_interval=output.log_interval)
+    dash.start()
     engines = EngineSupervisor(cfg, nlocal, tag, engines_lock)
     engines.start()
     stopped_by: int | None = None
@@ -232,8 +244,7 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
         engines.shutdown(timeout=max(1.0, opts.term_timeout - worker_grace) if stopped_by else 600.0)
         if logs is not None:
             logs.stop()
-        if dash is not None:
-            dash.stop()
+        dash.stop()
         shutil.rmtree(engine_dir, ignore_errors=True)
         if opts.nnodes == "1":  # every writer of this directory has stopped: no record is on its way
             Store(cfg.dir).sweep_incomplete()

@@ -1,17 +1,21 @@
-"""The launcher's live view of checkpointing, and the log lines and summary when not on a TTY.
+"""The launcher's live view of checkpointing, and its log when there is no live view.
 
-:func:`render` turns :class:`~ckptrun.launcher.console.metrics_feed.MetricsState` into a rich renderable.
-:class:`Dashboard` runs a background thread that tails the metrics folder, keeps the state,
-copies events to ``--metrics-file`` and either refreshes a rich ``Live`` view (TTY) or prints
-a compact log line every few seconds (pipes, CI logs). It must never raise into the launcher.
+:func:`render` turns :class:`~ckptrun.launcher.console.metrics_feed.MetricsState` into a rich
+renderable: the compact view, made for 80 columns (one per-rank table fitted to the terminal,
+ckptrun/widthfit.py), or the wide one (every column). :class:`Dashboard` runs a background thread
+that tails the metrics folder, keeps the state, copies events to ``--metrics-file`` and either
+refreshes a rich ``Live`` view (TTY) or logs a progress line every few seconds
+(:mod:`~ckptrun.launcher.console.batch_log`: pipes, batch jobs). It must never raise into the
+launcher.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rich import box
@@ -20,199 +24,132 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from ckptrun.launcher.console.batch_log import event_log_line, log_line, summary_line
+from ckptrun.launcher.console.fmt import (
+    CAUSE_LABELS,
+    fmt_bytes,
+    fmt_duration,
+    ms,
+    num,
+    opt,
+    risk,
+    sparkline,
+    stall_cell,
+    summary_rows,
+)
 from ckptrun.launcher.console.hostmetrics import NA, HostSample, HostSampler
-from ckptrun.launcher.console.metrics_feed import MetricsFileWriter, MetricsState, MetricsTailer, RunSummary, Series
-from ckptrun.launcher.console.worker_logs import at_line_start
+from ckptrun.launcher.console.metrics_feed import MetricsFileWriter, MetricsState, MetricsTailer, RunSummary
+from ckptrun.widthfit import Col, fit_table, left_out_line
 
-SPARK_CHARS = "▁▂▃▄▅▆▇█"
-_CAUSE_LABELS = {"snapshot": "snapshot", "layer_wait": "layer wait", "backpressure": "backpressure",
-                 "sync_write": "sync write"}
 MAX_REFRESH_PER_S = 4.0
-
-
-# --------------------------------------------------------------------------- formatting
-
-
-def sparkline(values: Sequence[float] | Iterable[float], width: int = 16) -> str:
-    """Unicode sparkline of the last ``width`` values, scaled from 0 to their max."""
-    vals = [max(0.0, float(v)) for v in values][-width:]
-    if not vals:
-        return ""
-    hi = max(vals)
-    if hi <= 0:
-        return SPARK_CHARS[0] * len(vals)
-    top = len(SPARK_CHARS) - 1
-    return "".join(SPARK_CHARS[round(v / hi * top)] for v in vals)
-
-
-def fmt_bytes(n: float | None) -> str:
-    """Decimal units (MB = 1e6 bytes), matching the MB/s bandwidth figures."""
-    if n is None:
-        return NA
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def fmt_duration(s: float | None) -> str:
-    if s is None:
-        return NA
-    if s < 60:
-        return f"{s:.1f} s"
-    if s < 3600:
-        return f"{int(s // 60)}m{int(s % 60):02d}s"
-    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
-
-
-def _ms(v: float | None) -> str:
-    return NA if v is None else f"{v * 1e3:.1f}"
-
-
-def _num(v: float | None, fmt: str = "{:.1f}") -> str:
-    return NA if v is None else fmt.format(v)
-
-
-def _opt(v: Any) -> str:
-    return "-" if v is None else str(v)
-
-
-def _stall_cell(series: Series | None) -> str:
-    if series is None or series.count == 0:
-        return "-"
-    return f"{_ms(series.last)} / {_ms(series.mean)} / {_ms(series.p99)}"
+QUIET_LOG_S = 60.0  # a progress line at least this often when nothing moves
 
 
 # --------------------------------------------------------------------------- rendering
 
 
-def render_header(state: MetricsState, now: float) -> RenderableType:
-    """Strategy, its settings, the checkpoint dir, the engines' file writer and the latest commit."""
+def render_header(state: MetricsState, now: float, *, wide: bool = True) -> RenderableType:
+    """Strategy, world, the engines' file writer, restarts; the latest commit; the checkpoint
+    dir; the strategy's settings (each on a line of its own, the commit's lag and the total
+    written only when `wide`)."""
     line1 = Text.assemble(
         ("ckptrun ", "bold"),
         ("strategy ", "dim"),
         (state.strategy or NA, "bold cyan"),
-        ("  dir ", "dim"),
-        (state.ckpt_dir or NA, "cyan"),
         ("  world ", "dim"),
-        (_opt(state.world_size), ""),
+        (opt(state.world_size), ""),
         ("  writer ", "dim"),
         (state.io_engine or NA, ""),
         ("  restarts ", "dim"),
         (str(state.restarts), "bold red" if state.restarts else ""),
     )
-    settings = ", ".join(f"{k}={v}" for k, v in state.settings.items()) or "-"
-    line2 = Text.assemble(("settings ", "dim"), (settings, ""))
     commit = state.last_commit
     if commit is None:
-        line3 = Text.assemble(("committed ", "dim"), ("none yet", "yellow"))
+        committed = Text.assemble(("committed ", "dim"), ("none yet", "yellow"))
     else:
         age = max(0.0, now - state.committed_t) if state.committed_t is not None else None
         lag = commit.get("lag_s")
-        line3 = Text.assemble(
+        lag_text = f"lag {num(lag, '{:.2f} s') if isinstance(lag, (int, float)) else NA}, " if wide else ""
+        committed = Text.assemble(
             ("committed ", "dim"),
             (f"step {state.committed_step}", "bold green"),
-            (
-                f" ({commit.get('kind', '?')}, {fmt_bytes(commit.get('bytes'))}, "
-                f"lag {_num(lag, '{:.2f} s') if isinstance(lag, (int, float)) else NA}, "
-                f"{fmt_duration(age)} ago)",
-                "",
-            ),
+            (f" ({commit.get('kind', '?')}, {fmt_bytes(commit.get('bytes'))}, {lag_text}{fmt_duration(age)} ago)", ""),
             ("  checkpoints ", "dim"),
             (str(state.checkpoints_committed), ""),
-            ("  written ", "dim"),
-            (fmt_bytes(state.bytes_written), ""),
+            *((("  written ", "dim"), (fmt_bytes(state.bytes_written), "")) if wide else ()),
         )
-    return Group(line1, line2, line3)
+    settings = ", ".join(f"{k}={v}" for k, v in state.settings.items()) or "-"
+    return Group(line1, committed, Text.assemble(("dir ", "dim"), (state.ckpt_dir or NA, "cyan")),
+                 Text.assemble(("settings ", "dim"), (settings, "")))
 
 
-def render_progress_table(state: MetricsState, now: float) -> Table:
-    """Per rank: progress, durability, work at risk, restarts."""
-    table = Table(title="progress & durability", box=box.SIMPLE_HEAD, title_justify="left", expand=False)
-    for name in (
-        "rank",
-        "step",
-        "it/s",
-        "snapshot",
-        "in memory",
-        "durable",
-        "durable age",
-        "at risk",
-        "in-flight",
-        "queue",
-        "restarts",
-        "recovery",
-        "errors",
-    ):
-        table.add_column(name, justify="left" if name == "rank" else "right")
+WIDE_HINT = "a wider terminal shows them; every figure in --metrics-file"
+
+
+def render_progress_table(state: MetricsState, now: float, width: int | None = None) -> list[RenderableType]:
+    """Per rank: progress, durability, work at risk (with an in-memory replica: if the worker
+    dies, and if the machine does), restarts; fitted to `width` (None: every column)."""
+    memory = any(rs.memory_step is not None for rs in state.ranks.values())
+    columns = [Col("rank", key=True, justify="left"), Col("step", key=True), Col("it/s", 4), Col("snapshot", 6),
+               *([Col("in memory", 1)] if memory else []), Col("durable", 1), Col("durable age", 3),
+               Col("at risk", 2), *([Col("at risk (machine)", 2)] if memory else []), Col("in-flight", 5),
+               Col("queue", 5), Col("restarts", 4), Col("recovery", 4), Col("errors", 2)]
+    rows = []
     for r, rs in sorted(state.ranks.items()):
         durable, _ = state.durable(r)
-        risk = _risk(*state.at_risk(r))
-        if rs.memory_step is not None:  # a worker crash loses less than a machine loss
-            risk = f"{_risk(*state.at_risk(r, memory=True))} (machine: {risk})"
         recovery = ", ".join(f"{s:.1f} s" for s in rs.recovery_s[-3:]) or "-"
-        table.add_row(
+        rows.append([
             str(r),
-            _opt(rs.step),
-            _num(rs.steps_per_s, "{:.2f}"),
-            f"{_opt(rs.last_snapshot_step)}/{_opt(rs.last_snapshot_done)}",
-            _opt(rs.memory_step),
-            _opt(durable),
+            opt(rs.step),
+            num(rs.steps_per_s, "{:.2f}"),
+            f"{opt(rs.last_snapshot_step)}/{opt(rs.last_snapshot_done)}",
+            *([opt(rs.memory_step)] if memory else []),
+            opt(durable),
             fmt_duration(state.durable_age(r, now)) if durable is not None else "-",
-            risk,
-            _opt(rs.inflight),
-            _opt(rs.queue_depth),
+            risk(*state.at_risk(r, memory=True)),  # a worker crash loses less than a machine loss
+            *([risk(*state.at_risk(r))] if memory else []),
+            opt(rs.inflight),
+            opt(rs.queue_depth),
             str(rs.restarts),
             recovery,
             Text(str(rs.save_errors), style="bold red" if rs.save_errors else ""),
-        )
-    return table
+        ])
+    table, left_out = fit_table(columns, rows, width, title="progress & durability", box=box.SIMPLE_HEAD,
+                                title_justify="left", expand=False)
+    return [table, *([Text(left_out_line(left_out, WIDE_HINT), style="dim")] if left_out else [])]
 
 
-def _risk(steps: int | None, seconds: float | None) -> str:
-    return "-" if steps is None else f"{steps} st / {fmt_duration(seconds)}"
-
-
-def render_io_table(state: MetricsState) -> Table:
-    """Per rank: stall per step by cause (last / mean / p99, ms) and checkpoint I/O."""
+def render_io_table(state: MetricsState, width: int | None = None) -> list[RenderableType]:
+    """Per rank: stall per step by cause (last / mean / p99, ms) and checkpoint I/O; fitted to
+    `width` (None: every column)."""
     causes: list[str] = []
     for rs in state.ranks.values():
         causes.extend(c for c in rs.stall_causes if c not in causes)
-    table = Table(
-        title="stall per step, ms (last / mean / p99) & checkpoint I/O",
-        box=box.SIMPLE_HEAD,
-        title_justify="left",
-        expand=False,
-    )
-    table.add_column("rank")
-    table.add_column("total stall", justify="right")
-    for cause in causes:
-        table.add_column(_CAUSE_LABELS.get(cause, cause), justify="right")
-    for name in ("ckpt size", "MB/s", "bandwidth history"):
-        table.add_column(name, justify="right" if name != "bandwidth history" else "left")
-    for r, rs in sorted(state.ranks.items()):
-        table.add_row(
-            str(r),
-            _stall_cell(rs.stall_total),
-            *(_stall_cell(rs.stall.get(c)) for c in causes),
-            fmt_bytes(rs.ckpt_bytes_last) if rs.ckpt_bytes_last is not None else "-",
-            _num(rs.bw_last_mbps),
-            Text(sparkline(rs.bw_history), style="green"),
-        )
-    return table
+    columns = [Col("rank", key=True, justify="left"), Col("total stall"),
+               *(Col(CAUSE_LABELS.get(c, c), 2) for c in causes), Col("ckpt size", 1), Col("MB/s", 1),
+               Col("bandwidth history", 3, justify="left")]
+    rows = [[str(r), stall_cell(rs.stall_total), *(stall_cell(rs.stall.get(c)) for c in causes),
+             fmt_bytes(rs.ckpt_bytes_last) if rs.ckpt_bytes_last is not None else "-", num(rs.bw_last_mbps),
+             Text(sparkline(rs.bw_history), style="green")] for r, rs in sorted(state.ranks.items())]
+    table, left_out = fit_table(columns, rows, width, title="stall per step, ms (last / mean / p99) & checkpoint I/O",
+                                box=box.SIMPLE_HEAD, title_justify="left", expand=False)
+    return [table, *([Text(left_out_line(left_out, WIDE_HINT), style="dim")] if left_out else [])]
 
 
-def render_host(host: HostSample | None) -> Text:
-    """One line: host CPU, RSS of trainers and engines, GPU utilisation and memory."""
+def render_host(host: HostSample | None, *, wide: bool = True) -> Text:
+    """One line: host CPU, RSS of trainers and engines (each process; not `wide`: the trainers'
+    and the engines' sums), GPU utilisation and memory (`GPU -` where there is none to read: no
+    GPU, no NVML)."""
     if host is None:
         return Text.assemble(("host ", "dim"), (NA, ""))
-    parts = [("host CPU ", "dim"), (_num(host.cpu_percent, "{:.0f}%"), "")]
-    if host.rss:
+    parts = [("host CPU ", "dim"), (num(host.cpu_percent, "{:.0f}%"), "")]
+    rss = host.rss if wide else _rss_by_kind(host.rss)
+    if rss:
         parts.append(("  RSS ", "dim"))
-        parts.append((" · ".join(f"{label} {fmt_bytes(v)}" for label, v in host.rss.items()), ""))
+        parts.append((" · ".join(f"{label} {fmt_bytes(v)}" for label, v in rss.items()), ""))
     parts.append(("  GPU ", "dim"))
-    if host.gpus is None:
-        parts.append((f"{NA} ({host.gpu_note})" if host.gpu_note else NA, "yellow"))
+    if host.gpus is None:  # a GPU that NVML found but cannot read says so; no GPU, no NVML: nothing to say
+        parts.append((f"{NA} (NVML error)", "yellow") if host.gpu_note.startswith("NVML error") else ("-", ""))
     else:
         parts.append(
             (
@@ -226,6 +163,38 @@ def render_host(host: HostSample | None) -> Text:
     return Text.assemble(*parts)
 
 
+def _rss_by_kind(rss: dict[str, int | None]) -> dict[str, int | None]:
+    """rank0, rank1, engine0, ... -> trainers, engines (the processes still alive)."""
+    out: dict[str, int | None] = {}
+    for kind, prefix in (("trainers", "rank"), ("engines", "engine")):
+        values = [v for label, v in rss.items() if label.startswith(prefix) and v is not None]
+        if values:
+            out[kind] = sum(values)
+    return out or rss
+
+
+def render_rank_table(state: MetricsState, now: float, width: int | None) -> list[RenderableType]:
+    """The compact view, one row per rank, made for 80 columns: progress, durability, work at
+    risk, stall, bandwidth, errors; at a narrower width the less important columns are left out,
+    said in a line. Every figure is in the JSONL metrics and the wide view (--dashboard-wide)."""
+    memory = any(rs.memory_step is not None for rs in state.ranks.values())
+    columns = [Col("rank", key=True, justify="left"), Col("step", key=True), Col("it/s", 3),
+               *([Col("in memory", 1)] if memory else []), Col("durable", 1), Col("at risk", 2),
+               Col("stall ms/step", 1), Col("MB/s", 4), Col("restarts", 5), Col("errors", 2)]
+    rows = []
+    for r, rs in sorted(state.ranks.items()):
+        durable, _ = state.durable(r)
+        at_risk = risk(*state.at_risk(r, memory=rs.memory_step is not None))
+        stall = rs.stall_total.mean if rs.stall_total is not None else None
+        rows.append([str(r), opt(rs.step), num(rs.steps_per_s, "{:.2f}"),
+                     *([opt(rs.memory_step)] if memory else []), opt(durable), at_risk,
+                     ms(stall) if stall is not None else "-", num(rs.bw_last_mbps, "{:.0f}"), str(rs.restarts),
+                     Text(str(rs.save_errors), style="bold red" if rs.save_errors else "")])
+    table, left_out = fit_table(columns, rows, width, box=box.SIMPLE_HEAD, expand=False)
+    note = left_out_line(left_out, "--dashboard-wide; every figure in --metrics-file")
+    return [table, *([Text(note, style="dim")] if note else [])]
+
+
 def render_errors(state: MetricsState, limit: int = 3) -> RenderableType | None:
     if not state.errors:
         return None
@@ -236,57 +205,23 @@ def render_errors(state: MetricsState, limit: int = 3) -> RenderableType | None:
     return Group(*lines)
 
 
-def render(state: MetricsState, host: HostSample | None, now: float | None = None) -> RenderableType:
-    """The whole dashboard: header, per-rank tables, host/GPU line, recent save errors."""
+def render(state: MetricsState, host: HostSample | None, now: float | None = None, *, width: int | None = None,
+           wide: bool = False) -> RenderableType:
+    """The whole dashboard: header, per-rank table(s), host/GPU line, recent save errors. The
+    compact view fits `width` (one table); `wide` shows every column in two tables."""
     now = time.time() if now is None else now
-    parts: list[RenderableType] = [render_header(state, now)]
-    if state.ranks:
-        parts += [render_progress_table(state, now), render_io_table(state)]
+    parts: list[RenderableType] = [render_header(state, now, wide=wide)]
+    if state.ranks and wide:
+        parts += [*render_progress_table(state, now, width), *render_io_table(state, width)]
+    elif state.ranks:
+        parts += render_rank_table(state, now, width)
     else:
         parts.append(Text("waiting for workers…", style="dim"))
-    parts.append(render_host(host))
+    parts.append(render_host(host, wide=wide))
     errors = render_errors(state)
     if errors is not None:
         parts.append(errors)
     return Group(*parts)
-
-
-def log_line(state: MetricsState, now: float | None = None) -> str:
-    """One plain-text progress line for non-TTY output."""
-    now = time.time() if now is None else now
-    ov = state.overview(now)
-    if ov.durable_step is None:
-        durable = "durable none"
-    else:
-        durable = f"durable {ov.durable_step} ({fmt_duration(ov.durable_age_s)} ago)"
-    if ov.memory_step is not None:
-        durable = f"in memory {ov.memory_step} | {durable}"
-    parts = [
-        f"[ckptrun] step {_opt(ov.step)}",
-        f"{_num(ov.steps_per_s)} it/s",
-        f"stall {_ms(ov.stall_mean_s)} ms/step (p99 {_ms(ov.stall_p99_s)})",
-        durable,
-        f"{_num(ov.bw_mbps, '{:.0f}')} MB/s",
-        f"restarts {ov.restarts}",
-    ]
-    if ov.save_errors:
-        parts.append(f"save errors {ov.save_errors}")
-    return " | ".join(parts)
-
-
-def event_log_line(event: dict[str, Any]) -> str | None:
-    """A line for an event worth reporting on its own in non-TTY mode (restarts, save errors)."""
-    kind = event.get("type")
-    if kind == "restart":
-        return (
-            f"[ckptrun] rank {event.get('rank')} restarted (#{event.get('restart_count')}), "
-            f"resumed at step {event.get('resume_step')} in {_num(event.get('recovery_s'), '{:.2f}')} s"
-        )
-    if kind == "save_error":
-        return (
-            f"[ckptrun] save error: rank {event.get('rank')} step {event.get('step')}: {event.get('error')}"
-        )
-    return None
 
 
 def render_summary(summary: RunSummary) -> Table:
@@ -294,27 +229,7 @@ def render_summary(summary: RunSummary) -> Table:
     table = Table(title="ckptrun summary", box=box.SIMPLE_HEAD, title_justify="left", show_header=False)
     table.add_column("metric", style="dim")
     table.add_column("value")
-    share = f" ({summary.stall_share * 100:.2f}% of step time)" if summary.stall_share is not None else ""
-    causes = ", ".join(f"{_CAUSE_LABELS.get(c, c)} {v:.3f} s" for c, v in summary.stall_by_cause_s.items())
-    recoveries = ", ".join(f"{s:.2f} s" for s in summary.recovery_s) or "-"
-    rows = [
-        ("steps", f"{_opt(summary.steps)} ({summary.steps_executed} executed)"),
-        ("wall time", fmt_duration(summary.wall_s)),
-        ("stall (per rank)", f"{summary.stall_s_per_rank:.3f} s{share}"),
-        ("stall by cause", causes or "-"),
-        ("checkpoints committed", str(summary.checkpoints_committed)),
-        ("last durable step", _opt(summary.last_durable_step)),
-        *([("last in-memory step", _opt(summary.last_memory_step))] if summary.last_memory_step is not None else []),
-        ("bytes written", fmt_bytes(summary.bytes_written)),
-        ("mean write bandwidth", f"{_num(summary.mean_bw_mbps)} MB/s"),
-        (
-            "commit lag mean / max",
-            f"{_num(summary.commit_lag_mean_s, '{:.2f}')} / {_num(summary.commit_lag_max_s, '{:.2f}')} s",
-        ),
-        ("restarts", str(summary.restarts)),
-        ("recovery times", recoveries),
-        ("save errors", str(summary.save_errors)),
-    ]
+    rows = summary_rows(summary)
     for name, value in rows:
         table.add_row(name, Text(value))
     return table
@@ -326,15 +241,15 @@ def render_summary(summary: RunSummary) -> Table:
 class Dashboard:
     """Background dashboard driven by the launcher: ``start()`` once, ``stop()`` at exit.
 
-    ``live=True`` draws a rich ``Live`` view (use when stdout is a TTY); ``live=False`` prints
-    one plain log line every ``log_interval`` seconds plus restarts and save errors as they
-    happen; ``None`` picks by ``console.is_terminal``. Errors inside the dashboard are reported
-    once on the console and never propagate.
+    ``live=True`` draws a rich ``Live`` view on ``console`` (a terminal): the compact view, made
+    for 80 columns, or with ``wide`` every column. ``live=False`` logs (``logger``, default the
+    ``ckptrun`` logger; :mod:`~ckptrun.launcher.console.batch_log`) a progress line every
+    ``log_interval`` seconds, restarts and save errors as they happen. ``None`` picks by
+    ``console.is_terminal``. At ``stop()`` the exit summary, when there is something to summarize
+    (a step was taken). Errors inside the dashboard are reported once and never propagate.
 
     ``top`` gives lines to show at the top of the live panel at each refresh (the workers' open
-    lines, e.g. a progress bar: :meth:`~ckptrun.launcher.console.worker_logs.WorkerLogTailer.open_lines`). Off a
-    terminal, the workers share the console's output; each line of ours starts on a new line
-    unless the output is known to be at a line start (:func:`~ckptrun.launcher.console.worker_logs.at_line_start`).
+    lines, e.g. a progress bar: :meth:`~ckptrun.launcher.console.worker_logs.WorkerLogTailer.open_lines`).
     """
 
     def __init__(
@@ -349,9 +264,13 @@ class Dashboard:
         host_interval: float = 1.0,
         sampler: HostSampler | None = None,
         top: Callable[[], Sequence[RenderableType]] | None = None,
+        wide: bool = False,
+        logger: logging.Logger | None = None,
     ) -> None:
         self.console = console or Console()
         self.live = self.console.is_terminal if live is None else bool(live)
+        self.wide = wide
+        self.log = logger or logging.getLogger("ckptrun")
         self.state = MetricsState()
         self.tailer = MetricsTailer(metrics_dir)
         self.errors = 0
@@ -368,6 +287,8 @@ class Dashboard:
         self._host: HostSample | None = None
         self._next_host = 0.0
         self._next_log = 0.0
+        self._logged: tuple | None = None  # what the last progress line said, and when
+        self._logged_at = 0.0
         self._live: Live | None = None
         self._thread: threading.Thread | None = None
         self._stop_evt = threading.Event()
@@ -418,8 +339,8 @@ class Dashboard:
         if self._live is not None:
             self._guard(self._live.stop)
             self._live = None
-        self._guard(self._fresh_line)
-        self._guard(lambda: self.console.print(render_summary(self.state.summary())))
+        if self.has_progress():  # a run stopped before its first step ends with its error alone
+            self._guard(self._print_summary)
         if self._writer is not None:
             self._guard(self._writer.close)
         if self._sampler is not None:
@@ -432,7 +353,17 @@ class Dashboard:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def has_progress(self) -> bool:
+        """Whether there is something to summarize: a step taken or a checkpoint committed."""
+        return self.state.checkpoints_committed > 0 or any(rs.step is not None for rs in self.state.ranks.values())
+
     # ---- internals
+
+    def _print_summary(self) -> None:
+        if self.live:
+            self.console.print(render_summary(self.state.summary()))
+        else:
+            self.log.info(summary_line(self.state.summary()))
 
     def _open_writer(self) -> None:
         if self._metrics_file is not None and self._writer is None:
@@ -459,14 +390,25 @@ class Dashboard:
                 self._live.update(self._view(), refresh=True)
             return
         for event in events:
-            line = event_log_line(event)
-            if line is not None:
-                self._print_line(line)
+            said = event_log_line(event)
+            if said is not None:
+                self.log.log(*said)
         mono = time.monotonic()
         if final or mono >= self._next_log:
             self._next_log = mono + self._log_interval
-            if any(rs.step is not None for rs in self.state.ranks.values()):
-                self._print_line(log_line(self.state))
+            self._log_progress(mono)
+
+    def _log_progress(self, mono: float) -> None:
+        """The progress line, when the step or the durable step moved since the last one, and at
+        least every QUIET_LOG_S seconds otherwise (a job that stalls still says so)."""
+        if not any(rs.step is not None for rs in self.state.ranks.values()):
+            return
+        ov = self.state.overview(time.time())
+        moved = (ov.step, ov.durable_step, ov.memory_step, ov.restarts, ov.save_errors) != self._logged
+        if moved or mono - self._logged_at >= QUIET_LOG_S:
+            self._logged, self._logged_at = (ov.step, ov.durable_step, ov.memory_step, ov.restarts,
+                                             ov.save_errors), mono
+            self.log.info(log_line(self.state))
 
     def _sample_host(self) -> None:
         mono = time.monotonic()
@@ -478,20 +420,9 @@ class Dashboard:
         self._host = self._sampler.sample(self.state.pids())
 
     def _view(self) -> RenderableType:
-        panel = render(self.state, self._host)
+        panel = render(self.state, self._host, width=self.console.width, wide=self.wide)
         top = self._top() if self._top is not None else ()
         return Group(*top, panel) if top else panel
-
-    def _fresh_line(self) -> None:
-        """Off a terminal a worker may have left its line open (a progress bar without its newline):
-        end it first, unless the output is known to be at a line start (a regular file ending in a
-        newline). A pipe or a terminal cannot be read back, so a line of ours may follow an empty one."""
-        if not self.live and not at_line_start(self.console.file):
-            self.console.line()
-
-    def _print_line(self, line: str) -> None:
-        self._fresh_line()
-        self.console.print(line, markup=False, highlight=False, emoji=False, soft_wrap=True)
 
     def _guard(self, fn: Any) -> None:
         try:
@@ -505,8 +436,6 @@ class Dashboard:
             return
         self._error_reported = True
         try:
-            self._print_line(
-                f"[ckptrun] dashboard error (further ones suppressed): {type(exc).__name__}: {exc}"
-            )
+            self.log.error(f"dashboard error (further ones suppressed): {type(exc).__name__}: {exc}")
         except Exception:
             pass
