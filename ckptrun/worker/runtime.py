@@ -10,7 +10,6 @@ buffers, RNG), `seal` (state that settles after the step: schedulers, scaler, tr
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
