@@ -319,3 +319,26 @@ def test_decisions_travel_between_ranks_as_json():
     """What rank 0 publishes in the job store is what the other ranks adopt."""
     d = Decision({"full_every": 12, "batch": 3}, "because")
     assert Decision.from_json(json.loads(json.dumps(d.to_json()))) == d
+
+
+def test_a_policys_changes_reach_the_log_once_a_minute_and_the_metrics_every_time(monkeypatch):
+    from types import SimpleNamespace
+
+    from conftest import logged
+
+    from ckptrun.worker import decisions
+
+    emitted: list[dict] = []
+    rt = SimpleNamespace(rank=0, world_size=1, metrics=SimpleNamespace(emit=lambda **kw: emitted.append(kw)),
+                         cfg=SimpleNamespace(mtbf=0.0, every_auto=True, every=1))
+    retuner, interval = decisions.for_runtime(rt)
+    now = [1000.0]
+    monkeypatch.setattr(decisions.time, "monotonic", lambda: now[0])
+    with logged() as lines:
+        for step, every in ((3, 10), (25, 20), (50, 30)):
+            retuner._on_change(step, interval, Decision({"every": every}, f"every -> {every}"))
+            now[0] += 10
+        now[0] += decisions.LOG_CHANGES_EVERY_S
+        retuner._on_change(75, interval, Decision({"every": 40}, "every -> 40"))
+    assert [e["every"] for e in emitted] == [10, 20, 30, 40]
+    assert [line.rsplit(" ", 1)[-1] for line in lines] == ["10", "40"]

@@ -28,6 +28,7 @@ Estimates, over the last few checkpoints (at least `MIN_WINDOW` steps):
 from __future__ import annotations
 
 import json
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ MIN_CHANGE = 0.2  # relative change of an interval below which it is kept
 WINDOW_CKPTS = 4  # the estimate covers about this many checkpoints...
 MIN_WINDOW = 20  # ...and at least this many steps
 WRITES_KEPT = 8
+LOG_CHANGES_EVERY_S = 60.0  # a policy's changes reach the log at most this often (all go to the metrics file)
 MIN_DELTA_S = 1e-9  # a checkpoint that measured no stall at all still costs something
 
 if TYPE_CHECKING:
@@ -282,10 +284,18 @@ def for_runtime(rt: Runtime) -> tuple[Retuner, IntervalPolicy]:
     """A worker's re-tuner and its interval policy (`--every N` or `--every auto`): changes are
     logged on rank 0 and recorded in the metrics of every rank."""
 
+    said: dict[int, float] = {}  # per policy: when its last change was logged
+
     def on_change(step: int, policy: SavePolicy, decision: Decision) -> None:
         rt.metrics.emit(type="interval", step=step, **decision.settings, reason=decision.reason)
-        if rt.rank == 0:
-            log.info(f"{policy.label}: {decision.reason}" if policy.label else decision.reason)
+        if rt.rank != 0:
+            return
+        now = time.monotonic()
+        # Every change is in the metrics file; the log (a batch job's window) gets one a minute per policy.
+        quiet = now - said.get(id(policy), -LOG_CHANGES_EVERY_S) < LOG_CHANGES_EVERY_S
+        if not quiet:
+            said[id(policy)] = now
+        (log.debug if quiet else log.info)(f"{policy.label}: {decision.reason}" if policy.label else decision.reason)
 
     retuner = Retuner(rt.cfg.mtbf or DEFAULT_MTBF_S, mtbf_given=bool(rt.cfg.mtbf),
                       share=_store_share(rt) if rt.world_size > 1 else None, on_change=on_change)
