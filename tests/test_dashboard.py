@@ -239,6 +239,14 @@ def test_state_stall_rate_bandwidth_and_work_at_risk() -> None:
     assert ov.bw_mbps == pytest.approx(30.0)
 
 
+def test_a_commit_ahead_of_the_step_lines_moves_the_step() -> None:
+    state = _scenario()  # step lines up to 100
+    state.apply({"type": "write", "t": T0 + 51, "rank": 0, "step": 105, "bytes": 1, "write_s": 0.1})
+    state.apply({"type": "commit", "t": T0 + 52, "step": 105, "bytes": 1, "kind": "full", "ranks": 1, "lag_s": 0.1})
+    ov = state.overview(now=T0 + 52)
+    assert (ov.step, ov.durable_step) == (105, 105)
+
+
 def test_state_restart_recovery_and_summary() -> None:
     state = _scenario()
     state.apply(

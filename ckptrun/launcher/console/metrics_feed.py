@@ -558,14 +558,19 @@ class MetricsState:
             durable_age = self.durable_age(worst, now)
         elif not ranks and self.committed_step is not None and self.committed_t is not None:
             durable_step, durable_age = self.committed_step, max(0.0, now - self.committed_t)
+        # A step's metrics line can reach the feed after its commit: a step committed (or in the engine's
+        # memory) on every rank has been reached, whatever the step lines say so far.
+        memory_step = min(memory) if ranks and len(memory) == len(ranks) else None
+        seen = min((rs.step for rs in stats if rs.step is not None), default=None)
+        step = None if seen is None else max(s for s in (seen, durable_step, memory_step) if s is not None)
         return Overview(
-            step=min((rs.step for rs in stats if rs.step is not None), default=None),
+            step=step,
             steps_per_s=sum(rates) / len(rates) if rates else None,
             stall_mean_s=sum(means) / len(means) if means else None,
             stall_p99_s=max(p99s) if p99s else None,
             durable_step=durable_step,
             durable_age_s=durable_age,
-            memory_step=min(memory) if ranks and len(memory) == len(ranks) else None,
+            memory_step=memory_step,
             bw_mbps=sum(bws) if bws else None,
             restarts=self.restarts,
             save_errors=sum(rs.save_errors for rs in self.ranks.values()),
