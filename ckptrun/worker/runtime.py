@@ -195,6 +195,9 @@ class Runtime:
         self.update_s = 0.0  # this step's update time a strategy hook spent (split updates)
         self.slots = SlotPool()
         self.lost = threading.Event()
+        # Steps a submit waits to see durable (or failed): an entry is dropped when its step's
+        # Durable/SaveError arrives (the waiter holds the Event), so this holds at most the
+        # checkpoints waited for, never one entry per step of the run.
         self.durable: dict[int, threading.Event] = {}
         self.save_errors: list[str] = []
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="ckptrun-snapshot")
@@ -225,7 +228,7 @@ class Runtime:
             if not self.slots.release(msg.slot):
                 self.client.send(Retire(slots=[msg.slot]))
         elif isinstance(msg, Durable):  # this rank's bytes are on disk; the step counts once committed
-            self.durable.setdefault(msg.step, threading.Event()).set()
+            self._settled(msg.step)
             self.retuner.observe_write(msg.nbytes, msg.write_s)
         elif isinstance(msg, Committed):
             self.metrics.last_durable_step = max(self.metrics.last_durable_step or 0, msg.step)
@@ -236,16 +239,23 @@ class Runtime:
             self.save_errors.append(f"step {msg.step}: {msg.error}")
             log.warning(f"rank {self.rank}: checkpoint of step {msg.step} failed: {msg.error}; "
                         "training goes on, the last committed step stays valid")
-            self.durable.setdefault(msg.step, threading.Event()).set()
+            self._settled(msg.step)
         elif isinstance(msg, FaultKill):
             faults.die()
         elif isinstance(msg, ConnectionLost):
             self.lost.set()
             with self.slots.cond:
                 self.slots.cond.notify_all()
-            for ev in self.durable.values():
+            for ev in list(self.durable.values()):
                 ev.set()
         self.strategy.on_event(msg) if hasattr(self, "strategy") else None
+
+    def _settled(self, step: int) -> None:
+        """Wake whoever waits for `step` to be durable and forget it (a Durable of a step nobody
+        submitted through `submit`, e.g. a handler's own record, finds nothing)."""
+        ev = self.durable.pop(step, None)
+        if ev is not None:
+            ev.set()
 
     def check_engine(self) -> None:
         if self.lost.is_set():
@@ -950,7 +960,11 @@ class Runtime:
         step; a strategy's own `message` (a Persist subclass with `fields`) goes to its engine-side
         handler."""
         self.check_engine()
-        done = self.durable.setdefault(snap.step, threading.Event())
+        killed_mid_write = bool(self.fault and self.fault.target == "kill" and self.fault.phase == "write"
+                                and self.fault.step == snap.step and not wait_durable)
+        # Only a step someone waits for is registered (before it is sent, so its Durable finds it):
+        # a handler may never report some steps durable one by one (lowdiff's batched diffs).
+        done = self.durable.setdefault(snap.step, threading.Event()) if wait_durable or killed_mid_write else None
         spec = RecordSpec(record=full_name(snap.step), kind="full", step=snap.step,
                           skeleton=snap.skeleton if layout == "records" else {},
                           tensors={s.key: s.to_json() for s in snap.layout.specs}, meta=self.record_meta(snap),
@@ -961,8 +975,7 @@ class Runtime:
         if snap.kind == "full" and not self._index_bytes:
             self._index_bytes = 200 * len(snap.layout.specs) + len(json.dumps(snap.skeleton, default=str))
         self.retuner.observe_snapshot(snap.kind, fields.get("disk_nbytes", snap.nbytes))  # what is written
-        if self.fault and self.fault.target == "kill" and self.fault.phase == "write" \
-                and self.fault.step == snap.step and not wait_durable:
+        if killed_mid_write:
             done.wait()  # the engine kills us mid-write (fault_kill) before this returns
         if wait_durable:
             t0 = time.perf_counter()

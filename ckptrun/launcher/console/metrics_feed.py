@@ -25,6 +25,7 @@ from ...ipc.events import STALL_CAUSES  # in display order (other causes are sho
 RATE_WINDOW_STEPS = 20  # steps/s is measured over this many recent steps
 P99_WINDOW = 10_000  # p99 is computed over this many recent steps (mean is over the whole run)
 BW_HISTORY = 32  # write-bandwidth samples kept per rank for the sparkline
+_COMMITS_KEPT = 4096  # committed steps remembered to count each once (ranks report it close together)
 _MAX_STEP_TIMES = 100_000  # bound on per-rank step->time memory when nothing becomes durable
 
 
@@ -449,6 +450,8 @@ class MetricsState:
         step = int(e["step"])
         if step not in self._committed_steps:  # several engines may report the same commit
             self._committed_steps.add(step)
+            if len(self._committed_steps) > _COMMITS_KEPT:  # bounded: a rank's report of an old step
+                self._committed_steps = set(sorted(self._committed_steps)[-_COMMITS_KEPT // 2:])  # comes soon
             self.checkpoints_committed += 1
             self.bytes_committed += int(e.get("bytes") or 0)
             if e.get("lag_s") is not None:
