@@ -119,6 +119,12 @@ def run(
                                                  "workers start from scratch) or fail.")] = "resume",
     max_inflight: Annotated[int, typer.Option(help="Checkpoints in flight (staging slots) before the "
                                                    "trainer waits (back-pressure).")] = 2,
+    host_memory: Annotated[str, typer.Option(help="Host-memory budget per node for checkpoint staging, shared "
+                                                  "equally by its ranks: 8G, 512M, 1.5GiB (default: 25% of the "
+                                                  "memory available at start). Staging slots (x --max-inflight), "
+                                                  "lowdiff's batch of diffs, lowdiff+'s replica and gockpt's "
+                                                  "rolled-forward state stay within it; tuners choose within it; "
+                                                  "an explicit setting that does not fit is refused.")] = "",
     writers: Annotated[int, typer.Option(help="Engine writer threads (checkpoints written at once).")] = 2,
     io_threads: Annotated[int, typer.Option(help="Threads writing chunks of one checkpoint file.")] = 1,
     io_engine: Annotated[str, typer.Option(help="The engine's file writer: native (io_uring + O_DIRECT, "
@@ -168,6 +174,7 @@ def run(
     from .config import RunConfig
     from .launcher.run import LaunchOptions
     from .launcher.run import run as launch
+    from .memory_budget import node_budget
     from .storage.iowriter import ENGINES
 
     if every != "auto" and not every.lstrip("-").isdigit():
@@ -175,7 +182,10 @@ def run(
     if io_engine not in ENGINES:
         raise UsageError(f"--io-engine must be one of {', '.join(ENGINES)} (got {io_engine!r})")
     mtbf_s = _duration("--mtbf", mtbf) if mtbf else 0.0
-    cfg = RunConfig(strategy=strategy, dir=dir, every=1 if every == "auto" else int(every), keep=keep,
+    node_bytes, node_source = node_budget(host_memory or None)
+    cfg = RunConfig(host_memory_node=node_bytes, host_memory_source=node_source,
+                    max_inflight_given=getattr(ctx.get_parameter_source("max_inflight"), "name", "") != "DEFAULT",
+                    strategy=strategy, dir=dir, every=1 if every == "auto" else int(every), keep=keep,
                     resume=resume, on_save_error=on_save_error, max_inflight=max_inflight, writers=writers,
                     io_threads=io_threads, io_engine=io_engine, metrics_dir=metrics_dir, every_auto=every == "auto",
                     mtbf=mtbf_s, max_steps=max_steps, on_restart=on_restart, dist_env=dist_env,

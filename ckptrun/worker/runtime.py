@@ -45,6 +45,7 @@ from ..ipc.messages import (
 )
 from ..ipc.staging import map_slot
 from ..log import log
+from ..memory_budget import Budget, fmt
 from ..restore import replay
 from ..restore.recovery import finish_state
 from ..storage import writeonce
@@ -56,6 +57,8 @@ from ..strategies.context import StrategyContext
 from . import decisions, discovery, sharded
 from .ddp_buckets import DDP_BUCKETS, BucketLayout
 from .metrics import WorkerMetrics
+
+STAGING = "staging slots"  # the budget's use by the shared staging slots (memory_budget.py)
 
 _current: Runtime | None = None
 
@@ -194,6 +197,10 @@ class Runtime:
         self._optim_t0 = 0.0
         self.update_s = 0.0  # this step's update time a strategy hook spent (split updates)
         self.slots = SlotPool()
+        self.budget = Budget(cfg.host_memory, node=cfg.host_memory_node, nlocal=cfg.host_memory_nlocal,
+                             source=cfg.host_memory_source)
+        self._nslots = cfg.max_inflight  # staging slots per generation: --max-inflight, or fewer by the budget
+        self._least_staging = 0  # the fewest staging bytes this run could have done with so far
         self.lost = threading.Event()
         # Steps a submit waits to see durable (or failed): an entry is dropped when its step's
         # Durable/SaveError arrives (the waiter holds the Event), so this holds at most the
@@ -219,6 +226,8 @@ class Runtime:
         self.engine_pid = hello["pid"]
         if hello["slots"]:
             self.slots.add(hello["slots"], pin=self._cuda)
+            self._least_staging = sum(n for _, _, n in hello["slots"])
+            self._staging_used()
 
         self.strategy = REGISTRY[cfg.strategy].load()(StrategyContext(self))
 
@@ -227,6 +236,7 @@ class Runtime:
         if isinstance(msg, SlotFree):
             if not self.slots.release(msg.slot):
                 self.client.send(Retire(slots=[msg.slot]))
+                self._staging_used()
         elif isinstance(msg, Durable):  # this rank's bytes are on disk; the step counts once committed
             self._settled(msg.step)
             self.retuner.observe_write(msg.nbytes, msg.write_s)
@@ -357,6 +367,10 @@ class Runtime:
                               setup_s=self.setup_s)
             self.recovery_started = None
         self.metrics.inflight = self.slots.inflight
+        if self.budget.limited:
+            if self.budget.changed:  # what uses the budget, each time it moves (not every step)
+                self.metrics.emit(type="host_memory", step=self.step, **self.budget.report())
+            self.metrics.host_memory = (self.budget.total, self.budget.used)
         record = self.metrics.end_step(self.step)
         self.retuner.after_step(self.step, record)
 
@@ -592,10 +606,49 @@ class Runtime:
             return
         self.check_engine()
         size = align(int(need * 1.25) + ALIGN)
-        reply = self.client.request(Alloc(nslots=self.cfg.max_inflight, nbytes=size))
+        self._nslots = self._slots_within_budget(size)
+        old = self.slots.inflight * self.slots.nbytes  # the old generation's slots still in flight
+        reply = self.client.request(Alloc(nslots=self._nslots, nbytes=size))
         retire = self.slots.add(reply["slots"], pin=self._cuda)
         if retire:
             self.client.send(Retire(slots=retire))
+        least = self.cfg.max_inflight if self.cfg.max_inflight_given else min(self.cfg.max_inflight,
+                                                                              self.strategy.min_slots)
+        self._least_staging = max(self._least_staging, size * least + old)
+        self._staging_used()
+
+    def _staging_used(self) -> None:
+        """The slots mapped now (this generation and old ones not yet back) as the budget's use;
+        the least it could do with: the fewest slots of this size, plus the old slots in flight
+        when they grew."""
+        with self.slots.cond:
+            mapped = sum(b.numel() for b in self.slots.buffers.values())
+        self.budget.set(STAGING, mapped, least=self._least_staging)
+
+    def _slots_within_budget(self, size: int) -> int:
+        """How many slots of `size` bytes the next generation gets: --max-inflight, fewer when the
+        budget cannot hold them (an explicit --max-inflight that does not fit is refused). Slots of
+        the old generation still in flight count until they come back."""
+        want, least = self.cfg.max_inflight, min(self.cfg.max_inflight, self.strategy.min_slots)
+        old = self.slots.inflight * self.slots.nbytes
+        room = self.budget.room(STAGING) - old
+        if want * size <= room or not self.budget.limited:
+            return want
+        beside = f", beside {fmt(old)} of older slots still in flight" if old else ""
+        if self.cfg.max_inflight_given:
+            self.budget.refuse(f"--max-inflight {want}", f"staging ({want} slots of {fmt(size)}{beside})",
+                               want * size + old)
+        fit = max(least, room // size)
+        if fit * size > room:
+            self.budget.refuse(f"--strategy {self.cfg.strategy}",
+                               f"staging (at least {least} slot{'s' if least > 1 else ''} of {fmt(size)}{beside})",
+                               least * size + old)
+        line = (f"host-memory budget decided: {fit} staging slot{'s' if fit > 1 else ''} of {fmt(size)} in flight "
+                f"instead of --max-inflight {want} ({self.budget.describe()})")
+        if self.budget.decide("max_inflight", line):
+            log.info(line) if self.rank == 0 else None
+            self.metrics.emit(type="budget_decided", setting="max_inflight", value=fit, reason=line)
+        return fit
 
     def begin(self, step: int, kind: str = "full", need: int = 0, prefix: str = "") -> Snapshot:
         """Take a free staging slot for `step` (back-pressure: wait while none is free), big

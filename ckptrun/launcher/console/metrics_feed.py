@@ -228,6 +228,9 @@ class RankStats:
     save_errors: int = 0
     last_error: str | None = None
     step_t: dict[int, float] = field(default_factory=dict)  # step -> time it completed
+    # --host-memory: this rank's budget, bytes used, peak and bytes by use (staging slots, a strategy's
+    # buffers), from its `host_memory` events and step records (bytes; None without a budget)
+    host_memory: dict[str, Any] | None = None
 
     @property
     def steps_per_s(self) -> float | None:
@@ -390,6 +393,9 @@ class MetricsState:
             rs.ckpts_taken += 1
         if e.get("inflight") is not None:
             rs.inflight = int(e["inflight"])
+        if e.get("host_memory_used") is not None:
+            rs.host_memory = {**(rs.host_memory or {}), "host_memory": int(e.get("host_memory") or 0),
+                              "host_memory_used": int(e["host_memory_used"])}
         if e.get("last_snapshot_step") is not None:
             rs.last_snapshot_step = int(e["last_snapshot_step"])
         if e.get("last_snapshot_done") is not None:
@@ -469,6 +475,9 @@ class MetricsState:
         rs.last_error = str(e.get("error", ""))
         self.errors.append({"t": t, "rank": rs.rank, "step": e.get("step"), "error": rs.last_error})
 
+    def _on_host_memory(self, e: dict[str, Any], t: float) -> None:
+        self._rank(e["rank"]).host_memory = {k: v for k, v in e.items() if k.startswith("host_memory")}
+
     def _on_in_memory(self, e: dict[str, Any], t: float) -> None:
         self._rank(e["rank"]).memory_step = int(e["step"])
 
@@ -488,6 +497,7 @@ class MetricsState:
         "commit": _on_commit,
         "save_error": _on_save_error,
         "in_memory": _on_in_memory,
+        "host_memory": _on_host_memory,
     }
 
     # ---- derived views

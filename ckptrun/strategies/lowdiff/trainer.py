@@ -24,6 +24,7 @@ import torch
 from ...compress import TopK
 from ...ipc.messages import Message, SaveError
 from ...log import log
+from ...memory_budget import fmt
 from ...restore.replay import optimizer_params
 from ...storage.layout import TensorSpec, view
 from ...storage.store import full_name
@@ -44,9 +45,13 @@ def _as_sparse(grad: torch.Tensor | None) -> Any:
     return {"idx": idx.to(torch.int32) if flat.numel() < 2**31 else idx, "val": flat[idx]}
 
 
+BATCH = "lowdiff batch of diffs"  # its use of the host-memory budget (in the engine; ckptrun/memory_budget.py)
+
+
 class LowDiff(Strategy):
     name = "lowdiff"
     single_optimizer = True
+    min_slots = 2  # a full snapshot and a step's diff are held together
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
@@ -162,4 +167,26 @@ class LowDiff(Strategy):
             if self.compress:  # the tail of the slot: kept in the engine's memory, not written
                 ctx.add(snap, {"volatile": self._residual})
                 ctx.wait_copy(snap)
-            ctx.submit(snap, Diff, base=self.diff_base, batch=self.fb.batch, disk_nbytes=disk)
+            ctx.submit(snap, Diff, base=self.diff_base, batch=self._batch_within_budget(disk), disk_nbytes=disk)
+
+    def _batch_within_budget(self, diff_bytes: int) -> int:
+        """B, or fewer diffs where the host-memory budget cannot hold B of them in the engine
+        (concatenated in one buffer that grows by an eighth); an explicit --batch that does not
+        fit is refused."""
+        budget, b = self.ctx.host_memory, self.fb.batch
+        per = diff_bytes + diff_bytes // 8 + 64
+        if not budget.limited or b * per <= budget.room(BATCH):
+            budget.set(BATCH, b * per if budget.limited else 0, least=per if self.fb.auto_b else b * per)
+            return b
+        if not self.fb.auto_b:
+            budget.refuse(f"--batch {b}", f"lowdiff's batch ({b} diffs of {fmt(diff_bytes)})", b * per)
+        fit = budget.room(BATCH) // per
+        if fit < 1:
+            budget.refuse("--strategy lowdiff", f"lowdiff's batch (at least 1 diff of {fmt(diff_bytes)})", per)
+        line = (f"lowdiff: host-memory budget decided: batch {fit} diffs instead of the cost model's {b} "
+                f"({self.ctx.host_memory.describe()}, {fmt(diff_bytes)} per diff)")
+        if budget.decide("batch", line):
+            log.info(line) if self.ctx.rank == 0 else None
+            self.ctx.emit(type="budget_decided", step=self.ctx.step, setting="batch", value=fit, reason=line)
+        budget.set(BATCH, fit * per, least=per)
+        return fit
