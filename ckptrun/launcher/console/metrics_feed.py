@@ -23,7 +23,8 @@ from typing import IO, Any
 from ...ipc.events import STALL_CAUSES  # in display order (other causes are shown after them)
 
 RATE_WINDOW_STEPS = 20  # steps/s is measured over this many recent steps
-P99_WINDOW = 10_000  # p99 is computed over this many recent steps (mean is over the whole run)
+P99_WINDOW = 2_000  # p99 is computed over this many recent steps (mean is over the whole run); each
+# stall cause of each rank keeps this many floats (~64 KB), reached within the first minutes of a run
 BW_HISTORY = 32  # write-bandwidth samples kept per rank for the sparkline
 _COMMITS_KEPT = 4096  # committed steps remembered to count each once (ranks report it close together)
 _MAX_STEP_TIMES = 100_000  # bound on per-rank step->time memory when nothing becomes durable

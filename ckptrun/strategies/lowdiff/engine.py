@@ -8,6 +8,7 @@ loses nothing, since the engine writes its partial batch before answering the re
 
 from __future__ import annotations
 
+import json
 import time
 
 from ...engine.handlers import EngineContext, EngineHandler
@@ -46,6 +47,9 @@ class LowDiffHandler(EngineHandler):
             self.flush()
         self.data += self.ctx.slot_view(msg.slot)[:disk]
         self.ctx.free_slot(msg.slot)
+        # Held as JSON text until the batch is written: a step's skeleton (RNG states: ~1,250 ints)
+        # is ~6x its JSON as objects, and thousands of them held and freed fragment the heap.
+        spec.skeleton = json.dumps(spec.skeleton, separators=(",", ":"))
         self.batch.append((msg, disk))
         # A batch holding the faulted step is written now: the record is named after its last
         # step, so waiting for the batch to fill would never fire the fault.
@@ -72,7 +76,7 @@ class LowDiffHandler(EngineHandler):
         record = RecordSpec(
             record=name, kind="diff", step=last.step, first_step=first.step,
             depends_on=[base] + ([prev] if prev else []), tensors=tensors,
-            skeleton={"steps": {str(m.spec.step): m.spec.skeleton for m, _ in batch}},
+            skeleton={"steps": {str(m.spec.step): json.loads(m.spec.skeleton) for m, _ in batch}},
             meta={**last.meta, "first_step": first.step, "batched_at": time.time()},
         )
         self.ctx.write(record, memoryview(data))
