@@ -95,3 +95,40 @@ def test_an_explicit_setting_that_does_not_fit_is_refused(strategy, setting, tmp
     line = error_line(proc)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"{setting[-2]} {setting[-1]} does not fit the host-memory budget" in line and "4.0 MiB" in line, line
+
+
+class _Ctx:
+    """The two things LowDiff's batch choice asks its context for."""
+
+    rank, step = 0, 7
+
+    def __init__(self, budget: Budget) -> None:
+        self.host_memory, self.events = budget, []
+
+    def emit(self, **event) -> None:
+        self.events.append(event)
+
+
+def _lowdiff(budget: Budget, batch: str):
+    from ckptrun.strategies.lowdiff.policy import FullEveryBatch
+    from ckptrun.strategies.lowdiff.trainer import LowDiff
+
+    s = object.__new__(LowDiff)
+    s.ctx, s.fb = _Ctx(budget), FullEveryBatch("auto", batch)
+    return s
+
+
+def test_lowdiff_batch_is_chosen_within_the_budget():
+    """An auto B the budget cannot hold is lowered to what fits (said once, as the budget's
+    decision); an explicit --batch that does not fit is refused; without a budget B stands."""
+    budget = Budget(10 * MB, node=10 * MB, source="--host-memory 10M")
+    budget.set("staging slots", 4 * MB)
+    auto = _lowdiff(budget, "auto")
+    auto.fb.batch = 400  # what the cost model asked for
+    assert auto._batch_within_budget(MB) == 5  # 6 MB left, 1.125 MB per diff held
+    assert budget.used <= budget.total and budget.minimum == 4 * MB + MB + MB // 8 + 64
+    assert [e["setting"] for e in auto.ctx.events] == ["batch"] and "budget decided" in auto.ctx.events[0]["reason"]
+    assert auto._batch_within_budget(MB) == 5 and len(auto.ctx.events) == 1  # said once
+    with pytest.raises(BudgetError, match="--batch 400 does not fit"):
+        _lowdiff(budget, "400")._batch_within_budget(MB)
+    assert _lowdiff(Budget(0), "400")._batch_within_budget(MB) == 400
