@@ -125,10 +125,10 @@ def test_lowdiff_batch_is_chosen_within_the_budget():
     budget.set("staging slots", 4 * MB)
     auto = _lowdiff(budget, "auto")
     auto.fb.batch = 400  # what the cost model asked for
-    assert auto._batch_within_budget(MB) == 5  # 6 MB left, 1.125 MB per diff held
-    assert budget.used <= budget.total and budget.minimum == 4 * MB + MB + MB // 8 + 64
+    assert auto._batch_within_budget(MB) == 2  # 6 MB left, 1.125 MB per diff held, twice (one batch written)
+    assert budget.used <= budget.total and budget.minimum == 4 * MB + 2 * (MB + MB // 8 + 64)
     assert [e["setting"] for e in auto.ctx.events] == ["batch"] and "budget decided" in auto.ctx.events[0]["reason"]
-    assert auto._batch_within_budget(MB) == 5 and len(auto.ctx.events) == 1  # said once
+    assert auto._batch_within_budget(MB) == 2 and len(auto.ctx.events) == 1  # said once
     with pytest.raises(BudgetError, match="--batch 400 does not fit"):
         _lowdiff(budget, "400")._batch_within_budget(MB)
     assert _lowdiff(Budget(0), "400")._batch_within_budget(MB) == 400

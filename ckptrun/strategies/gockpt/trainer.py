@@ -36,6 +36,7 @@ from .messages import Spread
 STEP_TIMES_KEPT = 8
 
 
+WRITES_QUEUED = 2  # = engine.WRITES_QUEUED (the engine module imports torch's optimizers: not imported here)
 ROLLED = "gockpt rolled-forward state"  # its use of the host-memory budget (in the engine; memory_budget.py)
 
 
@@ -145,7 +146,8 @@ class GoCkpt(Strategy):
         self.start, self.version = step, step + k - 1
         self.shares, self.sent = shares(blocks, k), []
         if self.ctx.host_memory.limited:  # the engine rolls a whole state's blocks forward (cohorts)
-            self.ctx.host_memory.claim(ROLLED, self._sizes()[0], "--strategy gockpt")
+            # (and up to WRITES_QUEUED copies of V's state being written)
+            self.ctx.host_memory.claim(ROLLED, (1 + WRITES_QUEUED) * self._sizes()[0], "--strategy gockpt")
 
     def _hand_share(self, step: int, share: list[Piece], *, last: bool) -> None:
         ctx = self.ctx

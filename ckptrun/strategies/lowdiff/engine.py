@@ -19,6 +19,9 @@ from .messages import Diff, Residual
 # Bases whose newest diff record is remembered: a chain only continues on the newest base or, after
 # a restart, on a retained one (--keep), never on one older than this many full checkpoints.
 CHAINS_KEPT = 64
+# Batches written at once at most (its slots are freed as each diff arrives, so without this bound a
+# disk slower than the steps grew a queue of written-out batches instead of stalling the trainer).
+WRITES_QUEUED = 1
 
 
 class LowDiffHandler(EngineHandler):
@@ -79,4 +82,5 @@ class LowDiffHandler(EngineHandler):
             skeleton={"steps": {str(m.spec.step): json.loads(m.spec.skeleton) for m, _ in batch}},
             meta={**last.meta, "first_step": first.step, "batched_at": time.time()},
         )
+        self.ctx.wait_writes(WRITES_QUEUED)  # one batch written while the next fills: a slow disk stalls the trainer
         self.ctx.write(record, memoryview(data))

@@ -184,7 +184,7 @@ class LowDiff(Strategy):
         (`diff_bytes` each: the tensors, concatenated in one buffer that grows by an eighth, and the
         step's skeleton as objects); an explicit --batch that does not fit is refused."""
         budget, b = self.ctx.host_memory, self.fb.batch
-        per = diff_bytes + diff_bytes // 8 + 64
+        per = 2 * (diff_bytes + diff_bytes // 8 + 64)  # the batch filling, and the one being written
         if not budget.limited or b * per <= budget.room(BATCH):
             budget.set(BATCH, b * per if budget.limited else 0, least=per if self.fb.auto_b else b * per)
             return b
