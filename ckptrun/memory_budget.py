@@ -87,6 +87,13 @@ class Budget:
             return 1 << 62
         return max(0, self.total - sum(n for u, n in self.uses.items() if u != use))
 
+    def room_least(self, use: str) -> int:
+        """Bytes `use` may take once every other use is down to its least (a tunable use, such
+        as lowdiff's auto batch, shrinks at its next decision)."""
+        if not self.limited:
+            return 1 << 62
+        return max(0, self.total - sum(n for u, n in self.least.items() if u != use))
+
     def fits(self, use: str, nbytes: int) -> bool:
         return nbytes <= self.room(use)
 

@@ -639,6 +639,8 @@ class Runtime:
             self.budget.refuse(f"--max-inflight {want}", f"staging ({want} slots of {fmt(size)}{beside})",
                                want * size + old)
         fit = max(least, room // size)
+        if fit * size > room:  # other uses that can shrink (an auto batch) do so at their next decision
+            room = self.budget.room_least(STAGING) - old
         if fit * size > room:
             self.budget.refuse(f"--strategy {self.cfg.strategy}",
                                f"staging (at least {least} slot{'s' if least > 1 else ''} of {fmt(size)}{beside})",
