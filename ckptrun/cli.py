@@ -94,6 +94,11 @@ def _intervals_epilog(width: int = 76) -> str:
     return "Intervals per strategy, and how --every N maps onto them:\n\n\b\n" + "\n".join(rows)
 
 
+def _given(ctx: typer.Context, param: str) -> bool:
+    """Was `param` given (command line or recipe), not left at its default?"""
+    return getattr(ctx.get_parameter_source(param), "name", "") != "DEFAULT"
+
+
 def _chosen_options(ctx: typer.Context, strategy: str, given: dict[str, str | None]) -> dict[str, str | None]:
     """The chosen strategy's option values; an option of another strategy typed on the command
     line is an error (it would be silently ignored)."""
@@ -137,6 +142,12 @@ def run(
                                                  "workers start from scratch) or fail.")] = "resume",
     max_inflight: Annotated[int, typer.Option(help="Checkpoints in flight (staging slots) before the "
                                                    "trainer waits (back-pressure).")] = 2,
+    host_memory: Annotated[str, typer.Option(help="Host-memory budget per node for checkpoint staging, shared "
+                                                  "equally by its ranks: 8G, 512M, 1.5GiB (default: 25% of the "
+                                                  "memory available at start). Staging slots (x --max-inflight), "
+                                                  "lowdiff's batch of diffs, lowdiff+'s replica and gockpt's "
+                                                  "rolled-forward state stay within it; tuners choose within it; "
+                                                  "an explicit setting that does not fit is refused.")] = "",
     writers: Annotated[int, typer.Option(help="Engine writer threads (checkpoints written at once).")] = 2,
     io_threads: Annotated[int, typer.Option(help="Threads writing chunks of one checkpoint file.")] = 1,
     io_engine: Annotated[str, typer.Option(help="The engine's file writer: native (io_uring + O_DIRECT, "
@@ -200,6 +211,7 @@ def run(
     from .launcher.run import LaunchOptions, OutputOptions
     from .launcher.run import run as launch
     from .log import configure
+    from .memory_budget import node_budget
     from .storage.iowriter import ENGINES
     from .strategies import REGISTRY
 
@@ -211,10 +223,13 @@ def run(
     mtbf_s = _duration("--mtbf", mtbf) if mtbf else 0.0
     options = _chosen_options(ctx, strategy, strategy_options)
     # An explicit --every N (command line or recipe; not its default) is honoured as given.
-    every_given = every != "auto" and getattr(ctx.get_parameter_source("every"), "name", "") != "DEFAULT"
+    every_given = every != "auto" and _given(ctx, "every")
     if every_given and int(every) >= 1 and strategy in REGISTRY:
         options = REGISTRY[strategy].honour_every(options, int(every))
-    cfg = RunConfig(strategy=strategy, dir=dir, every=1 if every == "auto" else int(every), keep=keep,
+    node_bytes, node_source = node_budget(host_memory or None)
+    cfg = RunConfig(host_memory_node=node_bytes, host_memory_source=node_source,
+                    max_inflight_given=_given(ctx, "max_inflight"),
+                    strategy=strategy, dir=dir, every=1 if every == "auto" else int(every), keep=keep,
                     resume=resume, on_save_error=on_save_error, max_inflight=max_inflight, writers=writers,
                     io_threads=io_threads, io_engine=io_engine, metrics_dir=metrics_dir, every_auto=every == "auto",
                     mtbf=mtbf_s, max_steps=max_steps, on_restart=on_restart, dist_env=dist_env,

@@ -30,6 +30,13 @@ class RunConfig:
     resume: bool = True
     on_save_error: str = "warn"
     max_inflight: int = 2
+    max_inflight_given: bool = False  # --max-inflight on the command line or a recipe (else the budget may lower it)
+    # --host-memory: the node's host-memory budget for staging (bytes; 0: none, e.g. a config from before
+    # the flag), where the figure comes from, and the rank's share (the launcher divides by local ranks)
+    host_memory_node: int = 0
+    host_memory_source: str = ""
+    host_memory: int = 0
+    host_memory_nlocal: int = 1
     writers: int = 2
     io_threads: int = 1
     io_engine: str = "auto"  # --io-engine: the engine's file writer (ckptrun/storage/iowriter.py)

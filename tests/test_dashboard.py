@@ -15,7 +15,14 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from ckptrun.launcher.console.dashboard import Dashboard, log_line, render, render_summary, sparkline
+from ckptrun.launcher.console.dashboard import (
+    Dashboard,
+    log_line,
+    render,
+    render_host_memory,
+    render_summary,
+    sparkline,
+)
 from ckptrun.launcher.console.hostmetrics import HostSampler
 from ckptrun.launcher.console.metrics_feed import MetricsFileWriter, MetricsState, MetricsTailer, percentile
 
@@ -618,3 +625,13 @@ def test_quiet_keeps_errors_only_and_a_users_handler_gets_the_log() -> None:
         configure(quiet=False)
         log.removeHandler(handler)
     assert buf.getvalue().splitlines() == ["INFO step 1 | durable 1", "ERROR save error: rank 0 step 3: ENOSPC"]
+
+
+def test_header_shows_the_host_memory_budget_in_use_summed_over_ranks() -> None:
+    state = _scenario()
+    assert render_host_memory(state) is None  # no budget reported yet
+    for rank, used in ((0, 100_000_000), (1, 50_000_000)):
+        state.apply({"type": "host_memory", "t": T0, "rank": rank, "step": 1, "host_memory": 1_000_000_000,
+                     "host_memory_used": used, "host_memory_uses": {"slots": used}})
+    assert render_host_memory(state).plain == "host memory 150.0 MB of 2.0 GB (slots 150.0 MB)"
+    assert render_host_memory(state, wide=False).plain == "host memory 150.0 MB of 2.0 GB"

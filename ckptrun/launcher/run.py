@@ -19,6 +19,7 @@ from ..errors import CkptrunError, UsageError
 from ..ipc.messages import Shutdown
 from ..log import configure as configure_log
 from ..log import log
+from ..memory_budget import Budget
 from ..storage.dirlock import DirLock, lock_name
 from ..storage.leftovers import new_tag, remove_staging, run_name, sweep_stale
 from ..storage.store import Store
@@ -196,6 +197,10 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).setLevel(logging.ERROR)
     nlocal = torchrun.determine_local_world_size(opts.nproc_per_node)
+    if cfg.host_memory_node:
+        cfg.host_memory, cfg.host_memory_nlocal = cfg.host_memory_node // nlocal, nlocal
+        log.info(Budget(cfg.host_memory, node=cfg.host_memory_node, nlocal=nlocal,
+                        source=cfg.host_memory_source).start_line())
     swept = sweep_stale()
     if swept.owners:
         log.info(str(swept))

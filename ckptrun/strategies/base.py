@@ -40,6 +40,9 @@ class Strategy:
     # Replays one optimizer's consumed gradients: refuses a second optimizer and multi-evaluation
     # closures (LBFGS) at start instead of saving something it cannot restore.
     single_optimizer: ClassVar[bool] = False
+    # Staging slots it may hold at once itself (e.g. a full snapshot and a diff): the fewest the
+    # host-memory budget may leave it (memory_budget.py); with fewer, its capture would wait forever.
+    min_slots: ClassVar[int] = 1
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx

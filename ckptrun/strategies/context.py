@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..ipc.messages import Message
+    from ..memory_budget import Budget
     from ..storage.layout import TensorSpec
     from ..worker.decisions import IntervalPolicy, SavePolicy
     from ..worker.runtime import ResumeState, Runtime, Snapshot
@@ -69,6 +70,18 @@ class StrategyContext:
     @property
     def max_inflight(self) -> int:
         return self._rt.cfg.max_inflight
+
+    @property
+    def host_memory(self) -> Budget:
+        """This rank's host-memory budget (--host-memory, ckptrun/memory_budget.py): declare each
+        host buffer the strategy keeps (`set`, or `claim` for an explicit setting, refused when it
+        does not fit) and choose tunable sizes within `room`."""
+        return self._rt.budget
+
+    @property
+    def staging_slots(self) -> int:
+        """Staging slots per generation: --max-inflight, or fewer where the budget decided."""
+        return self._rt._nslots
 
     @property
     def final_checkpoint(self) -> bool:

@@ -26,6 +26,7 @@ class WorkerMetrics:
         self.last_memory_step: int | None = None  # held in the engine's memory (a replica), not on disk
         self.inflight = 0
         self.optim_s: float | None = None  # the optimizer's own update time in the last step
+        self.host_memory: tuple[int, int] | None = None  # (this rank's --host-memory budget, bytes used)
 
     def emit(self, **event: Any) -> None:
         self._log.emit(**event)
@@ -46,6 +47,8 @@ class WorkerMetrics:
                       last_durable_step=self.last_durable_step, optim_s=self.optim_s)
         if self.last_memory_step is not None:
             record["last_memory_step"] = self.last_memory_step
+        if self.host_memory is not None:
+            record["host_memory"], record["host_memory_used"] = self.host_memory
         self.emit(**record)
         self._last_step_t = now
         self.stall.clear()

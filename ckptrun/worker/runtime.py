@@ -44,6 +44,7 @@ from ..ipc.messages import (
 )
 from ..ipc.staging import map_slot
 from ..log import log
+from ..memory_budget import Budget, fmt
 from ..restore import replay
 from ..restore.recovery import finish_state
 from ..storage import writeonce
@@ -55,6 +56,8 @@ from ..strategies.context import StrategyContext
 from . import decisions, discovery, sharded
 from .ddp_buckets import DDP_BUCKETS, BucketLayout
 from .metrics import WorkerMetrics
+
+STAGING = "staging slots"  # the budget's use by the shared staging slots (memory_budget.py)
 
 _current: Runtime | None = None
 
@@ -193,7 +196,14 @@ class Runtime:
         self._optim_t0 = 0.0
         self.update_s = 0.0  # this step's update time a strategy hook spent (split updates)
         self.slots = SlotPool()
+        self.budget = Budget(cfg.host_memory, node=cfg.host_memory_node, nlocal=cfg.host_memory_nlocal,
+                             source=cfg.host_memory_source)
+        self._nslots = cfg.max_inflight  # staging slots per generation: --max-inflight, or fewer by the budget
+        self._least_staging = 0  # the fewest staging bytes this run could have done with so far
         self.lost = threading.Event()
+        # Steps a submit waits to see durable (or failed): an entry is dropped when its step's
+        # Durable/SaveError arrives (the waiter holds the Event), so this holds at most the
+        # checkpoints waited for, never one entry per step of the run.
         self.durable: dict[int, threading.Event] = {}
         self.save_errors: list[str] = []
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="ckptrun-snapshot")
@@ -215,6 +225,8 @@ class Runtime:
         self.engine_pid = hello["pid"]
         if hello["slots"]:
             self.slots.add(hello["slots"], pin=self._cuda)
+            self._least_staging = sum(n for _, _, n in hello["slots"])
+            self._staging_used()
 
         self.strategy = REGISTRY[cfg.strategy].load()(StrategyContext(self))
 
@@ -223,8 +235,9 @@ class Runtime:
         if isinstance(msg, SlotFree):
             if not self.slots.release(msg.slot):
                 self.client.send(Retire(slots=[msg.slot]))
+                self._staging_used()
         elif isinstance(msg, Durable):  # this rank's bytes are on disk; the step counts once committed
-            self.durable.setdefault(msg.step, threading.Event()).set()
+            self._settled(msg.step)
             self.retuner.observe_write(msg.nbytes, msg.write_s)
         elif isinstance(msg, Committed):
             self.metrics.last_durable_step = max(self.metrics.last_durable_step or 0, msg.step)
@@ -235,16 +248,23 @@ class Runtime:
             self.save_errors.append(f"step {msg.step}: {msg.error}")
             log.warning(f"rank {self.rank}: checkpoint of step {msg.step} failed: {msg.error}; "
                         "training goes on, the last committed step stays valid")
-            self.durable.setdefault(msg.step, threading.Event()).set()
+            self._settled(msg.step)
         elif isinstance(msg, FaultKill):
             faults.die()
         elif isinstance(msg, ConnectionLost):
             self.lost.set()
             with self.slots.cond:
                 self.slots.cond.notify_all()
-            for ev in self.durable.values():
+            for ev in list(self.durable.values()):
                 ev.set()
         self.strategy.on_event(msg) if hasattr(self, "strategy") else None
+
+    def _settled(self, step: int) -> None:
+        """Wake whoever waits for `step` to be durable and forget it (a Durable of a step nobody
+        submitted through `submit`, e.g. a handler's own record, finds nothing)."""
+        ev = self.durable.pop(step, None)
+        if ev is not None:
+            ev.set()
 
     def check_engine(self) -> None:
         if self.lost.is_set():
@@ -346,6 +366,10 @@ class Runtime:
                               setup_s=self.setup_s)
             self.recovery_started = None
         self.metrics.inflight = self.slots.inflight
+        if self.budget.limited:
+            if self.budget.changed:  # what uses the budget, each time it moves (not every step)
+                self.metrics.emit(type="host_memory", step=self.step, **self.budget.report())
+            self.metrics.host_memory = (self.budget.total, self.budget.used)
         record = self.metrics.end_step(self.step)
         self.retuner.after_step(self.step, record)
 
@@ -581,10 +605,51 @@ class Runtime:
             return
         self.check_engine()
         size = align(int(need * 1.25) + ALIGN)
-        reply = self.client.request(Alloc(nslots=self.cfg.max_inflight, nbytes=size))
+        self._nslots = self._slots_within_budget(size)
+        old = self.slots.inflight * self.slots.nbytes  # the old generation's slots still in flight
+        reply = self.client.request(Alloc(nslots=self._nslots, nbytes=size))
         retire = self.slots.add(reply["slots"], pin=self._cuda)
         if retire:
             self.client.send(Retire(slots=retire))
+        least = self.cfg.max_inflight if self.cfg.max_inflight_given else min(self.cfg.max_inflight,
+                                                                              self.strategy.min_slots)
+        self._least_staging = max(self._least_staging, size * least + old)
+        self._staging_used()
+
+    def _staging_used(self) -> None:
+        """The slots mapped now (this generation and old ones not yet back) as the budget's use;
+        the least it could do with: the fewest slots of this size, plus the old slots in flight
+        when they grew."""
+        with self.slots.cond:
+            mapped = sum(b.numel() for b in self.slots.buffers.values())
+        self.budget.set(STAGING, mapped, least=self._least_staging)
+
+    def _slots_within_budget(self, size: int) -> int:
+        """How many slots of `size` bytes the next generation gets: --max-inflight, fewer when the
+        budget cannot hold them (an explicit --max-inflight that does not fit is refused). Slots of
+        the old generation still in flight count until they come back."""
+        want, least = self.cfg.max_inflight, min(self.cfg.max_inflight, self.strategy.min_slots)
+        old = self.slots.inflight * self.slots.nbytes
+        room = self.budget.room(STAGING) - old
+        if want * size <= room or not self.budget.limited:
+            return want
+        beside = f", beside {fmt(old)} of older slots still in flight" if old else ""
+        if self.cfg.max_inflight_given:
+            self.budget.refuse(f"--max-inflight {want}", f"staging ({want} slots of {fmt(size)}{beside})",
+                               want * size + old)
+        fit = max(least, room // size)
+        if fit * size > room:  # other uses that can shrink (an auto batch) do so at their next decision
+            room = self.budget.room_least(STAGING) - old
+        if fit * size > room:
+            self.budget.refuse(f"--strategy {self.cfg.strategy}",
+                               f"staging (at least {least} slot{'s' if least > 1 else ''} of {fmt(size)}{beside})",
+                               least * size + old)
+        line = (f"host-memory budget decided: {fit} staging slot{'s' if fit > 1 else ''} of {fmt(size)} in flight "
+                f"instead of --max-inflight {want} ({self.budget.describe()})")
+        if self.budget.decide("max_inflight", line):
+            log.info(line) if self.rank == 0 else None
+            self.metrics.emit(type="budget_decided", setting="max_inflight", value=fit, reason=line)
+        return fit
 
     def begin(self, step: int, kind: str = "full", need: int = 0, prefix: str = "") -> Snapshot:
         """Take a free staging slot for `step` (back-pressure: wait while none is free), big
@@ -949,7 +1014,11 @@ class Runtime:
         step; a strategy's own `message` (a Persist subclass with `fields`) goes to its engine-side
         handler."""
         self.check_engine()
-        done = self.durable.setdefault(snap.step, threading.Event())
+        killed_mid_write = bool(self.fault and self.fault.target == "kill" and self.fault.phase == "write"
+                                and self.fault.step == snap.step and not wait_durable)
+        # Only a step someone waits for is registered (before it is sent, so its Durable finds it):
+        # a handler may never report some steps durable one by one (lowdiff's batched diffs).
+        done = self.durable.setdefault(snap.step, threading.Event()) if wait_durable or killed_mid_write else None
         spec = RecordSpec(record=full_name(snap.step), kind="full", step=snap.step,
                           skeleton=snap.skeleton if layout == "records" else {},
                           tensors={s.key: s.to_json() for s in snap.layout.specs}, meta=self.record_meta(snap),
@@ -960,8 +1029,7 @@ class Runtime:
         if snap.kind == "full" and not self._index_bytes:
             self._index_bytes = 200 * len(snap.layout.specs) + len(json.dumps(snap.skeleton, default=str))
         self.retuner.observe_snapshot(snap.kind, fields.get("disk_nbytes", snap.nbytes))  # what is written
-        if self.fault and self.fault.target == "kill" and self.fault.phase == "write" \
-                and self.fault.step == snap.step and not wait_durable:
+        if killed_mid_write:
             done.wait()  # the engine kills us mid-write (fault_kill) before this returns
         if wait_durable:
             t0 = time.perf_counter()

@@ -79,8 +79,27 @@ def render_header(state: MetricsState, now: float, *, wide: bool = True) -> Rend
             *((("  written ", "dim"), (fmt_bytes(state.bytes_written), "")) if wide else ()),
         )
     settings = ", ".join(f"{k}={v}" for k, v in state.settings.items()) or "-"
-    return Group(line1, committed, Text.assemble(("dir ", "dim"), (state.ckpt_dir or NA, "cyan")),
-                 Text.assemble(("settings ", "dim"), (settings, "")))
+    lines = [line1, committed, Text.assemble(("dir ", "dim"), (state.ckpt_dir or NA, "cyan")),
+             Text.assemble(("settings ", "dim"), (settings, ""))]
+    budget = render_host_memory(state, wide=wide)
+    return Group(*lines, *([budget] if budget else []))
+
+
+def render_host_memory(state: MetricsState, *, wide: bool = True) -> Text | None:
+    """--host-memory: what the ranks' staging uses of their budgets, summed over the ranks (and,
+    `wide`, by use: slots, a strategy's buffers); None before any rank reported one."""
+    reports = [rs.host_memory for rs in state.ranks.values() if rs.host_memory and rs.host_memory.get("host_memory")]
+    if not reports:
+        return None
+    used = sum(int(r.get("host_memory_used") or 0) for r in reports)
+    total = sum(int(r["host_memory"]) for r in reports)
+    uses: dict[str, int] = {}
+    for r in reports:
+        for name, nbytes in (r.get("host_memory_uses") or {}).items():
+            uses[name] = uses.get(name, 0) + int(nbytes)
+    shown = [f"{name} {fmt_bytes(nbytes)}" for name, nbytes in uses.items() if nbytes] if wide else []
+    detail = f" ({', '.join(shown)})" if shown else ""
+    return Text.assemble(("host memory ", "dim"), (f"{fmt_bytes(used)} of {fmt_bytes(total)}", ""), (detail, ""))
 
 
 WIDE_HINT = "a wider terminal shows them; every figure in --metrics-file"

@@ -23,8 +23,10 @@ from typing import IO, Any
 from ...ipc.events import STALL_CAUSES  # in display order (other causes are shown after them)
 
 RATE_WINDOW_STEPS = 20  # steps/s is measured over this many recent steps
-P99_WINDOW = 10_000  # p99 is computed over this many recent steps (mean is over the whole run)
+P99_WINDOW = 2_000  # p99 is computed over this many recent steps (mean is over the whole run); each
+# stall cause of each rank keeps this many floats (~64 KB), reached within the first minutes of a run
 BW_HISTORY = 32  # write-bandwidth samples kept per rank for the sparkline
+_COMMITS_KEPT = 4096  # committed steps remembered to count each once (ranks report it close together)
 _MAX_STEP_TIMES = 100_000  # bound on per-rank step->time memory when nothing becomes durable
 
 
@@ -227,6 +229,9 @@ class RankStats:
     save_errors: int = 0
     last_error: str | None = None
     step_t: dict[int, float] = field(default_factory=dict)  # step -> time it completed
+    # --host-memory: this rank's budget, bytes used, peak and bytes by use (staging slots, a strategy's
+    # buffers), from its `host_memory` events and step records (bytes; None without a budget)
+    host_memory: dict[str, Any] | None = None
 
     @property
     def steps_per_s(self) -> float | None:
@@ -389,6 +394,9 @@ class MetricsState:
             rs.ckpts_taken += 1
         if e.get("inflight") is not None:
             rs.inflight = int(e["inflight"])
+        if e.get("host_memory_used") is not None:
+            rs.host_memory = {**(rs.host_memory or {}), "host_memory": int(e.get("host_memory") or 0),
+                              "host_memory_used": int(e["host_memory_used"])}
         if e.get("last_snapshot_step") is not None:
             rs.last_snapshot_step = int(e["last_snapshot_step"])
         if e.get("last_snapshot_done") is not None:
@@ -449,6 +457,8 @@ class MetricsState:
         step = int(e["step"])
         if step not in self._committed_steps:  # several engines may report the same commit
             self._committed_steps.add(step)
+            if len(self._committed_steps) > _COMMITS_KEPT:  # bounded: a rank's report of an old step
+                self._committed_steps = set(sorted(self._committed_steps)[-_COMMITS_KEPT // 2:])  # comes soon
             self.checkpoints_committed += 1
             self.bytes_committed += int(e.get("bytes") or 0)
             if e.get("lag_s") is not None:
@@ -465,6 +475,9 @@ class MetricsState:
         rs.save_errors += 1
         rs.last_error = str(e.get("error", ""))
         self.errors.append({"t": t, "rank": rs.rank, "step": e.get("step"), "error": rs.last_error})
+
+    def _on_host_memory(self, e: dict[str, Any], t: float) -> None:
+        self._rank(e["rank"]).host_memory = {k: v for k, v in e.items() if k.startswith("host_memory")}
 
     def _on_in_memory(self, e: dict[str, Any], t: float) -> None:
         self._rank(e["rank"]).memory_step = int(e["step"])
@@ -485,6 +498,7 @@ class MetricsState:
         "commit": _on_commit,
         "save_error": _on_save_error,
         "in_memory": _on_in_memory,
+        "host_memory": _on_host_memory,
     }
 
     # ---- derived views

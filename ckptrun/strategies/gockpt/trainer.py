@@ -38,9 +38,14 @@ from .messages import Spread
 STEP_TIMES_KEPT = 8
 
 
+WRITES_QUEUED = 2  # = engine.WRITES_QUEUED (the engine module imports torch's optimizers: not imported here)
+ROLLED = "gockpt rolled-forward state"  # its use of the host-memory budget (in the engine; memory_budget.py)
+
+
 class GoCkpt(Strategy):
     name = "gockpt"
     single_optimizer = True
+    min_slots = 2  # this step's message is filled while the last one is sealed
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
@@ -146,6 +151,9 @@ class GoCkpt(Strategy):
                       self.block_bytes)
         self.start, self.version = step, step + k - 1
         self.shares, self.sent = shares(blocks, k), []
+        if self.ctx.host_memory.limited:  # the engine rolls a whole state's blocks forward (cohorts)
+            # (and up to WRITES_QUEUED copies of V's state being written)
+            self.ctx.host_memory.claim(ROLLED, (1 + WRITES_QUEUED) * self._sizes()[0], "--strategy gockpt")
 
     def _hand_share(self, step: int, share: list[Piece], *, last: bool) -> None:
         ctx = self.ctx

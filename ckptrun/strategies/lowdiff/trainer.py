@@ -17,6 +17,7 @@ measured costs and is re-tuned as they move.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ import torch
 from ...compress import TopK
 from ...ipc.messages import Message, SaveError
 from ...log import log
+from ...memory_budget import fmt
 from ...restore.replay import optimizer_params
 from ...storage.layout import TensorSpec, view
 from ...storage.store import full_name
@@ -44,9 +46,18 @@ def _as_sparse(grad: torch.Tensor | None) -> Any:
     return {"idx": idx.to(torch.int32) if flat.numel() < 2**31 else idx, "val": flat[idx]}
 
 
+BATCH = "lowdiff batch of diffs"  # its use of the host-memory budget (in the engine; ckptrun/memory_budget.py)
+# A diff's skeleton (post-step RNG states: ~1,250 Python ints) is held in the engine as JSON text
+# until its batch is written, then as objects while the record's index is built: ~6 bytes per
+# byte of its JSON (measured: 93 MB of objects for 1,855 diffs of the soak model, whose skeleton
+# is ~9 KB of JSON), plus the text.
+SKELETON_OBJECT_BYTES = 7
+
+
 class LowDiff(Strategy):
     name = "lowdiff"
     single_optimizer = True
+    min_slots = 2  # a full snapshot and a step's diff are held together
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
@@ -60,6 +71,7 @@ class LowDiff(Strategy):
         self.ddp_compressed = False
         self._residual: dict = {}  # the top-k residual as it was right after the pending diff's step
         self.broken: str | None = None  # a record of the current chain that failed to save
+        self._skeleton_bytes: int | None = None  # what a diff's skeleton takes in the engine, as objects
 
     def settings(self) -> dict:
         return {**self.fb.settings, "auto": self.fb.adjustable,
@@ -162,4 +174,29 @@ class LowDiff(Strategy):
             if self.compress:  # the tail of the slot: kept in the engine's memory, not written
                 ctx.add(snap, {"volatile": self._residual})
                 ctx.wait_copy(snap)
-            ctx.submit(snap, Diff, base=self.diff_base, batch=self.fb.batch, disk_nbytes=disk)
+            if self._skeleton_bytes is None:  # (the same every step: measured once)
+                self._skeleton_bytes = SKELETON_OBJECT_BYTES * len(json.dumps(snap.skeleton, default=str))
+            batch = self._batch_within_budget(disk + self._skeleton_bytes)
+            ctx.submit(snap, Diff, base=self.diff_base, batch=batch, disk_nbytes=disk)
+
+    def _batch_within_budget(self, diff_bytes: int) -> int:
+        """B, or fewer diffs where the host-memory budget cannot hold B of them in the engine
+        (`diff_bytes` each: the tensors, concatenated in one buffer that grows by an eighth, and the
+        step's skeleton as objects); an explicit --batch that does not fit is refused."""
+        budget, b = self.ctx.host_memory, self.fb.batch
+        per = 2 * (diff_bytes + diff_bytes // 8 + 64)  # the batch filling, and the one being written
+        if not budget.limited or b * per <= budget.room(BATCH):
+            budget.set(BATCH, b * per if budget.limited else 0, least=per if self.fb.auto_b else b * per)
+            return b
+        if not self.fb.auto_b:
+            budget.refuse(f"--batch {b}", f"lowdiff's batch ({b} diffs of {fmt(diff_bytes)})", b * per)
+        fit = budget.room(BATCH) // per
+        if fit < 1:
+            budget.refuse("--strategy lowdiff", f"lowdiff's batch (at least 1 diff of {fmt(diff_bytes)})", per)
+        line = (f"lowdiff: host-memory budget decided: batch {fit} diffs instead of the cost model's {b} "
+                f"({self.ctx.host_memory.describe()}, {fmt(diff_bytes)} per diff)")
+        if budget.decide("batch", line):
+            log.info(line) if self.ctx.rank == 0 else None
+            self.ctx.emit(type="budget_decided", step=self.ctx.step, setting="batch", value=fit, reason=line)
+        budget.set(BATCH, fit * per, least=per)
+        return fit

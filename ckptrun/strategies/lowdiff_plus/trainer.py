@@ -43,6 +43,7 @@ STATES_PER_PARAM = 2  # optimizer state tensors per parameter assumed before the
 
 
 class LowDiffPlus(Strategy):
+    min_slots = 2  # the base snapshot and a step's gradients
     name = "lowdiff+"
     single_optimizer = True
     wants_grad_hooks = True
@@ -94,7 +95,11 @@ class LowDiffPlus(Strategy):
         self.position = {id(p): i for i, p in enumerate(self.params)}
         self.skeleton, self.like = flatten({"grads": self.params})
         self.keys = [ref[TENSOR] for ref in self.skeleton["grads"]]
-        check_host_memory(replica_bytes(opt, self.params))
+        replica = replica_bytes(opt, self.params)
+        if self.ctx.host_memory.limited:  # the replica and its persist buffer: two copies of the state
+            self.ctx.host_memory.claim(REPLICA, 2 * replica, "--strategy lowdiff+")
+        else:
+            check_host_memory(replica)
         resume = self.ctx.resume
         if resume is None or resume.source != "memory":
             # A resume exactly at a full checkpoint has its record already.
@@ -239,6 +244,9 @@ class LowDiffPlus(Strategy):
             ctx.seal(snap)
             ctx.submit(snap, Base, persist=write or final, exact=not self.params[0].is_cuda,
                        replicated=ctx.replicated_positions())
+
+
+REPLICA = "lowdiff+ replica"  # its use of the host-memory budget (ckptrun/memory_budget.py)
 
 
 def replica_bytes(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> int:
