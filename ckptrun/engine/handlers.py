@@ -118,14 +118,7 @@ class EngineContext:
         """Block until fewer than `limit` writes are queued or running: a handler that copies a
         checkpoint out of its slot and frees the slot at once bounds what it holds this way (the
         trainer then waits for a free slot: back-pressure, not a growing queue)."""
-        import concurrent.futures
-
-        while True:
-            with self._engine._inflight_lock:
-                futs = list(self._engine.inflight)
-            if len(futs) < limit:
-                return
-            concurrent.futures.wait(futs, return_when=concurrent.futures.FIRST_COMPLETED)
+        self._engine.wait_jobs(fewer_than=limit)
 
     def write(self, spec: RecordSpec, data: memoryview) -> None:
         """Persist this rank's part of record `spec` and hand it to the committer."""

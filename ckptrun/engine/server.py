@@ -15,7 +15,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
@@ -114,13 +114,16 @@ class Engine:
         jobs the handler may give up (`EngineHandler.restart`)."""
         if self.handler is not None:
             (self.handler.restart if restart else self.handler.flush)()
+        self.wait_jobs(fewer_than=1)
+
+    def wait_jobs(self, fewer_than: int) -> None:
+        """Block until fewer than `fewer_than` submitted jobs are queued or running."""
         while True:
             with self._inflight_lock:
                 futs = list(self.inflight)
-            if not futs:
+            if len(futs) < fewer_than:
                 return
-            for f in futs:
-                f.exception()
+            wait(futs, return_when=FIRST_COMPLETED)
 
     # ---- messages ----------------------------------------------------------------------
     def serve(self, conn: Connection) -> None:
