@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import median
+from statistics import median, quantiles
 from typing import Any
 
 from ..errors import CkptrunError, UsageError
@@ -125,17 +125,10 @@ def needs_repeat(sd: Slowdown, stall_s: float) -> bool:
 
 
 def _quartiles(values: list[float]) -> tuple[float, float]:
-    ordered = sorted(values)
-    if len(ordered) < 2:
-        return (ordered[0], ordered[0]) if ordered else (0.0, 0.0)
-
-    def at(q: float) -> float:
-        pos = q * (len(ordered) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(ordered) - 1)
-        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-    return at(0.25), at(0.75)
+    if len(values) < 2:
+        return (values[0], values[0]) if values else (0.0, 0.0)
+    q1, _, q3 = quantiles(values, n=4, method="inclusive")  # (linear between the nearest ranks)
+    return q1, q3
 
 
 @dataclass(frozen=True)
