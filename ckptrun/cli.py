@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 
 from .errors import CkptrunError, UsageError
+from .strategies import DEFAULT
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -55,7 +56,7 @@ _NOT_IN_RECIPES = {"script", "script_args", "recipe"}
 Script = Annotated[str, typer.Argument(help="The training script; everything after it is its own.")]
 ScriptArgs = Annotated[list[str] | None, typer.Argument(help="Arguments passed to the script.")]
 Mtbf = Annotated[str, typer.Option(help="Mean time between failures: 90s, 45m, 2h, 1.5d (default 1h). "
-                                        "run: used by --every auto and lowdiff's auto settings.")]
+                                        "run: used by --every auto and the strategies' auto settings.")]
 
 
 def _with_strategy_options(func: Callable) -> Callable:
@@ -123,7 +124,7 @@ def run(
     script: Script,
     script_args: ScriptArgs = None,
     strategy: Annotated[str, typer.Option(help="Checkpointing strategy (see `ckptrun strategies`).")]
-    = "checkfreq",
+    = DEFAULT,
     dir: Annotated[str, typer.Option("--dir", help="Checkpoint directory.")] = "ckpts",
     every: Annotated[str, typer.Option(help=EVERY_HELP)] = "1",
     mtbf: Mtbf = "",
@@ -144,9 +145,9 @@ def run(
                                                    "trainer waits (back-pressure).")] = 2,
     host_memory: Annotated[str, typer.Option(help="Host-memory budget per node for checkpoint staging, shared "
                                                   "equally by its ranks: 8G, 512M, 1.5GiB (default: 25% of the "
-                                                  "memory available at start). Staging slots (x --max-inflight), "
-                                                  "lowdiff's batch of diffs, lowdiff+'s replica and gockpt's "
-                                                  "rolled-forward state stay within it; tuners choose within it; "
+                                                  "memory available at start). Staging slots (x --max-inflight) "
+                                                  "and what a strategy keeps in its engine (a batch of diffs, a "
+                                                  "CPU replica) stay within it; tuners choose within it; "
                                                   "an explicit setting that does not fit is refused.")] = "",
     writers: Annotated[int, typer.Option(help="Engine writer threads (checkpoints written at once).")] = 2,
     io_threads: Annotated[int, typer.Option(help="Threads writing chunks of one checkpoint file.")] = 1,
@@ -367,7 +368,7 @@ def bench(
                                             "of state), medium (GPU; ~1.3 GB).")] = "small",
     strategies: Annotated[str, typer.Option(help="What to measure, comma-separated: references (torch.save, "
                                                  "dcp-thread, dcp-process), ckptrun strategies and their variants "
-                                                 "(lightcheck-whole, gockpt-k4, lowdiff+topk, ...). `default`: "
+                                                 "(an unknown name lists them all). `default`: "
                                                  "torch.save, dcp-thread and each strategy once at its defaults "
                                                  "(about 3 minutes on 2 cores with the other defaults); `all`: "
                                                  "every reference, strategy and variant. `none` (no "

@@ -6,6 +6,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+from .strategies import DEFAULT
+
 ENV = "CKPTRUN_CONFIG"
 RESUME_ENV = "CKPTRUN_RESUME_STEP"
 # What torch elastic sets for a worker (torch 2.13: local_elastic_agent's _start_workers and
@@ -23,7 +25,7 @@ def is_torchrun_var(name: str) -> bool:
 
 @dataclass
 class RunConfig:
-    strategy: str = "checkfreq"
+    strategy: str = DEFAULT
     dir: str = "ckpts"
     every: int = 1
     keep: int = 2

@@ -1,8 +1,10 @@
 """`ckptrun bench`: overhead, stall, bandwidth, memory and recovery time of every strategy next to
 `none` and the PyTorch references, on the example GPT. One job per module: `plan` (what runs),
 `runner` (one run and its recovery), `procmem` (peak memory), `figures` (a run's numbers),
-`stats` (over repetitions), `machine` (what it ran on), `report` (table, JSON, plot), `driver`."""
+`stats` (over repetitions), `machine` (what it ran on), `report` (table, JSON, plot), `options`
+(the flags, below both modes), `driver` (the plain bench) and `failure_driver` (goodput)."""
 
-from .driver import BenchOptions, run_bench
+from .driver import run_bench
+from .options import BenchOptions
 
 __all__ = ["BenchOptions", "run_bench"]

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 from statistics import median
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console, RenderableType
 from rich.text import Text
@@ -28,10 +28,8 @@ from . import machine, plan, report
 from .failure_runner import run_under_failures
 from .failures import Schedule
 from .goodput import Goodput, goodput
+from .options import BenchOptions
 from .progress import RunProgress
-
-if TYPE_CHECKING:  # (the driver imports this module)
-    from .driver import BenchOptions
 
 SCHEMA = "ckptrun-bench-failures/1"
 NO_FAILURES = "no failures"

@@ -18,6 +18,8 @@ from . import datastates, gockpt, lightcheck, lowdiff, lowdiff_plus, pccheck
 from .options import Option
 
 GROUP = "ckptrun.strategies"
+DEFAULT = "checkfreq"  # `ckptrun run`'s --strategy when none is given
+BASELINE = "sync"  # the blocking checkpoint (torch.save's): `ckptrun tune` measures costs against it
 
 
 @dataclass(frozen=True)

@@ -50,12 +50,12 @@ from typing import Any
 
 from ..errors import CkptrunError, UsageError
 from ..launcher.console.metrics_feed import MetricsTailer
+from ..strategies import BASELINE
 from .durations import format_duration
 
 WARMUP_STEPS = 3
 MIN_MEASURED = 2  # steps, after the warm-up, that a run must reach
 MAX_ROUNDS = 8  # interleaved rounds at most, whatever the budget
-BASELINE_STRATEGY = "sync"
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:?")
 
 __all__ = ["WARMUP_STEPS", "Costs", "Profile", "Slowdown", "StrategyCosts", "needs_repeat", "profile", "slowdown"]
@@ -259,7 +259,7 @@ def _strategy_costs(name: str, runs: Runs, baselines: list[float], rounds: dict[
     stall = max(median(_stall(e) for e in window), 1e-9)
     paired = [median(e["step_s"] - e["stall_s"].get("backpressure", 0.0) for e in w) - baselines[r]
               for (_, w), r in zip(mine, rounds[name], strict=True)]
-    sd = slowdown(paired, [s - baselines[r] for (_, w), r in zip(runs[BASELINE_STRATEGY], rounds[BASELINE_STRATEGY],
+    sd = slowdown(paired, [s - baselines[r] for (_, w), r in zip(runs[BASELINE], rounds[BASELINE],
                                                                  strict=True) for s in _no_checkpoint_steps(w)])
     writes = [w["write_s"] for run, _ in mine for w in run.writes if w["step"] > WARMUP_STEPS]
     if not writes:
@@ -283,7 +283,7 @@ def profile(script: str, args: list[str], strategies: list[str], steps: int, ckp
         raise UsageError(f"cannot write into --dir {ckpt_dir} ({e.strerror}); pass --dir with a writable path "
                          "on the storage you will checkpoint to") from None
     total = WARMUP_STEPS + steps
-    names = [BASELINE_STRATEGY, *(s for s in strategies if s != BASELINE_STRATEGY)]
+    names = [BASELINE, *(s for s in strategies if s != BASELINE)]
     runs: Runs = {n: [] for n in names}
     baselines: list[float] = []  # each round's no-checkpoint median step
     rounds: dict[str, list[int]] = {n: [] for n in names}  # the rounds each strategy ran in
@@ -300,7 +300,7 @@ def profile(script: str, args: list[str], strategies: list[str], steps: int, ckp
                         if needs_repeat((sc := _strategy_costs(n, runs, baselines, rounds)).slowdown, sc.stall_s)]
                 if not todo:
                     break
-                todo = [BASELINE_STRATEGY, *todo]
+                todo = [BASELINE, *todo]
                 if time.monotonic() + sum(took[n] for n in todo) >= deadline:
                     progress(f"within noise after {r} round{'s' if r > 1 else ''} ({', '.join(todo[1:])}); "
                              "--repeat-budget spent")
@@ -316,11 +316,11 @@ def profile(script: str, args: list[str], strategies: list[str], steps: int, ckp
                 window = _window(run, name)
                 runs[name].append((run, window))
                 rounds[name].append(r)
-                if name == BASELINE_STRATEGY:
+                if name == BASELINE:
                     baselines.append(median(_no_checkpoint_steps(window)))
                     if r == 0:
                         base = _baseline(run, window, mtbf_s, progress)
-                if r == 0 or name != BASELINE_STRATEGY:
+                if r == 0 or name != BASELINE:
                     sc = _strategy_costs(name, runs, baselines, rounds)
                     progress(f"{name}: blocking {sc.stall_s * 1e3:.2f} ms per checkpoint, persist "
                              f"{sc.persist_s * 1e3:.1f} ms (step {sc.step_s * 1e3:.1f} ms, {sc.slowdown.text()})")
@@ -356,6 +356,6 @@ def _baseline(run: _Run, window: list[dict[str, Any]], mtbf_s: float,
     optim_s = median(e["optim_s"] for e in window)
     load_s, ckpt_bytes, record_s = _load_time(run.ckpt_dir)
     diff_bytes = sum(e["param_bytes"] for e in run.events if e.get("type") == "optimizer" and e.get("rank", 0) == 0)
-    progress(f"{BASELINE_STRATEGY}: step without checkpointing {step_s * 1e3:.1f} ms (optimizer update "
+    progress(f"{BASELINE}: step without checkpointing {step_s * 1e3:.1f} ms (optimizer update "
              f"{optim_s * 1e3:.2f} ms), checkpoint {ckpt_bytes / 1e6:.2f} MB, load {load_s * 1e3:.1f} ms")
     return optim_s, load_s, ckpt_bytes, record_s, diff_bytes

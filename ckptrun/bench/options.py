@@ -1,0 +1,86 @@
+"""`ckptrun bench`'s options, checked once: what the plain bench (`driver`) and the goodput
+bench under failures (`failure_driver`) both read, below both of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UsageError
+from ..tuning.durations import parse_duration
+from . import plan
+from .failure_runner import MODES
+
+
+@dataclass
+class BenchOptions:
+    model: str = "small"
+    strategies: str = "default"
+    every: str = "1"
+    steps: int = 30
+    repeat: int = 1
+    device: str = "cpu"
+    trainer_threads: int = 1
+    warmup: int = 2
+    dir: str = ""
+    json: str = ""
+    plot: str = ""
+    io_engine: str = "auto"  # the strategies' file writer(s), comma-separated (plan.configurations)
+    # Goodput under failures (failure_driver): "" (off), "worker" or "node"
+    failures: str = ""
+    mtbf: str = "30s"  # comma-separated durations
+    duration: str = "2m"  # wall-clock budget of each run
+    seed: int = 0
+    failure_log: str = ""  # replay this failure trace instead of drawing kills
+    traces: str = ""  # write each kill schedule here as a failure trace
+    wide: bool = False  # every column of the tables, however narrow the terminal
+
+    def validate(self) -> None:
+        if self.model not in plan.MODELS:
+            raise UsageError(f"--model must be one of {', '.join(plan.MODELS)} (got {self.model!r})")
+        if self.device not in ("cpu", "cuda"):
+            raise UsageError(f"--device must be cpu or cuda (got {self.device!r})")
+        if self.repeat < 1 or self.trainer_threads < 1 or self.warmup < 0:
+            raise UsageError("--repeat and --trainer-threads must be at least 1, --warmup at least 0")
+        if self.steps <= self.warmup:
+            raise UsageError(f"--steps ({self.steps}) must exceed --warmup ({self.warmup}): "
+                             "the figures come from the steps after the warm-up")
+        if self.failures not in ("", *MODES):
+            raise UsageError(f"--failures must be {' or '.join(MODES)} (got {self.failures!r})")
+        if self.failures:
+            self.duration_s()
+            self.mtbf_s()
+        elif self.failure_log or self.traces:
+            raise UsageError("--failure-log and --traces belong to the goodput mode: add --failures worker|node")
+
+    def duration_s(self) -> float:
+        return _durations("--duration", self.duration)[0]
+
+    def mtbf_s(self) -> list[float]:
+        return _durations("--mtbf", self.mtbf)
+
+    def command(self) -> str:
+        """The invocation that reproduces this bench (paths as given)."""
+        argv = ["ckptrun", "bench", "--model", self.model, "--strategies", self.strategies, "--every", self.every,
+                "--steps", str(self.steps), "--repeat", str(self.repeat), "--device", self.device,
+                "--trainer-threads", str(self.trainer_threads), "--warmup", str(self.warmup),
+                "--io-engine", self.io_engine]
+        if self.failures:
+            argv += ["--failures", self.failures, "--duration", self.duration, "--seed", str(self.seed)]
+            argv += ["--failure-log", self.failure_log] if self.failure_log else ["--mtbf", self.mtbf]
+        for flag, value in (("--dir", self.dir), ("--json", self.json), ("--plot", self.plot),
+                            ("--traces", self.traces)):
+            argv += [flag, value] if value else []
+        return " ".join(argv)
+
+    def run_timeout_s(self) -> float:
+        return 300.0 + 20.0 * self.steps
+
+
+def _durations(flag: str, text: str) -> list[float]:
+    try:
+        values = [parse_duration(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise UsageError(f"{flag}: {e}") from None
+    if not values:
+        raise UsageError(f"{flag} needs a duration, e.g. 30s (got {text!r})")
+    return values
