@@ -3,27 +3,29 @@
 A strategy that keeps state inside the engine (a CPU replica updated every step, gradient
 batches held in host memory, a double-buffered persistent region) names a handler class in the
 registry; the worker passes that import path in its `Hello`, and the engine imports nothing
-else. A handler sees the engine only through its `EngineContext`.
+else. A handler sees the engine only through its `EngineContext`, which this module defines and
+the engine implements (as `StrategyContext` is to a strategy's trainer side): handlers and the
+server meet here, and neither imports the other.
 """
 
 from __future__ import annotations
 
 import importlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..ipc.messages import Message, RecordSpec, SlotFree, StrategyMessage
-from ..storage.leftovers import staging_path
+from ..ipc.messages import Message, RecordSpec, StrategyMessage
 
 if TYPE_CHECKING:
     from ..storage.fsutil import FaultHook
     from ..storage.store import Store
-    from .server import Engine
 
 
-class EngineContext:
-    """The one surface an engine-side handler may use.
+class EngineContext(ABC):
+    """The one surface an engine-side handler may use; the engine (`server.ServerContext`)
+    implements it, so a handler never sees the engine itself.
 
     Call order for a message naming a staging slot: `read_slot` (copy the bytes out), then
     `free_slot` at once (the worker reuses the slot; it waits for it under back-pressure), then
@@ -36,101 +38,104 @@ class EngineContext:
     `save_error`, itself; `write_now` moves a step into an ordinary record synchronously.
     """
 
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-
+    @abstractmethod
     def read_slot(self, slot: int, start: int, stop: int) -> bytes:
-        return bytes(self._engine.slots[slot].view[start:stop])
+        """A copy of bytes [start, stop) of staging slot `slot`."""
 
+    @abstractmethod
     def slot_view(self, slot: int) -> memoryview:
         """The staging slot's bytes in place (valid until `free_slot`)."""
-        return self._engine.slots[slot].view
 
     @property
+    @abstractmethod
     def root(self) -> str:
-        return str(self._engine.store.root)
+        """The run's checkpoint directory."""
 
     @property
+    @abstractmethod
     def rank(self) -> int:
-        return self._engine.rank
+        """This engine's global rank (the worker's, from its Hello)."""
 
     @property
-    def world_size(self) -> int:
-        return self._engine.world_size
+    @abstractmethod
+    def world_size(self) -> int: ...
 
     @property
+    @abstractmethod
     def keep(self) -> int:
-        return self._engine.keep
+        """Full checkpoints retained (--keep; 0 keeps all)."""
 
+    @property
+    @abstractmethod
+    def store(self) -> Store: ...
+
+    @abstractmethod
     def run(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run a job on the engine's writer threads; `flush` waits for it."""
-        self._engine.submit(fn, *args)
 
+    @abstractmethod
     def write_with(self, spec: RecordSpec, write: Callable[[], int], since: float | None = None) -> int:
         """Persist this rank's part of record `spec` by `write()` in the caller's thread (the
         bytes written; raise `AlreadyCommitted` when `Store` says the record is committed), then
         committed as any record: the handler writes its own layout, the engine reports and commits."""
-        return self._engine.record_with(spec, write, since)
 
-    @property
-    def store(self) -> Store:
-        return self._engine.store
-
+    @abstractmethod
     def write_now(self, spec: RecordSpec, data: memoryview) -> int:
         """Persist this rank's part of record `spec` in the caller's thread (then committed as any)."""
-        return self._engine.write_record(spec, data)
 
+    @abstractmethod
     def fault_hook(self, step: int) -> FaultHook:
         """The crash-matrix fault for writes of `step` (call it with "data:written" after the data)."""
-        return self._engine._fault_hook(step)
 
+    @abstractmethod
     def durable(self, step: int, record: str, nbytes: int, write_s: float) -> None:
-        self._engine.durable(step, record, nbytes, write_s)
+        """This rank's part of `record` is on disk: logged, and the worker told."""
 
+    @abstractmethod
     def committed(self, step: int, record: str, nbytes: int = 0, snapshot_time: float | None = None) -> None:
         """`step` is committed for the whole run (every rank holds it durably)."""
-        self._engine.committed(step, record, nbytes=nbytes, kind="full", snapshot_time=snapshot_time)
 
+    @abstractmethod
     def save_error(self, step: int, record: str, error: str) -> None:
-        self._engine.save_error(step, record, error)
+        """A failed save: logged, and the worker told (dashboard, --on-save-error)."""
 
+    @abstractmethod
     def in_memory(self, step: int, nbytes: int) -> None:
         """The handler's memory holds the full state of `step` (`nbytes`): the worker's metrics
         and `ckptrun ls` show it."""
-        self._engine.in_memory(step, nbytes)
 
+    @abstractmethod
     def shared_file(self, name: str) -> Path:
         """A path in shared memory for a file this handler creates, named after the run so that
         the launcher removes it once the run is gone, like the staging slots."""
-        return staging_path(self._engine.tag, self._engine.local_rank, name)
 
+    @abstractmethod
     def write_fault_due(self, step: int) -> bool:
         """Is the crash-matrix fault a write-phase fault at `step`? A handler that writes only
         some steps must then write that one now: the fault fires inside its write, and a worker
         killed "while step K is written" waits for that write."""
-        fault = self._engine.fault
-        return fault is not None and fault.phase == "write" and fault.step == step
 
+    @abstractmethod
     def free_slot(self, slot: int) -> None:
-        self._engine.send(SlotFree(slot=slot))
+        """Give staging slot `slot` back to the worker."""
 
+    @abstractmethod
     def wait_writes(self, limit: int) -> None:
         """Block until fewer than `limit` writes are queued or running: a handler that copies a
         checkpoint out of its slot and frees the slot at once bounds what it holds this way (the
         trainer then waits for a free slot: back-pressure, not a growing queue)."""
-        self._engine.wait_jobs(fewer_than=limit)
 
+    @abstractmethod
     def write(self, spec: RecordSpec, data: memoryview) -> None:
         """Persist this rank's part of record `spec` and hand it to the committer."""
-        self._engine.submit(self._engine.write_record, spec, data)
 
+    @abstractmethod
     def reply(self, request: Message, **body: Any) -> None:
-        self._engine.reply(request, **body)
+        """Answer the worker's `request`."""
 
+    @abstractmethod
     def emit(self, **event: Any) -> None:
         """Append an event to the engine's metrics log."""
-        self._engine.log.emit(**event)
-
 
 
 class EngineHandler:
@@ -175,9 +180,8 @@ class EngineHandler:
         raise RuntimeError("this strategy holds no state in memory")
 
 
-def engine_handler(spec: str | None, engine: Engine) -> EngineHandler:
+def engine_handler(spec: str | None, ctx: EngineContext) -> EngineHandler:
     """The handler class at `spec` ("module:Class", from the registry via the worker's Hello)."""
-    ctx = EngineContext(engine)
     if spec is None:
         return EngineHandler(ctx)
     module, _, cls = spec.partition(":")

@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from multiprocessing.connection import Connection, Listener
+from pathlib import Path
 from typing import Any
 
 from ..errors import AlreadyCommitted
@@ -46,7 +47,7 @@ from ..storage.dirlock import hold_for_engine
 from ..storage.fsutil import FaultHook, _no_fault
 from ..storage.leftovers import exit_with_owner, remove_staging, staging_path
 from ..storage.store import Store
-from .handlers import engine_handler
+from .handlers import EngineContext, engine_handler
 
 COMMIT_TRIES = 6  # a commit that fails this often is abandoned (reported; the previous step stays)
 COMMIT_BACKOFF_S = 0.1  # first retry delay; doubles each time
@@ -162,7 +163,7 @@ class Engine:
             self.io_engine = io_engine
             self.log.emit(type="io_engine", rank=msg.rank, engine=io_engine)
         if self.strategy != msg.strategy:  # a restarted worker keeps what the handler holds
-            self.strategy, self.handler = msg.strategy, engine_handler(msg.engine_handler, self)
+            self.strategy, self.handler = msg.strategy, engine_handler(msg.engine_handler, ServerContext(self))
             self.handler.restart()  # what an earlier engine (a replaced node's) left uncommitted goes too
         newest = max((s.nbytes for s in self.slots.values()), default=0)
         for i in [i for i, s in self.slots.items() if s.nbytes < newest]:
@@ -458,6 +459,85 @@ class Engine:
             s.close()
         if self.pool:
             self.pool.shutdown()
+
+
+class ServerContext(EngineContext):
+    """The engine as its handler sees it (`EngineContext`: the call order is documented there)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def read_slot(self, slot: int, start: int, stop: int) -> bytes:
+        return bytes(self._engine.slots[slot].view[start:stop])
+
+    def slot_view(self, slot: int) -> memoryview:
+        return self._engine.slots[slot].view
+
+    @property
+    def root(self) -> str:
+        return str(self._engine.store.root)
+
+    @property
+    def rank(self) -> int:
+        return self._engine.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._engine.world_size
+
+    @property
+    def keep(self) -> int:
+        return self._engine.keep
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._engine.submit(fn, *args)
+
+    def write_with(self, spec: RecordSpec, write: Callable[[], int], since: float | None = None) -> int:
+        return self._engine.record_with(spec, write, since)
+
+    @property
+    def store(self) -> Store:
+        return self._engine.store
+
+    def write_now(self, spec: RecordSpec, data: memoryview) -> int:
+        return self._engine.write_record(spec, data)
+
+    def fault_hook(self, step: int) -> FaultHook:
+        return self._engine._fault_hook(step)
+
+    def durable(self, step: int, record: str, nbytes: int, write_s: float) -> None:
+        self._engine.durable(step, record, nbytes, write_s)
+
+    def committed(self, step: int, record: str, nbytes: int = 0, snapshot_time: float | None = None) -> None:
+        self._engine.committed(step, record, nbytes=nbytes, kind="full", snapshot_time=snapshot_time)
+
+    def save_error(self, step: int, record: str, error: str) -> None:
+        self._engine.save_error(step, record, error)
+
+    def in_memory(self, step: int, nbytes: int) -> None:
+        self._engine.in_memory(step, nbytes)
+
+    def shared_file(self, name: str) -> Path:
+        return staging_path(self._engine.tag, self._engine.local_rank, name)
+
+    def write_fault_due(self, step: int) -> bool:
+        fault = self._engine.fault
+        return fault is not None and fault.phase == "write" and fault.step == step
+
+    def free_slot(self, slot: int) -> None:
+        self._engine.send(SlotFree(slot=slot))
+
+    def wait_writes(self, limit: int) -> None:
+        self._engine.wait_jobs(fewer_than=limit)
+
+    def write(self, spec: RecordSpec, data: memoryview) -> None:
+        self._engine.submit(self._engine.write_record, spec, data)
+
+    def reply(self, request: Message, **body: Any) -> None:
+        self._engine.reply(request, **body)
+
+    def emit(self, **event: Any) -> None:
+        self._engine.log.emit(**event)
 
 
 def main(address: str, authkey: bytes, local_rank: int, tag: str, metrics_dir: str | None,
