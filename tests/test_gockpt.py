@@ -194,14 +194,17 @@ def test_tune_spreads_by_the_corrected_stall_model():
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from ckptrun.strategies.gockpt.tuning import settle
-    from ckptrun.tuning.plan import Prediction, StrategyPlan
+    from ckptrun.strategies.gockpt.tuning import MODEL
+    from ckptrun.tuning.model import Prediction, StrategyPlan
+
+    def settle(sp: StrategyPlan, ckpt_bytes: int, diff_bytes: int) -> StrategyPlan:
+        return MODEL.settle(sp, None, SimpleNamespace(costs=SimpleNamespace(ckpt_bytes=ckpt_bytes,
+                                                                            diff_bytes=diff_bytes)), None)
 
     sp = StrategyPlan("gockpt", 0.01, 0.1, 1.0, 1, 1.0, 1, 1, 1, {"every": 5}, "Daly", Prediction(1.0, 0.01, 1.0, 0.02))
-    third = settle(sp, None, SimpleNamespace(ckpt_bytes=3_000, diff_bytes=1_000), None)  # k* = 3.5: 3 and 4 tie
+    third = settle(sp, 3_000, 1_000)  # k* = 3.5: 3 and 4 tie
     assert third.settings == {"every": 5, "spread": 3} and "k* = 1/r + 1/2 = 3.5" in third.rule
-    tenth = settle(replace(sp, settings={"every": 20}), None, SimpleNamespace(ckpt_bytes=10_000, diff_bytes=1_000),
-                   None)  # k* = 10.5: capped
+    tenth = settle(replace(sp, settings={"every": 20}), 10_000, 1_000)  # k* = 10.5: capped
     assert tenth.settings["spread"] == 7 and tenth.prediction == sp.prediction
-    within = settle(sp, None, SimpleNamespace(ckpt_bytes=10_000, diff_bytes=1_000), None)  # --every 5
+    within = settle(sp, 10_000, 1_000)  # --every 5
     assert within.settings == {"every": 5, "spread": 5}

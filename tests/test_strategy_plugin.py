@@ -7,14 +7,24 @@ registry-wide tests iterate, does not."""
 
 from __future__ import annotations
 
+import io
 import os
 import re
 from pathlib import Path
 
+import pytest
 from conftest import REPO, SCRIPTS, STEPS, assert_same, ckptrun, load, logged, ok, restore
+from rich.console import Console
 
 from ckptrun.storage.store import Store
 from ckptrun.strategies import BUILTIN, GROUP, REGISTRY, registry
+from ckptrun.tuning import plan as plan_mod
+from ckptrun.tuning.intervals import daly_interval
+from ckptrun.tuning.model import Inputs
+from ckptrun.tuning.plan import make_plan
+from ckptrun.tuning.profile import Costs, Profile, Slowdown, StrategyCosts
+from ckptrun.tuning.report import print_report, to_json
+from ckptrun.tuning.tune import TuneResult
 
 DOCS = REPO / "docs" / "architecture.md"
 
@@ -83,3 +93,60 @@ def test_an_entry_point_that_does_not_fit_is_left_out_with_a_warning(tmp_path, m
         "ckptrun: warning: strategy 'odd' left out: plugin_entries:NOT_AN_ENTRY is not a ckptrun.strategies.Entry",
         "ckptrun: warning: strategy 'sync' left out: the name is taken",
     ]
+
+
+TUNED = '''
+from dataclasses import dataclass, replace
+
+from ckptrun.strategies import Entry
+from ckptrun.tuning.model import TuningModel
+
+
+@dataclass(frozen=True)
+class Answer:
+    every: int
+
+
+class Model(TuningModel):
+    def evaluate(self, inputs):
+        return Answer(every=round(inputs.mtbf_s / inputs.costs.step_s / 1000))
+
+    def settle(self, sp, sc, inputs, answer):
+        return replace(sp, settings={"every": answer.every}, rule="the plug-in's own model")
+
+    def report(self, answer):
+        return f"plug-in model: a checkpoint every {answer.every} steps"
+
+
+MODEL = Model()
+ENTRY = Entry("plugin_tuned:Nothing", "a plug-in with a tuning model", tuning="plugin_tuned:MODEL")
+'''
+
+
+def test_a_plug_in_strategys_tuning_model_gets_a_row_and_a_line_like_the_built_in_ones(tmp_path, monkeypatch):
+    """`ckptrun tune` learns tuning models from the registry: a plug-in's model is evaluated, its
+    answer reported under the table after the built-in models' and kept in the JSON, and it
+    settles the plug-in's row (which starts from the same interval plan as any other)."""
+    (tmp_path / "plugin_tuned.py").write_text(TUNED)
+    install_dist(tmp_path, {"tuned": "plugin_tuned:ENTRY"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(plan_mod, "REGISTRY", registry.__wrapped__())
+    costs = Costs(step_s=0.05, optim_s=0.004, ckpt_bytes=6 * 10**7, diff_bytes=2 * 10**7, write_Bps=4e8, load_s=0.3,
+                  replay_s=0.006, record_s=0.02, free_bytes=10**11, write_s_by_inflight={1: 0.2, 2: 0.32})
+    measured = [StrategyCosts(name, 0.06, delta, 0.004, Slowdown(0.002, 0.001, 0.003, 0.001, 1), 0.0, 0.2, 3)
+                for name, delta in (("sync", 0.05), ("tuned", 0.004))]
+    prof = Profile("train.py", [], "ck", 8, costs, measured)
+    result = TuneResult(prof, make_plan(prof, 7200.0, "--mtbf", 0.05))
+
+    sync, tuned = result.plan.strategies
+    assert tuned.settings == {"every": 144} and tuned.rule == "the plug-in's own model"
+    assert tuned.daly_s == pytest.approx(daly_interval(0.004, 7200.0)) and sync.settings == {"every": sync.daly_steps}
+    assert result.plan.notes[-1] == "plug-in model: a checkpoint every 144 steps"
+    assert len(result.plan.notes) == 1 + sum(1 for e in BUILTIN.values() if e.tuning and e.load_tuning().report(
+        e.load_tuning().evaluate(Inputs(costs, {sc.name: sc for sc in measured}, 7200.0, 0.05))))
+    assert to_json(result)["plan"]["models"]["tuned"] == {"every": 144}
+    out = io.StringIO()
+    print_report(Console(file=out, width=80, color_system=None), result)  # a pipe: the table is not squeezed
+    lines = out.getvalue().splitlines()
+    assert [line.split("│")[1].strip("→ ") for line in lines if line.startswith("│")] == ["sync", "tuned"]
+    assert lines[-2] == "plug-in model: a checkpoint every 144 steps" and lines[-1].startswith("recommendation: ")

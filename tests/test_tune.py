@@ -60,8 +60,9 @@ def test_tune_tiny_example_within_a_minute_writes_a_recipe_that_runs(tmp_path):
         assert s["daly_s"] == pytest.approx(daly_interval(s["delta_s"], 7200.0))
         assert s["settings"]["every"] == max(s["daly_steps"], s["checkfreq_min_steps"], s["budget_min_steps"])
         assert 0 < s["prediction"]["waste"] < 1
-    assert plan["lowdiff"]["agrees"] and tuple(plan["lowdiff"]["numeric"]) == (plan["lowdiff"]["full_every"],
-                                                                               plan["lowdiff"]["batch"])
+    lowdiff = plan["models"]["lowdiff"]  # every registered model is evaluated, its strategy profiled or not
+    assert lowdiff["agrees"] and tuple(lowdiff["numeric"]) == (lowdiff["full_every"], lowdiff["batch"])
+    assert set(plan["models"]) == {name for name, entry in REGISTRY.items() if entry.tuning}
     best = result["recommendation"]
     assert best["strategy"] == min(plan["strategies"], key=lambda s: s["prediction"]["waste"])["name"]
     assert not (tmp_path / "ck").exists()  # the scratch folder is gone (and --dir, which tune created)

@@ -31,8 +31,9 @@ class Entry:
     # Flags that make a short run (tens of steps) exercise the whole mechanism (lowdiff: several
     # full checkpoints and diff batches); the registry-wide contract tests pass them.
     short_run_flags: tuple[str, ...] = ()
-    # `ckptrun tune`: "module:function" turning the interval plan into this strategy's settings
-    # from its own model (see ckptrun/strategies/lowdiff/tuning.py); None keeps the interval plan.
+    # `ckptrun tune`: "module:MODEL", a `ckptrun.tuning.model.TuningModel` instance: its paper's
+    # model, reported, and this strategy's settings from it (see ckptrun/strategies/lowdiff/tuning.py);
+    # None keeps the interval plan.
     tuning: str | None = None
     # It checkpoints sharded state (DTensor parameters and optimizer state: FSDP2, tensor parallel)
     # through the shared capture path; one that does not (the replay strategies: their engines and
@@ -81,7 +82,7 @@ BUILTIN: dict[str, Entry] = {
                      "every step's gradient as a batched differential checkpoint; full every F; exact replay",
                      engine_handler="ckptrun.strategies.lowdiff.engine:LowDiffHandler", options=lowdiff.OPTIONS,
                      short_run_flags=("--full-every", "8", "--batch", "3"),
-                     tuning="ckptrun.strategies.lowdiff.tuning:settle", write_once=True,
+                     tuning="ckptrun.strategies.lowdiff.tuning:MODEL", write_once=True,
                      intervals="a diff every step, --batch B per record, a full checkpoint every --full-every F; "
                                "every step is restorable by replay, so any N is met and F, B stay as given "
                                "(or auto)."),
@@ -90,7 +91,7 @@ BUILTIN: dict[str, Entry] = {
                       "crash resumes from it (no disk read); the replica is persisted every P steps",
                       engine_handler="ckptrun.strategies.lowdiff_plus.engine:LowDiffPlusHandler",
                       options=lowdiff_plus.OPTIONS, short_run_flags=("--persist-every", "1"),
-                      tuning="ckptrun.strategies.lowdiff_plus.tuning:settle", write_once=True,
+                      tuning="ckptrun.strategies.lowdiff_plus.tuning:MODEL", write_once=True,
                       explicit_every="ckptrun.strategies.lowdiff_plus:explicit_every",
                       intervals="in memory every step; the replica persisted every --persist-every P: --every N "
                                 "sets P = N (a given P must divide N); without --every, P is auto."),
@@ -98,7 +99,7 @@ BUILTIN: dict[str, Entry] = {
                      "N checkpoints in flight, chunks persisted by parallel writers into a slotted region; "
                      "pointer commit", engine_handler="ckptrun.strategies.pccheck.engine:PCcheckHandler",
                      options=pccheck.OPTIONS, short_run_flags=("--max-inflight", "3", "--chunk-mb", "1"),
-                     sharded=True, write_once=True,
+                     tuning="ckptrun.strategies.pccheck.tuning:MODEL", sharded=True, write_once=True,
                      intervals="one: a checkpoint every N steps, up to --max-inflight in flight (auto: f*)."),
     "lightcheck": Entry("ckptrun.strategies.lightcheck.trainer:LightCheck",
                         "layer-wise copies into a mapped region file overlapped with the next step; each layer's "
@@ -118,7 +119,7 @@ BUILTIN: dict[str, Entry] = {
                     "one checkpoint spread over k steps in blocks (parameter + optimizer slices); gradients of "
                     "blocks already sent shipped each step; the engine rolls every block forward to one version",
                     engine_handler="ckptrun.strategies.gockpt.engine:GoCkptHandler", options=gockpt.OPTIONS,
-                    tuning="ckptrun.strategies.gockpt.tuning:settle", write_once=True,
+                    tuning="ckptrun.strategies.gockpt.tuning:MODEL", write_once=True,
                     explicit_every="ckptrun.strategies.gockpt:explicit_every",
                     intervals="a checkpoint spread over --spread k steps: --every N makes each spread end at "
                               "a multiple of N (k at most N); without --every, a spread starts whenever none "

@@ -1,17 +1,16 @@
 """Recommendations for `ckptrun tune`: measured costs in, settings and predictions out.
 
-All the math lives in the formula modules (`intervals`, `lowdiff_model`, `pccheck_model`); this
-module decides which formula answers which question and for which strategy:
+The interval math lives in `intervals`, each strategy's own model in its folder; this module
+decides which answers which question:
 
 - every profiled strategy: Young's and Daly's intervals for its measured blocking cost δ, the
   CheckFreq bound (never checkpoint faster than its persist path drains) and the overhead budget
   (δ / interval ≤ budget). Its `--every` is the largest of Daly's interval, the bound and the
   budget's minimum, and the reason names the one that decided.
-- LowDiff's (F*, B*) (eq. (10), checked against a numeric minimisation of eq. (8)) and PCcheck's
-  (N*, f*) (§3.4) for the overhead budget are computed from the shared measurements whether or
-  not those strategies are registered; a registered strategy whose registry entry names a
-  `tuning` function (lowdiff) takes its settings from it. Any other strategy gets the interval
-  rows without change.
+- every registered strategy whose entry names a tuning model (`model.TuningModel`, e.g. a
+  paper's optimum of its own settings): the model is evaluated on the shared measurements
+  whether or not that strategy was profiled (its answer is reported), and a profiled one's
+  settings come from it. Any other strategy gets the interval rows without change.
 
 A strategy's cost δ is the larger of its measured stall and its slowdown against no
 checkpointing when that is above the noise (`profile.Slowdown`): never negative, and a
@@ -31,82 +30,12 @@ from typing import Any
 
 from ..errors import UsageError
 from ..strategies import REGISTRY
-from ..strategies.lowdiff.model import (
-    LowDiffCosts,
-    continuous_optimum,
-    diff_writes_keep_up,
-    numeric_optimal_fb,
-    optimal_fb,
-    waste_fraction,
-)
-from ..strategies.pccheck.model import configure
 from .durations import format_duration
-from .intervals import (
-    checkfreq_min_interval_steps,
-    daly_interval,
-    expected_lost_work_s,
-    expected_waste,
-    young_interval,
-)
+from .intervals import checkfreq_min_interval_steps, daly_interval, young_interval
+from .model import Inputs, StrategyPlan, TuningModel, predict
 from .profile import Costs, Profile, StrategyCosts
 
-__all__ = ["LowDiffPlan", "ModelPlans", "PCcheckPlan", "Plan", "Prediction", "StrategyPlan", "make_plan",
-           "parse_percent", "settings_flags"]
-
-
-@dataclass(frozen=True)
-class Prediction:
-    interval_s: float  # training time between two durable points
-    overhead: float  # fraction of training time spent blocked by checkpointing
-    lost_work_s: float  # expected work redone per failure
-    waste: float  # fraction of run time wasted: checkpoint overhead + failures (lost work + restart)
-
-
-@dataclass(frozen=True)
-class StrategyPlan:
-    name: str
-    delta_s: float
-    persist_s: float
-    young_s: float
-    young_steps: int
-    daly_s: float
-    daly_steps: int
-    checkfreq_min_steps: int
-    budget_min_steps: int
-    settings: dict[str, Any]  # run options, as in a recipe
-    rule: str  # what decided the settings
-    prediction: Prediction
-
-
-@dataclass(frozen=True)
-class LowDiffPlan:
-    full_every: int  # F* from the closed form (eq. (10), integer neighbourhood)
-    batch: int  # B*
-    continuous: tuple[float, float]
-    numeric: tuple[int, int]  # argmin of eq. (8) by search
-    agrees: bool  # numeric and closed form predict the same waste
-    diff_writes_keep_up: bool  # eq. (8) assumes one step's diff is written within a step
-    recovery_s: float  # load + replay of half the records between full checkpoints (R_D + B·r each)
-    prediction: Prediction
-
-
-@dataclass(frozen=True)
-class PCcheckPlan:
-    concurrency: int  # N*
-    interval_steps: int  # f*
-    write_s: float  # T_w(N*)
-    measured_n: list[int]  # the N for which a write time was measured
-    delta_from: str  # whose measured blocking cost the prediction uses
-    prediction: Prediction
-
-
-@dataclass(frozen=True)
-class ModelPlans:
-    """The papers' models evaluated on the measured costs, for any strategy's `settle` to use."""
-
-    lowdiff: LowDiffPlan
-    pccheck: PCcheckPlan | None
-    mtbf_s: float
+__all__ = ["Plan", "make_plan", "parse_percent", "settings_flags"]
 
 
 @dataclass(frozen=True)
@@ -115,9 +44,8 @@ class Plan:
     mtbf_source: str
     max_overhead: float
     strategies: list[StrategyPlan]
-    lowdiff: LowDiffPlan
-    pccheck: PCcheckPlan | None
-    pccheck_note: str  # why there is no PCcheck plan, if there is none
+    models: dict[str, Any]  # strategy -> its tuning model's answer (TuningModel.evaluate)
+    notes: list[str]  # the models' lines for the report, in registry order
     recommended: str
     reason: str
 
@@ -141,11 +69,6 @@ def _steps(seconds: float, step_s: float) -> int:
     return max(1, round(seconds / step_s))
 
 
-def _predict(interval_s: float, delta_s: float, lag_s: float, mtbf_s: float, load_s: float) -> Prediction:
-    return Prediction(interval_s, delta_s / interval_s, expected_lost_work_s(interval_s) + lag_s,
-                      expected_waste(interval_s, delta_s, mtbf_s, restart_s=load_s + lag_s))
-
-
 def _interval_plan(sc: StrategyCosts, costs: Costs, mtbf_s: float, budget: float) -> StrategyPlan:
     t, delta = costs.step_s, sc.delta_s
     young, daly = young_interval(delta, mtbf_s), daly_interval(delta, mtbf_s)
@@ -161,35 +84,7 @@ def _interval_plan(sc: StrategyCosts, costs: Costs, mtbf_s: float, budget: float
         rule = f"overhead budget: δ {format_duration(delta)} needs at least {budget_steps} steps"
     return StrategyPlan(sc.name, delta, sc.persist_s, young, _steps(young, t), daly, daly_steps, bound,
                         budget_steps, {"every": every}, rule,
-                        _predict(every * t, delta, sc.persist_s, mtbf_s, costs.load_s))
-
-
-def _lowdiff_plan(costs: Costs, mtbf_s: float) -> LowDiffPlan:
-    c = LowDiffCosts(step_time=costs.step_s, full_ckpt_bytes=costs.ckpt_bytes, diff_bytes=costs.diff_bytes,
-                     write_bandwidth=costs.write_Bps, full_load_time=costs.load_s,
-                     diff_replay_time=costs.record_s, mtbf=mtbf_s, step_replay_time=costs.replay_s)
-    f_c, b_c = continuous_optimum(c)
-    f, b = optimal_fb(c)
-    numeric = numeric_optimal_fb(c, f_max=4 * max(f, math.ceil(f_c)) + 10, b_max=4 * max(b, math.ceil(b_c)) + 10)
-    w, w_num = waste_fraction(c, f, b), waste_fraction(c, *numeric)
-    t = costs.step_s
-    pred = Prediction(b * t, c.full_write_time / (f * t), b * t / 2, w)
-    return LowDiffPlan(f, b, (f_c, b_c), numeric, math.isclose(w, w_num, rel_tol=1e-9), diff_writes_keep_up(c),
-                       c.recovery_time(f, b), pred)
-
-
-def _pccheck_plan(costs: Costs, mtbf_s: float, budget: float,
-                  measured: dict[str, StrategyCosts]) -> tuple[PCcheckPlan | None, str]:
-    source = next((n for n in ("pccheck", "checkfreq") if n in measured), None) \
-        or min(measured, key=lambda n: measured[n].delta_s)
-    try:
-        cfg = configure(costs.write_s_by_inflight, step_s=costs.step_s, ckpt_bytes=costs.ckpt_bytes,
-                        storage_bytes=costs.free_bytes, max_slowdown=1 + budget)
-    except ValueError as e:
-        return None, str(e)
-    pred = _predict(cfg.interval_steps * costs.step_s, measured[source].delta_s, cfg.write_s, mtbf_s, costs.load_s)
-    return PCcheckPlan(cfg.concurrency, cfg.interval_steps, cfg.write_s, sorted(costs.write_s_by_inflight),
-                       source, pred), ""
+                        predict(every * t, delta, sc.persist_s, mtbf_s, costs.load_s))
 
 
 def _reason(best: StrategyPlan, others: list[StrategyPlan], budget: float, mtbf_s: float, fits: bool,
@@ -210,17 +105,17 @@ def make_plan(profile: Profile, mtbf_s: float, mtbf_source: str, budget: float) 
     """Settings and predictions for every profiled strategy, and the recommended one."""
     costs = profile.costs
     measured = {sc.name: sc for sc in profile.strategies}
-    lowdiff = _lowdiff_plan(costs, mtbf_s)
-    pccheck, pc_note = _pccheck_plan(costs, mtbf_s, budget, measured)
-    models = ModelPlans(lowdiff, pccheck, mtbf_s)
+    inputs = Inputs(costs, measured, mtbf_s, budget)
+    models: dict[str, TuningModel] = {name: entry.load_tuning() for name, entry in REGISTRY.items() if entry.tuning}
+    answers = {name: model.evaluate(inputs) for name, model in models.items()}
+    notes = [line for name, model in models.items() if (line := model.report(answers[name]))]
     plans = []
     for sc in profile.strategies:
         sp = _interval_plan(sc, costs, mtbf_s, budget)
-        entry = REGISTRY.get(sc.name)
-        if entry is not None and entry.tuning:  # the strategy's own model decides its settings
-            sp = entry.load_tuning()(sp, sc, costs, models)
+        if sc.name in models:  # the strategy's own model decides its settings
+            sp = models[sc.name].settle(sp, sc, inputs, answers[sc.name])
         plans.append(sp)
     fitting = [p for p in plans if p.prediction.overhead <= budget]
     best = min(fitting or plans, key=lambda p: p.prediction.waste)
     reason = _reason(best, [p for p in plans if p is not best], budget, mtbf_s, bool(fitting), measured.get(best.name))
-    return Plan(mtbf_s, mtbf_source, budget, plans, lowdiff, pccheck, pc_note, best.name, reason)
+    return Plan(mtbf_s, mtbf_source, budget, plans, answers, notes, best.name, reason)

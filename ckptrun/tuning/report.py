@@ -71,21 +71,8 @@ def print_report(console: Console, result: TuneResult) -> None:
                       format_duration(p.lost_work_s), f"{p.waste:.2%}",
                       style="bold" if mark else None)
     console.print(table)
-    ld = plan.lowdiff
-    check = "agrees" if ld.agrees else "DISAGREES"
-    say(f"LowDiff eq. (10): F* {ld.full_every}, B* {ld.batch} (numeric argmin of eq. (8): F {ld.numeric[0]}, "
-                  f"B {ld.numeric[1]}, {check}); overhead {ld.prediction.overhead:.2%}, lost "
-                  f"{format_duration(ld.prediction.lost_work_s)}/failure, recovery {format_duration(ld.recovery_s)}, "
-                  f"waste {ld.prediction.waste:.2%}" + ("" if ld.diff_writes_keep_up else
-                                                        "; a step's diff takes longer to write than a step"))
-    pc = plan.pccheck
-    if pc is None:
-        say(f"PCcheck §3.4: no setting ({plan.pccheck_note})")
-    else:
-        say(f"PCcheck §3.4: N* {pc.concurrency} in flight, f* every {pc.interval_steps} steps "
-                      f"(T_w {format_duration(pc.write_s)}, measured for N = {', '.join(map(str, pc.measured_n))}); "
-                      f"overhead {pc.prediction.overhead:.2%} with {pc.delta_from}'s δ, lost "
-                      f"{format_duration(pc.prediction.lost_work_s)}/failure, waste {pc.prediction.waste:.2%}")
+    for line in plan.notes:  # each registered strategy's tuning model
+        say(line)
     say(f"recommendation: {plan.reason}")
 
 
