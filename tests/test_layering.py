@@ -67,8 +67,8 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[str
             if node.level:
                 up = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*up, *([node.module] if node.module else [])])
-            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known or f"{base}.{alias.name}" in
-                       {t for _, t in LAZY} else base for alias in node.names]
+            lazy = {target for _, target in LAZY}
+            targets = [sub if (sub := f"{base}.{alias.name}") in known or sub in lazy else base for alias in node.names]
         else:
             continue
         for target in targets:
