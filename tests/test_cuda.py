@@ -34,6 +34,7 @@ from test_runtime_capture import FakeEngine, runtime
 from torch import nn
 
 from ckptrun.ipc.staging import create_slot, cuda_error, map_slot, page_lock
+from ckptrun.strategies import REGISTRY
 from ckptrun.worker.runtime import Runtime
 
 pytestmark = pytest.mark.cuda
@@ -236,9 +237,11 @@ def test_replay_strategies_on_a_gpu_are_exact_or_bounded(strategy, tmp_path, rec
     updated with them and re-bases it from a real snapshot (--rebase-every). Each restored step
     equals the GPU run's own save bit for bit, or lies within REPLAY_BOUND of it (the measured
     difference is recorded and printed)."""
-    python(tmp_path, EXAMPLE, *TINY, "--save-every", 1, "--save-path", tmp_path / "truth-{step}.pt")
+    gpu = [*TINY, "--device", "cuda", "--deterministic"]
+    python(tmp_path, EXAMPLE, *gpu, "--save-every", 1, "--save-path", tmp_path / "truth-{step}.pt")
     flags = ("--rebase-every", "4", "--persist-every", "1") if strategy == "lowdiff+" else ()
-    ok(ckptrun(tmp_path, "--strategy", strategy, *flags, "--dir", "ckpts", "--keep", "0", EXAMPLE, *TINY))
+    ok(ckptrun(tmp_path, "--strategy", strategy, *REGISTRY[strategy].short_run_flags, *flags, "--dir", "ckpts",
+               "--keep", "0", EXAMPLE, *gpu))
     worst = 0.0
     for step in range(1, STEPS + 1):
         state, _ = restore(tmp_path, tmp_path / "ckpts", step)
@@ -267,9 +270,11 @@ def test_no_pinned_memory_leak_across_100_checkpoints(tmp_path, monkeypatch):
 
     def figures() -> dict:
         torch.cuda.synchronize()
+        device = torch.cuda.memory_stats()
         host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-        return {**{k: v for k, v in torch.cuda.memory_stats().items() if k.endswith(".current")},
-                **{f"host {k}": v for k, v in host.items() if "current" in k}, "slots": sorted(rt.slots.buffers)}
+        return {**{k: device[k] for k in ("allocated_bytes.all.current", "reserved_bytes.all.current")},
+                **{f"host {k}": v for k, v in host.items() if "bytes" in k and "current" in k},
+                "slots": sorted(rt.slots.buffers)}
 
     seen = {}
     for step in range(1, 101):
