@@ -46,13 +46,15 @@ def test_dry_run_lists_every_part_in_order_within_seven_minutes():
 
 
 def test_cpu_dry_run_runs_the_same_parts_with_tiny_sizes():
-    parts, flat = dry_run("--cpu", "--parts", "crash-matrix,bench-every-1")
-    assert [name for name, _ in parts] == ["device", "crash-matrix", "bench-every-1"]
+    parts, flat = dry_run("--cpu", "--parts", "crash-matrix,bench-every-1", "--budget", "bench-every-1=33")
+    assert [name for name, _ in parts] == ["device", "install", "crash-matrix", "bench-every-1"]
+    assert parts[3] == ("bench-every-1", 33)
     assert "CKPTRUN_TEST_DEVICE=cpu" in flat and f"--devicecpu--modeltiny--strategies{METHODS}--every1" in flat
 
 
 def test_bad_input_is_one_line_and_exit_2():
-    for args in (["--parts", "nope"], ["--parts", ""], ["--no-such-flag"]):
+    for args in (["--parts", "nope"], ["--parts", ""], ["--no-such-flag"], ["--budget", "install=0"],
+                 ["--budget", "nope=3"], ["--budget", "install"]):
         proc = gpu_check("--dry-run", *args)
         assert proc.returncode == 2, proc
         assert proc.stderr.strip().splitlines()[-1].startswith("scripts/gpu-check: error: "), proc.stderr

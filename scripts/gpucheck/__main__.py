@@ -30,17 +30,32 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                                           "time budget; run nothing")
     p.add_argument("--cpu", action="store_true", help="run the same parts on the CPU with tiny sizes (finds the "
                                                       "check's own bugs before a device is lent)")
-    p.add_argument("--parts", default=",".join(PARTS[1:]),
-                   help=f"comma-separated parts to run after the device line (default: all): {', '.join(PARTS[1:])}")
+    p.add_argument("--parts", default=",".join(PARTS[2:]),
+                   help=f"comma-separated parts to run after the device line and the install, which always run "
+                        f"(default: all): {', '.join(PARTS[2:])}")
+    p.add_argument("--budget", default="", metavar="PART=S[,PART=S]",
+                   help="give parts other time budgets in seconds, e.g. bench-every-10=300 (a second call "
+                        "that runs only what the first did not reach)")
     p.add_argument("--out", default="", help="where the report, logs and bench JSON go (default: $OUT, else "
                                              "gpu-check-out/ in the repository)")
     args = p.parse_args(argv)
     wanted = [w.strip() for w in args.parts.split(",") if w.strip()]
-    unknown = [w for w in wanted if w not in PARTS[1:]]
+    unknown = [w for w in wanted if w not in PARTS[2:]]
     if unknown or not wanted:
-        p.error(f"--parts takes {', '.join(PARTS[1:])} (got {args.parts!r})")
-    args.parts = ["device", *wanted]
+        p.error(f"--parts takes {', '.join(PARTS[2:])} (got {args.parts!r})")
+    args.parts = [*PARTS[:2], *wanted]
+    args.budget = budgets(p, args.budget)
     return args
+
+
+def budgets(p: argparse.ArgumentParser, text: str) -> dict[str, int]:
+    given = {}
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        name, _, seconds = item.partition("=")
+        if name not in PARTS or not seconds.isdigit() or int(seconds) < 1:
+            p.error(f"--budget takes PART=SECONDS with a part of {', '.join(PARTS)} (got {item!r})")
+        given[name] = int(seconds)
+    return given
 
 
 def show_plan(parts: list[Part], cpu: bool, out: Path) -> None:
@@ -61,7 +76,7 @@ def wrap(text: str, first: str, rest: str) -> str:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     out = Path(args.out or os.environ.get("OUT") or REPO / "gpu-check-out").resolve()
-    parts = plan(args.cpu, out, args.parts)
+    parts = plan(args.cpu, out, args.parts, args.budget)
     if args.dry_run:
         show_plan(parts, args.cpu, out)
         return 0
