@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ def run(part: Part, out: Path, env: dict[str, str]) -> Result:
         except subprocess.TimeoutExpired:
             kill_tree(proc)
             rc = None
+    if part.scratch is not None:
+        shutil.rmtree(part.scratch, ignore_errors=True)
     done, failed = reached(part, log.read_text(errors="replace"))
     status = "passed" if rc == 0 else "stopped at its budget" if rc is None else f"failed (exit {rc})"
     return Result(part, status, time.monotonic() - t0, [p for p in planned if p not in done], failed)

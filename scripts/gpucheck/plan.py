@@ -1,8 +1,8 @@
 """What the check runs, in order: each part's command, environment and time budget.
 
 On a device (the default) the budgets add up to 7 minutes of an H100; `--cpu` runs the same
-parts on the CPU with tiny sizes and budgets for a small shared machine, so the check's own
-bugs show before a device is lent.
+parts on the CPU with tiny sizes and budgets for a small shared machine (2 loaded cores: a
+process start there takes seconds), so the check's own bugs show before a device is lent.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 WHEELS = REPO / ".whl"  # scripts/gpu-wheels fills it; the device call carries it
 SITE = Path(tempfile.gettempdir()) / "ckptrun-gpu-check-site"  # where the wheels are installed
 REFERENCES = ("torch.save", "dcp-thread", "dcp-process")
+SCRATCH = REPO / ".gpu-check-scratch"  # the benches' runs: on the disk the checkout is on (not tmpfs)
 SETUP_LOG = "setup.log"  # the device and install parts' output (the other parts have a log each)
 
 DEVICE_LINE = r"""
@@ -47,6 +48,7 @@ class Part:
     log: str = ""  # its output under OUT (default: NAME.log)
     tests: tuple[str, ...] = ()  # pytest parts: the tests it selects (what was not reached is listed from them)
     configs: tuple[str, ...] = ()  # bench parts: its configurations, in run order
+    scratch: Path | None = None  # removed once the part ends (a bench stopped at its budget leaves its runs)
 
     @property
     def log_name(self) -> str:
@@ -59,8 +61,8 @@ class Part:
 
 
 BUDGETS = {  # seconds: on the device (7 minutes in all), and with --cpu
-    "device": (20, 20), "install": (30, 60), "cuda-tests": (80, 120), "crash-matrix": (90, 480),
-    "bench-every-10": (130, 240), "bench-every-1": (70, 240)}
+    "device": (20, 30), "install": (30, 60), "cuda-tests": (80, 180), "crash-matrix": (90, 900),
+    "bench-every-10": (130, 600), "bench-every-1": (70, 600)}
 PARTS = tuple(BUDGETS)
 
 
@@ -94,13 +96,14 @@ def plan(cpu: bool, out: Path, parts: list[str], budgets: dict[str, int] | None 
     parallel = ("-n", "4") if has_xdist() else ()
     chosen = [*strategies(), *REFERENCES]
     def bench(every: int, steps: int) -> Part:
+        scratch = SCRATCH / f"bench-every-{every}"
         return Part(f"bench-every-{every}",
                     f"ckptrun bench --device {device} --model {model} at --every {every}: none, every strategy, "
                     "torch.save, both DCP modes", BUDGETS[f"bench-every-{every}"][mode],
                     (py, "-m", "ckptrun", "bench", "--device", device, "--model", model, "--strategies",
                      ",".join(["none", *chosen]), "--every", str(every), "--steps", str(steps), "--warmup", "2",
-                     "--json", str(out / f"bench-every-{every}.json"), "--wide"),
-                    configs=("none", *chosen))
+                     "--json", str(out / f"bench-every-{every}.json"), "--dir", str(scratch), "--wide"),
+                    configs=("none", *chosen), scratch=scratch)
 
     every = [
         Part("device", "the device line: name, driver, torch, CUDA", BUDGETS["device"][mode],
