@@ -365,7 +365,7 @@ def verify(dir: Dir = Path("ckpts"), optimizer_class: OptimizerClass = None) -> 
 @app.command()
 def bench(
     model: Annotated[str, typer.Option(help="Example GPT size: tiny (seconds, for tests), small (CPU; ~55 MB "
-                                            "of state), medium (GPU; ~1.3 GB).")] = "small",
+                                            "of state), medium (GPU; ~1.3 GB), large (GPU; ~4.3 GB).")] = "small",
     strategies: Annotated[str, typer.Option(help="What to measure, comma-separated: references (torch.save, "
                                                  "dcp-thread, dcp-process), ckptrun strategies and their variants "
                                                  "(an unknown name lists them all). `default`: "

@@ -198,7 +198,7 @@ class Probe:
 
     def __init__(self, args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer, sched,
                  device: torch.device, t_main: float) -> None:
-        self.args, self.t_main = args, t_main
+        self.args, self.t_main, self.device = args, t_main, device
         self._out = open(args.timing_json, "a", buffering=1) if args.timing_json else None
         self.saver = None
         if args.ref_save != "none":
@@ -240,6 +240,8 @@ class Probe:
             self._stall += self.saver.before_update()
 
     def end_step(self, step: int) -> None:
+        if self.device.type == "cuda":  # the step's kernels finished: its wall time is the device's, not the queue's
+            torch.cuda.synchronize(self.device)
         if self._resumed:  # the step is done; its own save is not part of recovery
             self._resumed = False
             self._emit("recovery", step=step, recovery_s=time.perf_counter() - self.t_main - self.saver.startup_s,

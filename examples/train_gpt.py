@@ -84,6 +84,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True): on a GPU, two runs then compute the same bits "
+                        "(the crash matrix on CUDA compares a resumed run with an uninterrupted one)")
     p.add_argument("--stop-after", type=int, default=0,
                    help="end the loop after this step (0: run all --steps); the LR schedule still spans --steps")
     p.add_argument("--save-at", type=int, default=0, help="torch.save model+optimizer after this step")
@@ -107,6 +110,9 @@ def main() -> None:
     args = parse()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts, after this
+        torch.use_deterministic_algorithms(True)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     device = torch.device(args.device if args.device != "cuda" else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")

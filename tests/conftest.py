@@ -38,8 +38,14 @@ EXAMPLE = REPO / "examples" / "train_gpt.py"
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 STRATEGIES = list(REGISTRY)  # the crash matrix covers every registered strategy
 STEPS = 12
+# Where the example trains in the end-to-end tests: cpu, or cuda (scripts/gpu-check's crash matrix
+# on a GPU: the truth and the ckptrun runs on the same device type, with deterministic kernels).
+DEVICE = os.environ.get("CKPTRUN_TEST_DEVICE", "cpu")
+if DEVICE not in ("cpu", "cuda"):
+    raise pytest.UsageError(f"CKPTRUN_TEST_DEVICE must be cpu or cuda (got {DEVICE!r})")
 # The tiny example run every test shares: one thread so that results never depend on load.
-TINY = ["--layers", "1", "--d-model", "32", "--steps", str(STEPS), "--threads", "1"]
+TINY = ["--layers", "1", "--d-model", "32", "--steps", str(STEPS), "--threads", "1",
+        *(["--device", "cuda", "--deterministic"] if DEVICE == "cuda" else [])]
 LONG = [a if a != str(STEPS) else "100000" for a in TINY]  # the example, running until stopped
 TIMEOUT_S = 240
 
@@ -105,6 +111,8 @@ def selected_strategies(config: pytest.Config, default: Iterable[str]) -> list[s
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "full: opt-in (a slow mode's registry-wide repeat); run only under --full")
+    config.addinivalue_line("markers", "cuda: exercises a CUDA path (pytest -m cuda; skipped, saying so, without "
+                                       "a GPU); scripts/gpu-check runs them on a device")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

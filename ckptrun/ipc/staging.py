@@ -47,13 +47,42 @@ class EngineSlot:
             self.path.unlink(missing_ok=True)
 
 
+# The CUDA runtime's errors that page-locking host memory can meet (cudaError_t values), by name.
+CUDA_ERRORS = {1: "cudaErrorInvalidValue", 2: "cudaErrorMemoryAllocation", 3: "cudaErrorInitializationError",
+               46: "cudaErrorDevicesUnavailable", 100: "cudaErrorNoDevice", 101: "cudaErrorInvalidDevice",
+               304: "cudaErrorOperatingSystem", 712: "cudaErrorHostMemoryAlreadyRegistered",
+               713: "cudaErrorHostMemoryNotRegistered", 801: "cudaErrorNotSupported", 999: "cudaErrorUnknown"}
+
+
+def cuda_error(code: int, text: str = "") -> str:
+    """A CUDA error by name and number, with the runtime's own `text` if any."""
+    name = CUDA_ERRORS.get(code, "cudaError")
+    return f"{name} ({code}: {text})" if text else f"{name} ({code})"
+
+
+def page_lock(ptr: int, nbytes: int) -> str | None:
+    """cudaHostRegister `nbytes` at `ptr`, so device-to-host copies into them run asynchronously;
+    None, or the error by name."""
+    import torch
+
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(ptr, nbytes, 0)
+    if int(err) == 0:
+        return None
+    try:
+        text = str(cudart.cudaGetErrorString(err))
+    except (AttributeError, TypeError):  # (a binding without it: the name says enough)
+        text = ""
+    return cuda_error(int(err), text)
+
+
 def map_slot(path: str, nbytes: int, pin: bool = False):
     """The worker's view: a flat uint8 tensor over the slot file (page-locked if `pin`)."""
     import torch
 
     buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
     if pin and torch.cuda.is_available():
-        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of staging slot failed with CUDA error {int(err)}")
+        err = page_lock(buf.data_ptr(), nbytes)
+        if err is not None:
+            raise RuntimeError(f"cudaHostRegister of staging slot {path} ({nbytes} bytes) failed: {err}")
     return buf

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ...ipc.staging import page_lock
 from ...log import log
 from ...storage.layout import ALIGN, align
 from ...storage.region import REGION_FILE
@@ -148,9 +149,9 @@ class LightCheck(SnapshotStrategy):
         device land in it directly (without, they go through pageable memory)."""
         mapping = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
         if torch.cuda.is_available():
-            err = torch.cuda.cudart().cudaHostRegister(mapping.data_ptr() + data_at, nbytes - data_at, 0)
-            if int(err) != 0:
-                log.warning(f"lightcheck: could not page-lock the region mapping (CUDA error {int(err)}); "
+            err = page_lock(mapping.data_ptr() + data_at, nbytes - data_at)
+            if err is not None:
+                log.warning(f"lightcheck: could not page-lock the region mapping ({err}); "
                             "copies from the GPU go through pageable memory")
         return mapping
 
