@@ -467,13 +467,7 @@ class Store:
         if not ms:
             return removed
         if keep > 0:
-            fulls = [m for m in ms if m.kind == "full"]
-            kept = {m.name for m in fulls[-keep:]}
-            kept |= {m.name for m in ms if m.kind != "full" and set(m.depends_on) & kept}
-            kept.add(ms[-1].name)
-            for m in reversed(ms):  # newest first, so chains pull in their whole ancestry
-                if m.name in kept:
-                    kept |= set(m.depends_on)
+            kept = retained(ms, keep)
             for m in ms:  # region slots are reused by their writer, never removed from here
                 if m.name not in kept and m.layout != "region":
                     self.remove(m.name)
@@ -486,6 +480,19 @@ class Store:
                 shutil.rmtree(rdir, ignore_errors=True)
                 removed.append(name)
         return removed
+
+
+def retained(ms: list[Manifest], keep: int) -> set[str]:
+    """The records retention keeps of `ms` (oldest first): the newest `keep` full checkpoints,
+    what depends on them, the newest record, and the whole ancestry of each kept one."""
+    fulls = [m for m in ms if m.kind == "full"]
+    kept = {m.name for m in fulls[-keep:]}
+    kept |= {m.name for m in ms if m.kind != "full" and set(m.depends_on) & kept}
+    kept.add(ms[-1].name)
+    for m in reversed(ms):  # newest first, so chains pull in their whole ancestry
+        if m.name in kept:
+            kept |= set(m.depends_on)
+    return kept
 
 
 def rank_index(name: str, rank: int, data: memoryview, tensors: dict[str, dict], skeleton: Any,
