@@ -19,16 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ...errors import CorruptCheckpoint
+from ..fsutil import FaultHook, _no_fault
 from ..schema import MAX_FILE_BYTES, MAX_METADATA_BYTES, Manifest, checksum, is_record_name
 from .source import Source
 
 MANIFEST = "MANIFEST.json"
 FILE_NAME = re.compile(r"MANIFEST\.json|rank-[0-9]{5}\.(data|json|ckpt)")
-UploadFault = Callable[[str], None]  # called at "part" (one object of a record is up), "commit", "committed"
-
-
-def _no_fault(point: str) -> None:
-    return None
+UploadFault = FaultHook  # called at "part" (a piece of a record is up), "commit", "committed"
 
 
 class Tier(ABC):

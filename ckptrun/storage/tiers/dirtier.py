@@ -12,8 +12,8 @@ import shutil
 from pathlib import Path
 
 from ...errors import CkptrunError, CorruptCheckpoint
-from ..fsutil import fsync_dir, open_regular
-from .base import Tier, UploadFault, _no_fault
+from ..fsutil import _no_fault, fsync_dir, open_regular
+from .base import Tier, UploadFault
 from .source import Source
 
 CHUNK = 8 << 20

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import CkptrunError, CorruptCheckpoint
-from .base import Tier, UploadFault, _no_fault
+from ..fsutil import _no_fault
+from .base import Tier, UploadFault
 from .source import Source
 
 PART = 8 << 20
