@@ -32,6 +32,7 @@ from s3server import moto_server
 from ckptrun.launcher.console.metrics_feed import MetricsState
 from ckptrun.storage.store import Store, full_name
 from ckptrun.storage.tiers import open_tier
+from ckptrun.storage.tiers.parts import record_parts
 from ckptrun.strategies import REGISTRY
 
 
@@ -192,8 +193,6 @@ def test_crafted_listings_are_refused(s3, tmp_path):
     url = f"s3://{bucket}/run"
     tier = open_tier(url)
     m = store.manifests()[0]
-    from ckptrun.storage.tiers.parts import record_parts
-
     with record_parts(store, m) as (parts, manifest):
         tier.publish_record(m.name, parts, manifest)
     c = s3.client()
@@ -238,3 +237,22 @@ def test_s3_url_without_the_extra_names_it(tmp_path):
             "sys.exit(cli.main(['ls', '--dir', 's3://bucket/run']))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "pip install 'ckptrun[s3]'" in error_line(proc), proc.stderr
+
+
+def test_plain_path_tier_is_a_checkpoint_directory(tmp_path):
+    """--durable on a plain path goes through the same code and leaves what --dir holds: `verify`
+    reads it as a directory; its sweep removes a torn record and a killed writer's temporary."""
+    store = _two_local_steps(tmp_path / "ckpts")
+    tier = open_tier(str(tmp_path / "remote"))
+    tier.probe()
+    for m in store.manifests():
+        with record_parts(store, m) as (parts, manifest):
+            tier.publish_record(m.name, parts, manifest)
+    checked = verify(tmp_path, tmp_path / "remote")
+    assert checked.returncode == 0 and "2 committed record(s)" in checked.stdout, checked.stdout
+    torn = tmp_path / "remote" / "step-00000003"
+    torn.mkdir()
+    (torn / "rank-00000.data").write_bytes(b"x")
+    (torn / ".rank-00000.json.part-1").write_bytes(b"x")
+    assert tier.sweep() == (1, ["step-00000003"]) and not torn.exists()
+    assert tier.committed() == ["step-00000001", "step-00000002"]
