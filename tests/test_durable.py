@@ -256,3 +256,10 @@ def test_plain_path_tier_is_a_checkpoint_directory(tmp_path):
     (torn / ".rank-00000.json.part-1").write_bytes(b"x")
     assert tier.sweep() == (1, ["step-00000003"]) and not torn.exists()
     assert tier.committed() == ["step-00000001", "step-00000002"]
+
+
+def test_local_retention_keeps_what_the_drain_copies(tmp_path):
+    """--keep spares the records an upload under way reads (`Drain.busy`), and only those."""
+    store = _two_local_steps(tmp_path / "ckpts")
+    assert store.prune(1, protect=frozenset({"step-00000001"})) == []
+    assert store.prune(1) == ["step-00000001"]

@@ -45,6 +45,7 @@ class Drain:
         self._thread = threading.Thread(target=self._run, name="ckptrun-durable", daemon=True)
         self._lock = threading.Lock()  # one round at a time (the thread's, or the final one)
         self._adopted = False  # the tier's earlier records read, its dead uploads swept
+        self.busy: frozenset[str] = frozenset()  # the records of the round under way: local retention keeps them
 
     def start(self) -> Drain:
         self._thread.start()
@@ -96,13 +97,17 @@ class Drain:
             todo.append(name)
             need += local[name].depends_on
         t0, nbytes = time.time(), 0
-        for m in sorted((local[n] for n in todo), key=lambda m: (m.step, m.kind != "full")):
-            try:
-                nbytes += self._upload(m)
-            except CorruptCheckpoint:
-                if m.name in {x.name for x in self.store.manifests(warn=False)}:
-                    raise
-                return  # local retention removed it meanwhile: the next round takes a newer step
+        self.busy = frozenset(todo)
+        try:
+            for m in sorted((local[n] for n in todo), key=lambda m: (m.step, m.kind != "full")):
+                try:
+                    nbytes += self._upload(m)
+                except CorruptCheckpoint:
+                    if m.name in {x.name for x in self.store.manifests(warn=False)}:
+                        raise
+                    return  # removed before it was protected: the next round takes a newer step
+        finally:
+            self.busy = frozenset()
         took = time.time() - t0
         newest_now = self.store.manifests(warn=False)
         self.log.emit(type="durable", step=newest.step, record=newest.name, bytes=nbytes, upload_s=took,

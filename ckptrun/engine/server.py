@@ -383,7 +383,7 @@ class Engine:
                                snapshot_time=spec.meta.get("snapshot_time"))
             if todo and self.keep >= 0:
                 try:
-                    self.store.prune(self.keep)
+                    self.store.prune(self.keep, protect=self.drain.busy if self.drain else frozenset())
                 except OSError as e:  # retention failing never fails a commit; it runs again next time
                     self.log.emit(type="save_error", rank=self.rank, step=-1, record="", error=f"prune: {e}")
 

@@ -456,18 +456,20 @@ class Store:
         fsync_dir(rdir)
         shutil.rmtree(rdir, ignore_errors=True)
 
-    def prune(self, keep: int, *, incomplete_grace_s: float = 60.0) -> list[str]:
+    def prune(self, keep: int, *, incomplete_grace_s: float = 60.0, protect: frozenset[str] = frozenset()
+              ) -> list[str]:
         """Drop full checkpoints beyond the newest `keep` (0 keeps all) and what only they need.
 
         Runs after a commit: the newest committed record is never a candidate, and a record a
-        kept one depends on is kept. Torn directories older than the newest commit go too.
+        kept one depends on is kept, as is one in `protect` (being copied to --durable). Torn
+        directories older than the newest commit go too.
         """
         ms = self.manifests(warn=False)
         removed: list[str] = []
         if not ms:
             return removed
         if keep > 0:
-            kept = retained(ms, keep)
+            kept = retained(ms, keep) | protect
             for m in ms:  # region slots are reused by their writer, never removed from here
                 if m.name not in kept and m.layout != "region":
                     self.remove(m.name)
