@@ -92,8 +92,10 @@ class Drain:
         need, todo = [newest.name], []
         while need:
             name = need.pop()
-            if name in self.remote or name in todo or name not in local:
+            if name in self.remote or name in todo:
                 continue
+            if name not in local:
+                return  # a dependency neither here nor there: this step cannot be restorable there
             todo.append(name)
             need += local[name].depends_on
         t0, nbytes = time.time(), 0
