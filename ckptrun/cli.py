@@ -8,13 +8,16 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
 from .errors import CkptrunError, UsageError
 from .strategies import DEFAULT
+
+if TYPE_CHECKING:
+    from .storage.store import Store
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -26,6 +29,10 @@ err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)
 
 Dir = Annotated[Path, typer.Option("--dir", help="Checkpoint directory.")]
+ReadDir = Annotated[str, typer.Option("--dir", help="Checkpoint directory, or a --durable tier (s3://BUCKET/PREFIX "
+                                                    "or a path).")]
+Endpoint = Annotated[str, typer.Option(help="URL of an S3-compatible service for an s3:// --dir (default: the "
+                                            "client's standard chain, e.g. AWS_ENDPOINT_URL).")]
 OptimizerClass = Annotated[
     list[str] | None,
     typer.Option("--optimizer-class", help="Trust this optimizer class (pkg.module:Class; repeatable) for "
@@ -134,6 +141,19 @@ def run(
                                         help="Take run options from this YAML recipe (recipes/, `ckptrun "
                                              "tune --write`); options given here override it.")] = "",
     keep: Annotated[int, typer.Option(help="Full checkpoints retained (0 keeps all).")] = 2,
+    durable: Annotated[str, typer.Option(help="Remote tier: committed steps are copied there in the background "
+                                              "(s3://BUCKET/PREFIX with the s3 extra, or a path on a shared "
+                                              "file system); a resume takes the newest step of --dir and it.")]
+    = "",
+    durable_every: Annotated[str, typer.Option(help="Copy the newest committed step to --durable once it is this "
+                                                    "many steps past the last copied one; auto: as soon as the "
+                                                    "previous copy is up (follows the upload bandwidth).")]
+    = "auto",
+    durable_keep: Annotated[int, typer.Option(help="Full checkpoints retained on --durable (0 keeps all); one "
+                                                   "goes only after a newer one is committed there.")] = 2,
+    durable_endpoint: Annotated[str, typer.Option(help="URL of an S3-compatible service for --durable "
+                                                       "(default: the client's standard chain, e.g. "
+                                                       "AWS_ENDPOINT_URL).")] = "",
     resume: Annotated[bool, typer.Option(help="Resume from the latest committed step in --dir.")] = True,
     on_save_error: Annotated[str, typer.Option(help="warn: report a failed save and train on; fail: stop.")]
     = "warn",
@@ -219,6 +239,8 @@ def run(
     configure(quiet=quiet)
     if every != "auto" and not every.lstrip("-").isdigit():
         raise UsageError(f"--every must be a number of steps or auto (got {every!r})")
+    if durable_every != "auto" and not durable_every.isdigit():
+        raise UsageError(f"--durable-every must be a number of steps or auto (got {durable_every!r})")
     if io_engine not in ENGINES:
         raise UsageError(f"--io-engine must be one of {', '.join(ENGINES)} (got {io_engine!r})")
     mtbf_s = _duration("--mtbf", mtbf) if mtbf else 0.0
@@ -234,7 +256,9 @@ def run(
                     resume=resume, on_save_error=on_save_error, max_inflight=max_inflight, writers=writers,
                     io_threads=io_threads, io_engine=io_engine, metrics_dir=metrics_dir, every_auto=every == "auto",
                     mtbf=mtbf_s, max_steps=max_steps, on_restart=on_restart, dist_env=dist_env,
-                    every_given=every_given, options={**options, **({"mtbf": mtbf_s} if mtbf_s else {})})
+                    every_given=every_given, durable=durable, durable_keep=durable_keep,
+                    durable_every=0 if durable_every == "auto" else int(durable_every),
+                    durable_endpoint=durable_endpoint, options={**options, **({"mtbf": mtbf_s} if mtbf_s else {})})
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf,
                          local_addr, master_addr, master_port, max_restarts, standalone,
                          term_timeout=_duration("--term-timeout", term_timeout))
@@ -253,22 +277,32 @@ def strategies() -> None:
 
 @app.command()
 def restore(
-    dir: Dir = Path("ckpts"),
+    dir: ReadDir = "ckpts",
     step: Annotated[str, typer.Option(help="A committed step number, or `latest`.")] = "latest",
     out_file: Annotated[Path, typer.Option("--out", help="Output file.")] = Path("restored.pt"),
     format: Annotated[str, typer.Option(help="torch (torch.load(weights_only=True)) or safetensors.")]
     = "torch",
     rank: Annotated[int, typer.Option(help="Whose state to export, for multi-rank checkpoints.")] = 0,
     optimizer_class: OptimizerClass = None,
+    endpoint: Endpoint = "",
 ) -> None:
     """Rebuild the state of a committed step, bit-exact, as one file."""
     from .restore.export import export
+    from .restore.recovery import plans
+    from .storage.tiers.mirror import reading
 
     if format not in ("torch", "safetensors"):
         raise CkptrunError(f"--format must be torch or safetensors (got {format!r})", exit_code=2)
     if step != "latest" and not step.isdigit():
         raise CkptrunError(f"--step must be a step number or `latest` (got {step!r})", exit_code=2)
-    plan = export(dir, step, out_file, format, rank, optimizer_class)
+
+    def records(store: Store) -> list[str]:  # what a remote tier's copy needs: the step's plan
+        found = plans(store)
+        plan = found.get(max(found, default=-1) if step == "latest" else int(step))
+        return [m.name for m in plan.records] if plan else []
+
+    with reading(dir, endpoint or None, records) as store:
+        plan = export(store.root, step, out_file, format, rank, optimizer_class)
     via = f" + {len(plan.diffs)} diff record(s) replayed" if plan.diffs else ""
     err.print(f"restored step {plan.step} (from {plan.base.name}{via}, rank {rank}) -> {out_file}")
 
@@ -280,18 +314,24 @@ def _time_or_none(value: object) -> float | None:
 
 
 @app.command("ls")
-def ls(dir: Dir = Path("ckpts"),
+def ls(dir: ReadDir = "ckpts",
        as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output, every field.")] = False,
        wide: Annotated[bool, typer.Option("--wide", help="Every column, however narrow the terminal (by "
                                                          "default the less important ones are left out "
-                                                         "where they do not fit).")] = False) -> None:
+                                                         "where they do not fit).")] = False,
+       endpoint: Endpoint = "") -> None:
     """List committed steps, and the step a live run's engines hold in memory (kind `memory`:
     survives a worker crash, not a machine loss; lowdiff+)."""
+    from .storage.tiers.mirror import reading
+
+    with reading(dir, endpoint or None) as store:
+        _ls(store, as_json, wide)
+
+
+def _ls(store: Store, as_json: bool, wide: bool) -> None:
     from .storage import memory_status
-    from .storage.store import Store
     from .widthfit import Col, fit_table, left_out_line
 
-    store = Store.existing(dir)
     rows = [{"step": m.step, "kind": m.kind, "record": m.name, "bytes": m.bytes, "ranks": m.world_size,
              "rank_bytes": m.rank_bytes or None,
              "depends_on": m.depends_on, "first_step": m.first_step, "layout": m.layout,
@@ -333,17 +373,22 @@ def _per_rank(sizes: list[int] | None) -> str:
 
 
 @app.command()
-def verify(dir: Dir = Path("ckpts"), optimizer_class: OptimizerClass = None) -> None:
+def verify(dir: ReadDir = "ckpts", optimizer_class: OptimizerClass = None, endpoint: Endpoint = "") -> None:
     """Re-check every field, checksum and dependency of the committed records; exit 1 listing the
     bad ones. Exit 0 means `restore` (with the same --optimizer-class) succeeds for every listed
     step. A record directory without a manifest is not committed (a crash leaves one torn, the next
     run removes it): it is noted, and does not fail the check."""
+    from .storage.tiers.mirror import reading
+
+    with reading(dir, endpoint or None, lambda store: None) as store:
+        _verify(store, dir, optimizer_class)
+
+
+def _verify(store: Store, dir: str, optimizer_class: list[str] | None) -> None:
     from .restore.recovery import optimizer_classes, verify_problems
     from .storage.dirlock import live_holder
     from .storage.schema import is_record_name
-    from .storage.store import Store
 
-    store = Store.existing(dir)
     running = live_holder(store.root)
     if running:
         out.print(f"note: a run is writing to {dir} ({running})", soft_wrap=True)

@@ -53,6 +53,12 @@ class RunConfig:
     mtbf: float = 0.0  # seconds, --mtbf; 0: not given (--every auto then assumes decisions.DEFAULT_MTBF_S)
     max_steps: int = 0  # --max-steps: stop the script cleanly after this many optimizer steps; 0: no limit
     on_restart: str = "resume"  # --on-restart: resume | fresh | fail, for scripts that do not resume themselves
+    # --durable: the remote tier committed steps are drained to (s3://bucket/prefix or a path; "" none),
+    # every --durable-every steps (0: auto), --durable-keep full checkpoints kept there (0: all)
+    durable: str = ""
+    durable_every: int = 0
+    durable_keep: int = 2
+    durable_endpoint: str = ""  # --durable-endpoint: an S3-compatible service's URL
     options: dict = field(default_factory=dict)  # strategy-specific settings
     dist_env: bool = True  # --no-dist-env: the script sees none of torchrun's variables (one process)
     launcher_env: dict = field(default_factory=dict)  # --no-dist-env: those variables as the launcher had them

@@ -47,6 +47,8 @@ from ..storage.dirlock import hold_for_engine
 from ..storage.fsutil import FaultHook, _no_fault
 from ..storage.leftovers import exit_with_owner, remove_staging, staging_path
 from ..storage.store import Store
+from . import drain
+from .drain import Drain
 from .handlers import EngineContext, engine_handler
 
 COMMIT_TRIES = 6  # a commit that fails this often is abandoned (reported; the previous step stays)
@@ -81,6 +83,7 @@ class Engine:
         self.io_engine: str | None = None  # the file writer running (storage/iowriter.py)
         self.holds_memory = False  # a handler said it holds a step in memory (memory_status)
         self.stopping = threading.Event()
+        self.drain: Drain | None = None  # --durable: global rank 0 copies committed steps there
         self.log.emit(type="engine", local_rank=local_rank, pid=os.getpid())
 
     # ---- plumbing ----------------------------------------------------------------------
@@ -155,6 +158,8 @@ class Engine:
         self.rank, self.world_size, self.keep = msg.rank, msg.world_size, msg.keep
         self.store = Store(msg.dir)
         self.fault = Fault.parse(msg.fault) if msg.fault else None
+        if self.rank == 0 and self.drain is None:
+            self.drain = drain.from_config(self.store, self.log, self._upload_fault)
         self._enospc_left = self.fault.times if self.fault and self.fault.target == "enospc" else 0
         if self.pool is None:
             self.pool = ThreadPoolExecutor(max(1, msg.writers), thread_name_prefix="writer")
@@ -254,6 +259,14 @@ class Engine:
                 time.sleep(0.01)
 
         return hook
+
+    def _upload_fault(self, step: int) -> FaultHook:
+        """The injected engine kill (tests) at a point of the durable upload of `step` or later
+        (`kill-engine:step=N:phase=upload:at=part|commit|committed`)."""
+        fault = self.fault
+        if fault is None or fault.target != "kill-engine" or fault.phase != "upload" or step < fault.step:
+            return _no_fault
+        return lambda point: os._exit(137) if point == fault.at else None
 
     def _enospc_hook(self, fault: Fault) -> FaultHook:
         def hook(point: str) -> None:
@@ -371,7 +384,7 @@ class Engine:
                                snapshot_time=spec.meta.get("snapshot_time"))
             if todo and self.keep >= 0:
                 try:
-                    self.store.prune(self.keep)
+                    self.store.prune(self.keep, protect=self.drain.busy if self.drain else frozenset())
                 except OSError as e:  # retention failing never fails a commit; it runs again next time
                     self.log.emit(type="save_error", rank=self.rank, step=-1, record="", error=f"prune: {e}")
 
@@ -455,6 +468,8 @@ class Engine:
             memory_status.withdraw(self.store.root, self.rank)
         if self.store is not None and self.rank == 0:
             self.settle(timeout=COMMIT_BACKOFF_S * 2 ** COMMIT_TRIES)
+        if self.drain is not None:
+            self.drain.close()
         for s in self.slots.values():
             s.close()
         if self.pool:

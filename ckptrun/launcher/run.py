@@ -117,6 +117,7 @@ class EngineSupervisor:
 def preflight(cfg: RunConfig, script: str, *, per_host_lock: bool = False) -> DirLock:
     """Every check that can fail before anything starts; returns the directory's lock, held."""
     from ..strategies import REGISTRY
+    from . import durable
 
     if cfg.strategy not in REGISTRY:
         raise UsageError(f"unknown strategy {cfg.strategy!r}; choose one of: {', '.join(REGISTRY)}")
@@ -139,6 +140,7 @@ def preflight(cfg: RunConfig, script: str, *, per_host_lock: bool = False) -> Di
         if not cfg.resume and store.manifests(warn=False):
             raise UsageError(f"--no-resume, but {cfg.dir} already holds committed steps; "
                              "pass another --dir or remove the old checkpoints")
+        durable.prepare(cfg, store)
     except BaseException:
         lock.release()
         raise

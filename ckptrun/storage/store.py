@@ -456,24 +456,20 @@ class Store:
         fsync_dir(rdir)
         shutil.rmtree(rdir, ignore_errors=True)
 
-    def prune(self, keep: int, *, incomplete_grace_s: float = 60.0) -> list[str]:
+    def prune(self, keep: int, *, incomplete_grace_s: float = 60.0, protect: frozenset[str] = frozenset()
+              ) -> list[str]:
         """Drop full checkpoints beyond the newest `keep` (0 keeps all) and what only they need.
 
         Runs after a commit: the newest committed record is never a candidate, and a record a
-        kept one depends on is kept. Torn directories older than the newest commit go too.
+        kept one depends on is kept, as is one in `protect` (being copied to --durable). Torn
+        directories older than the newest commit go too.
         """
         ms = self.manifests(warn=False)
         removed: list[str] = []
         if not ms:
             return removed
         if keep > 0:
-            fulls = [m for m in ms if m.kind == "full"]
-            kept = {m.name for m in fulls[-keep:]}
-            kept |= {m.name for m in ms if m.kind != "full" and set(m.depends_on) & kept}
-            kept.add(ms[-1].name)
-            for m in reversed(ms):  # newest first, so chains pull in their whole ancestry
-                if m.name in kept:
-                    kept |= set(m.depends_on)
+            kept = retained(ms, keep) | protect
             for m in ms:  # region slots are reused by their writer, never removed from here
                 if m.name not in kept and m.layout != "region":
                     self.remove(m.name)
@@ -486,6 +482,19 @@ class Store:
                 shutil.rmtree(rdir, ignore_errors=True)
                 removed.append(name)
         return removed
+
+
+def retained(ms: list[Manifest], keep: int) -> set[str]:
+    """The records retention keeps of `ms` (oldest first): the newest `keep` full checkpoints,
+    what depends on them, the newest record, and the whole ancestry of each kept one."""
+    fulls = [m for m in ms if m.kind == "full"]
+    kept = {m.name for m in fulls[-keep:]}
+    kept |= {m.name for m in ms if m.kind != "full" and set(m.depends_on) & kept}
+    kept.add(ms[-1].name)
+    for m in reversed(ms):  # newest first, so chains pull in their whole ancestry
+        if m.name in kept:
+            kept |= set(m.depends_on)
+    return kept
 
 
 def rank_index(name: str, rank: int, data: memoryview, tensors: dict[str, dict], skeleton: Any,

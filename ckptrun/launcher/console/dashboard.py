@@ -79,7 +79,12 @@ def render_header(state: MetricsState, now: float, *, wide: bool = True) -> Rend
             *((("  written ", "dim"), (fmt_bytes(state.bytes_written), "")) if wide else ()),
         )
     settings = ", ".join(f"{k}={v}" for k, v in state.settings.items()) or "-"
-    lines = [line1, committed, Text.assemble(("dir ", "dim"), (state.ckpt_dir or NA, "cyan")),
+    remote = state.remote  # --durable: the newest step there, and how far behind the commits it is
+    remote_line = [] if remote is None else [Text.assemble(
+        ("remote ", "dim"), (f"step {remote['step']}", "bold green"),
+        (f" (durable lag {state.remote_lag()} steps, upload {fmt_bytes(remote.get('bytes'))} in "
+         f"{num(remote.get('upload_s'), '{:.1f} s')})", ""))]
+    lines = [line1, committed, *remote_line, Text.assemble(("dir ", "dim"), (state.ckpt_dir or NA, "cyan")),
              Text.assemble(("settings ", "dim"), (settings, ""))]
     budget = render_host_memory(state, wide=wide)
     return Group(*lines, *([budget] if budget else []))

@@ -313,6 +313,7 @@ class MetricsState:
         self.committed_t: float | None = None
         self.last_commit: dict[str, Any] | None = None
         self.commit_lag = Series()
+        self.remote: dict[str, Any] | None = None  # the newest --durable upload (engine's `durable` event)
         self.checkpoints_committed = 0
         self.bytes_committed = 0
         self._committed_steps: set[int] = set()
@@ -476,6 +477,19 @@ class MetricsState:
         rs.last_error = str(e.get("error", ""))
         self.errors.append({"t": t, "rank": rs.rank, "step": e.get("step"), "error": rs.last_error})
 
+    def _on_durable(self, e: dict[str, Any], t: float) -> None:
+        if self.remote is None or int(e["step"]) >= int(self.remote["step"]):
+            self.remote = {**e, "t": t}
+
+    def _on_durable_error(self, e: dict[str, Any], t: float) -> None:
+        self.errors.append({"t": t, "rank": 0, "step": None, "error": f"--durable: {e['error']}"})
+
+    def remote_lag(self) -> int | None:
+        """Steps the newest commit is ahead of the newest step on --durable (None: none there yet)."""
+        if self.remote is None:
+            return None
+        return max(0, (self.committed_step or 0) - int(self.remote["step"]))
+
     def _on_host_memory(self, e: dict[str, Any], t: float) -> None:
         self._rank(e["rank"]).host_memory = {k: v for k, v in e.items() if k.startswith("host_memory")}
 
@@ -497,6 +511,8 @@ class MetricsState:
         "write": _on_write,
         "commit": _on_commit,
         "save_error": _on_save_error,
+        "durable": _on_durable,
+        "durable_error": _on_durable_error,
         "in_memory": _on_in_memory,
         "host_memory": _on_host_memory,
     }

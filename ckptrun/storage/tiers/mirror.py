@@ -1,0 +1,97 @@
+"""Copy committed records from a tier into a local folder laid out like --dir.
+
+`ls`, `verify`, `restore` and resume read a tier through such a copy and `Store`, the one reader
+of untrusted checkpoint directories, so every check of invariant 7 applies to it unchanged. The
+names come from the tier's checked listing; the room is checked before anything is copied; each
+file is copied under a hidden name and renamed, a record's manifest last, so a copy cut short
+is an uncommitted record, never a committed one missing its data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ...errors import CkptrunError
+from ...log import log
+from ..fsutil import fsync_dir
+from ..store import Store
+from . import open_tier
+from .base import MANIFEST, Tier
+
+WORKERS = 8  # files copied at once (a large object is itself fetched in parallel ranges)
+
+
+def mirror(tier: Tier, dest: Path, names: Iterable[str] | None = None, *, data: bool = True) -> list[str]:
+    """Copy the committed records `names` (all when None) of `tier` into `dest`, their data too
+    when `data`; records `dest` has committed already are left alone. Returns the names copied."""
+    records, refused = tier.listing()
+    for key in refused:
+        log.warning(f"{tier.url}: refusing {key}: not a record file, or its size is out of range")
+    wanted = set(names) if names is not None else None
+    store = Store(dest)
+    chosen = [n for n, files in sorted(records.items()) if MANIFEST in files
+              and (wanted is None or n in wanted) and not store.is_committed(n)]
+    todo = {n: {f: s for f, s in records[n].items() if data or f == MANIFEST} for n in chosen}
+    need = sum(s for files in todo.values() for s in files.values())
+    dest.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(dest).free
+    if need > free:
+        raise CkptrunError(f"{tier.url}: copying {len(todo)} record(s) needs {need:,} bytes, {dest} has "
+                           f"{free:,} free", exit_code=2)
+
+    def fetch(item: tuple[str, str, int]) -> None:
+        name, file, size = item
+        path = dest / name / file
+        tmp = path.with_name(f".{file}.part-{os.getpid()}")
+        try:
+            tier.get(f"{name}/{file}", tmp, size)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    with ThreadPoolExecutor(WORKERS) as pool:
+        for name in todo:
+            (dest / name).mkdir(exist_ok=True)
+        list(pool.map(fetch, [(n, f, s) for n, files in todo.items() for f, s in files.items() if f != MANIFEST]))
+        for name in todo:  # the commit objects last
+            fsync_dir(dest / name)
+        list(pool.map(fetch, [(n, MANIFEST, files[MANIFEST]) for n, files in todo.items()]))
+    for name in todo:
+        fsync_dir(dest / name)
+    return chosen
+
+
+@contextlib.contextmanager
+def reading(url: str, endpoint: str | None = None,
+            select: Callable[[Store], Iterable[str] | None] | None = None) -> Iterator[Store]:
+    """The Store a reading command works on: --dir itself, or for an `s3://` URL a private copy
+    of its manifests and, when `select` is given, of the records it picks from them (None: all)."""
+    from . import is_remote
+
+    if not is_remote(url):
+        yield Store.existing(url)
+        return
+    tier = open_tier(url, endpoint)
+    tier.probe(write=False)
+    with tempfile.TemporaryDirectory(prefix="ckptrun-remote-") as tmp:
+        store = Store(tmp)
+        mirror(tier, store.root, data=False)
+        if select is not None:
+            picked = select(store)
+            chosen = None if picked is None else list(picked)
+            if chosen is None or chosen:
+                _drop_manifests(store.root, chosen)
+                mirror(tier, store.root, chosen)
+        yield store
+
+
+def _drop_manifests(root: Path, names: Iterable[str] | None) -> None:
+    """Forget the manifest-only copies of `names` (all when None), so `mirror` copies them whole."""
+    for m in Path(root).glob(f"*/{MANIFEST}") if names is None else (Path(root) / n / MANIFEST for n in names):
+        m.unlink(missing_ok=True)

@@ -1,0 +1,45 @@
+"""A committed record of --dir as the objects a tier stores, in the checkpoint format unchanged.
+
+Every rank's part is read from where --dir keeps it (record folder, rank file or region slot)
+after the reader's own checks (`Store.open_rank`), with the index's tensor checksums carried
+along. A step held in region slots goes up as a record folder's files (its index is the same
+bytes), its manifest saying layout "records".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from collections.abc import Iterator
+
+from .. import rankfile
+from ..schema import Manifest, rank_files
+from ..store import Store
+from .source import Source, Span
+
+Part = list[tuple[str, Source]]
+
+
+@contextlib.contextmanager
+def record_parts(store: Store, m: Manifest) -> Iterator[tuple[list[Part], bytes]]:
+    """(each rank's objects, the commit object's bytes) of committed record `m`; every file it
+    reads stays open until the block ends (retention may unlink it meanwhile)."""
+    with contextlib.ExitStack() as stack:
+        parts: list[Part] = []
+        for r in range(m.world_size):
+            index, fd, base = store.open_rank(m, r)
+            stack.callback(os.close, fd)
+            spans = [Span(s["offset"], s["nbytes"], s["xxh3"]) for s in index["tensors"].values()]
+            what = f"{m.name}: rank {r}"
+            if m.layout == "file":
+                parts.append([(rankfile.file_name(r), Source.of_fd(fd, 0, os.fstat(fd).st_size, spans, what))])
+                continue
+            raw = (store.regions.copy(m, r).index_raw if m.layout == "region"
+                   else store._read_metadata(m.name, rank_files(r)[1], f"rank {r} index"))
+            parts.append([(rank_files(r)[0], Source.of_fd(fd, base, index["data_nbytes"], spans, what)),
+                          (rank_files(r)[1], Source.of_bytes(raw, m.index_checksums[str(r)], f"{what} index"))])
+        remote = dataclasses.replace(m, layout="records") if m.layout == "region" else m
+        yield parts, json.dumps(remote.to_json(), indent=1).encode()
+

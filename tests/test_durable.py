@@ -1,0 +1,265 @@
+"""The durable remote tier (--durable) against a real S3-compatible HTTP endpoint on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    EXAMPLE,
+    STEPS,
+    TINY,
+    assert_training_state,
+    ckptrun,
+    error_line,
+    in_process,
+    load,
+    ok,
+    pack,
+    restore,
+    strategy_params,
+    verify,
+)
+from s3server import moto_server
+
+from ckptrun.launcher.console.metrics_feed import MetricsState
+from ckptrun.storage.store import Store, full_name
+from ckptrun.storage.tiers import open_tier
+from ckptrun.storage.tiers.parts import record_parts
+from ckptrun.strategies import REGISTRY
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """The endpoint, with its credentials and URL in the environment (the client's standard
+    chain), as a user's job would have them."""
+    with moto_server() as ep:
+        saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+                                                 "AWS_ENDPOINT_URL")}
+        os.environ.update(AWS_ACCESS_KEY_ID=ep.key, AWS_SECRET_ACCESS_KEY=ep.secret, AWS_DEFAULT_REGION="us-east-1",
+                          AWS_ENDPOINT_URL=ep.url)
+        try:
+            yield ep
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def durable_run(cwd: Path, strategy: str, url: str, *extra, fault: str | None = None) -> subprocess.CompletedProcess:
+    return ckptrun(cwd, "--strategy", strategy, *REGISTRY[strategy].short_run_flags, "--dir", cwd / "ckpts",
+                   "--durable", url, "--metrics-dir", cwd / "metrics", *extra, EXAMPLE, *TINY,
+                   "--save-at", STEPS, "--save-path", cwd / "final.pt", fault=fault)
+
+
+def engine_events(cwd: Path, kind: str) -> list[dict]:
+    lines = (cwd / "metrics" / "engine-0.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e.get("type") == kind]
+
+
+# Each layout's upload path: records and a diff chain (lowdiff), region slots (lightcheck), rank
+# files (datastates); checkfreq's run with --durable is in the tests below.
+@pytest.mark.parametrize("strategy", strategy_params(("lowdiff", "lightcheck", "datastates")))
+def test_drained_steps_restore_from_the_url(strategy, s3, example_truth, tmp_path):
+    """Every strategy's steps reach the store; `restore`/`verify`/`ls` read the URL like a
+    directory, and --durable-keep holds there."""
+    url = f"s3://{s3.bucket()}/run"
+    ok(durable_run(tmp_path, strategy, url, "--durable-endpoint", s3.url, "--durable-keep", "1"))
+    ups = engine_events(tmp_path, "durable")
+    assert ups and ups[-1]["step"] == STEPS and {"lag_steps", "lag_s", "upload_s", "bytes"} <= set(ups[-1])
+    state, _ = restore(tmp_path, url, "latest")
+    assert_training_state(state, example_truth(STEPS))
+    checked = verify(tmp_path, url)
+    assert checked.returncode == 0, checked.stdout
+    fulls = [n for n in open_tier(url).committed() if n.startswith("step-")]
+    assert len(fulls) == 1, f"--durable-keep 1 left {fulls}"
+    feed = MetricsState()  # what the dashboard shows: the remote step, no lag once the run ended
+    feed.apply_all(map(json.loads, (tmp_path / "metrics" / "engine-0.jsonl").read_text().splitlines()))
+    assert feed.remote["step"] == STEPS and feed.remote_lag() == 0
+    listed = ok(ckptrun(tmp_path, "ls", "--dir", url, "--json"))
+    assert max(r["step"] for r in json.loads(listed.stdout)) == STEPS
+
+
+def test_killed_run_resumes_from_the_store_without_its_dir(s3, example_truth, tmp_path):
+    """A run killed at step 7 (its whole --dir lost with the machine) resumes from the store."""
+    url = f"s3://{s3.bucket()}/run"
+    killed = durable_run(tmp_path, "checkfreq", url, "--durable-every", "2", fault="kill:step=7")
+    assert killed.returncode != 0
+    remote = open_tier(url).committed()
+    assert remote, "nothing reached the store before the kill"
+    shutil.rmtree(tmp_path / "ckpts")
+    again = ok(durable_run(tmp_path, "checkfreq", url))
+    assert "resuming from" in again.stderr
+    assert_training_state(load(tmp_path / "final.pt"), example_truth(STEPS))
+
+
+@pytest.mark.parametrize("at", ["part", "commit", "committed"])
+def test_engine_killed_while_uploading(at, s3, tmp_path):
+    """An engine dying at each point of an upload (inside a multipart upload, before the commit
+    object, after it) leaves the previous remote step restorable; the next start sweeps."""
+    store = _two_local_steps(tmp_path / "ckpts")
+    url = f"s3://{s3.bucket()}/run"
+    child = subprocess.run([sys.executable, "-c", UPLOADER, str(store.root), url, at], capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == 137, child.stderr
+    tier = open_tier(url)
+    assert tier.committed() == (["step-00000001", "step-00000002"] if at == "committed" else ["step-00000001"])
+    pending = s3.client().list_multipart_uploads(Bucket=url.split("/")[2]).get("Uploads", [])
+    assert bool(pending) == (at == "part")
+    checked = verify(tmp_path, url)
+    assert checked.returncode == 0, checked.stdout
+    aborted, torn = tier.sweep()
+    assert (aborted, torn) == ((1, []) if at == "part" else (0, ["step-00000002"])
+                               if at == "commit" else (0, []))
+    assert tier.listing()[0].keys() == set(tier.committed()), tier.listing()
+
+
+def _two_local_steps(root: Path) -> Store:
+    """--dir with two committed full steps: a small one and one whose data goes up in parts."""
+    store = Store(root)
+    store.ensure_writable()
+    for step, n in ((1, 1024), (2, 9 << 18)):  # step 2: two parts
+        state = {"models": {"model": {"w": torch.randn(n, generator=torch.Generator().manual_seed(step))}},
+                 "optimizers": {"optimizer": {"state": {0: {"step": torch.tensor(float(step))}},
+                                              "param_groups": [{"lr": 0.1, "params": [0]}]}}, "step": step}
+        skeleton, data, specs = pack(state)
+        store.write_rank(full_name(step), 0, memoryview(data), specs, skeleton, {"step": step})
+        assert store.try_commit(full_name(step), kind="full", step=step, first_step=step, world_size=1)
+    return store
+
+
+# The engine's upload of step 1, then of step 2 killed (os._exit) at the given point.
+UPLOADER = """
+import os, sys
+from ckptrun.launcher.console.metrics_feed import MetricsState
+from ckptrun.storage.store import Store, full_name
+from ckptrun.storage.tiers import open_tier
+from ckptrun.storage.tiers.parts import record_parts
+store, tier, at = Store(sys.argv[1]), open_tier(sys.argv[2]), sys.argv[3]
+for m in store.manifests():
+    fault = (lambda p: os._exit(137) if p == at else None) if m.step == 2 else (lambda p: None)
+    with record_parts(store, m) as (parts, manifest):
+        tier.publish_record(m.name, parts, manifest, fault=fault)
+"""
+
+
+def test_engine_killed_at_upload_is_swept_by_the_next_engine(s3, example_truth, tmp_path):
+    """The same kill in a real run (the engine dies before a commit object, during the run or
+    at its final upload): the next engine (restarted, or the next run's) sweeps the torn
+    record, and the final step reaches the store."""
+    url = f"s3://{s3.bucket()}/run"
+    durable_run(tmp_path, "checkfreq", url, "--max-restarts", "1", fault="kill-engine:step=3:phase=upload:at=commit")
+    ok(durable_run(tmp_path, "checkfreq", url))
+    swept = engine_events(tmp_path, "durable_sweep")
+    assert swept and swept[0]["records"], "no engine swept the torn upload"
+    tier = open_tier(url)
+    assert tier.listing()[0].keys() == set(tier.committed())
+    state, _ = restore(tmp_path, url, "latest")
+    assert_training_state(state, example_truth(STEPS))
+
+
+@pytest.mark.parametrize("case", ["credentials", "bucket", "endpoint"])
+def test_unusable_store_is_one_line_at_start(case, s3, tmp_path):
+    bucket = s3.bucket()
+    url = f"s3://{bucket if case != 'bucket' else 'no-such-bucket'}/run"
+    env_key = os.environ["AWS_ACCESS_KEY_ID"]
+    endpoint = s3.url if case != "endpoint" else "http://127.0.0.1:9"
+    if case == "credentials":
+        os.environ["AWS_ACCESS_KEY_ID"] = "AKIAWRONGWRONGWRONG0"
+    try:
+        t0 = time.time()
+        proc = in_process(tmp_path, "--durable", url, "--durable-endpoint", endpoint, EXAMPLE, *TINY)
+        took = time.time() - t0
+    finally:
+        os.environ["AWS_ACCESS_KEY_ID"] = env_key
+    line = error_line(proc)
+    assert proc.returncode == 2 and took < 10, (took, proc.stderr)
+    assert {"credentials": "credentials refused", "bucket": "does not exist",
+            "endpoint": "cannot reach"}[case] in line, line
+    assert not (tmp_path / "metrics").exists()
+
+
+def test_crafted_listings_are_refused(s3, tmp_path):
+    """Keys outside the record/file pattern (`..`), sizes out of range and a commit object
+    naming missing data are refused as a crafted directory's are."""
+    store = _two_local_steps(tmp_path / "ckpts")
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/run"
+    tier = open_tier(url)
+    m = store.manifests()[0]
+    with record_parts(store, m) as (parts, manifest):
+        tier.publish_record(m.name, parts, manifest)
+    c = s3.client()
+    c.put_object(Bucket=bucket, Key="run/step-00000001/../../escape/MANIFEST.json", Body=manifest)
+    c.put_object(Bucket=bucket, Key="run/step-00000003/rank-00000.json", Body=b"{}")
+    c.put_object(Bucket=bucket, Key="run/step-00000003/rank-00000.data/x", Body=b"")
+    missing = manifest.replace(b"step-00000001", b"step-00000005").replace(b'"step": 1', b'"step": 5')
+    missing = missing.replace(b'"first_step": 1', b'"first_step": 5')
+    body = json.loads(missing)
+    from ckptrun.storage.schema import Manifest
+
+    body.pop("checksum")
+    body.pop("format")
+    forged = json.dumps(Manifest(**body).to_json()).encode()
+    c.put_object(Bucket=bucket, Key="run/step-00000005/MANIFEST.json", Body=forged)
+    records, refused = tier.listing()
+    assert set(records) == {"step-00000001", "step-00000003", "step-00000005"}
+    assert any(".." in k for k in refused) and any("rank-00000.data/x" in k for k in refused)
+    checked = verify(tmp_path, url)
+    assert checked.returncode == 1 and "step-00000005" in checked.stdout, checked.stdout
+    state_file = tmp_path / "out.pt"
+    proc = ckptrun(tmp_path, "restore", "--dir", url, "--step", "5", "--out", state_file)
+    assert proc.returncode != 0 and not state_file.exists()
+    assert not (tmp_path.parent / "escape").exists()
+
+
+def test_crafted_sizes_are_refused_before_reading(tmp_path):
+    """A listed size out of range (a 65 MiB manifest: sparse here) is refused by the listing,
+    whichever tier lists it; a link is never followed."""
+    remote = tmp_path / "remote"
+    (remote / "step-00000003").mkdir(parents=True)
+    with open(remote / "step-00000003" / "MANIFEST.json", "wb") as f:
+        f.truncate((64 << 20) + 1)
+    (remote / "step-00000004").symlink_to(tmp_path)
+    records, refused = open_tier(str(remote)).listing()
+    assert records == {} and len(refused) == 2, refused
+
+
+def test_s3_url_without_the_extra_names_it(tmp_path):
+    """Without boto3, an s3:// URL is one line naming the extra to install (exit 2)."""
+    code = ("import sys; sys.modules['boto3'] = None; from ckptrun import cli; "
+            "sys.exit(cli.main(['ls', '--dir', 's3://bucket/run']))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "pip install 'ckptrun[s3]'" in error_line(proc), proc.stderr
+
+
+def test_plain_path_tier_is_a_checkpoint_directory(tmp_path):
+    """--durable on a plain path goes through the same code and leaves what --dir holds: `verify`
+    reads it as a directory; its sweep removes a torn record and a killed writer's temporary."""
+    store = _two_local_steps(tmp_path / "ckpts")
+    tier = open_tier(str(tmp_path / "remote"))
+    tier.probe()
+    for m in store.manifests():
+        with record_parts(store, m) as (parts, manifest):
+            tier.publish_record(m.name, parts, manifest)
+    checked = verify(tmp_path, tmp_path / "remote")
+    assert checked.returncode == 0 and "2 committed record(s)" in checked.stdout, checked.stdout
+    torn = tmp_path / "remote" / "step-00000003"
+    torn.mkdir()
+    (torn / "rank-00000.data").write_bytes(b"x")
+    (torn / ".rank-00000.json.part-1").write_bytes(b"x")
+    assert tier.sweep() == (1, ["step-00000003"]) and not torn.exists()
+    assert tier.committed() == ["step-00000001", "step-00000002"]
+
+
+def test_local_retention_keeps_what_the_drain_copies(tmp_path):
+    """--keep spares the records an upload under way reads (`Drain.busy`), and only those."""
+    store = _two_local_steps(tmp_path / "ckpts")
+    assert store.prune(1, protect=frozenset({"step-00000001"})) == []
+    assert store.prune(1) == ["step-00000001"]
