@@ -156,16 +156,16 @@ def ckptrun(cwd: Path, *args: Any, fault: str | None = None) -> subprocess.Compl
     return run_cmd([sys.executable, "-m", "ckptrun", *args], cwd, fault=fault)
 
 
-def verify(cwd: Path, ckpt_dir: Path) -> subprocess.CompletedProcess:
-    """`ckptrun verify --dir CKPT_DIR` through the CLI's entry point in this process (a subprocess
-    per call costs seconds of imports); exit code, stdout and stderr as a subprocess's."""
+def verify(cwd: Path, ckpt_dir: Path | str, *extra: Any) -> subprocess.CompletedProcess:
+    """`ckptrun verify --dir CKPT_DIR EXTRA` through the CLI's entry point in this process (a
+    subprocess per call costs seconds of imports); exit code, stdout and stderr as a subprocess's."""
     from ckptrun import cli
 
+    argv = ["verify", "--dir", *map(str, (ckpt_dir, *extra))]
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), contextlib.chdir(cwd):
-        code = cli.main(["verify", "--dir", str(ckpt_dir)])
-    return subprocess.CompletedProcess(["ckptrun", "verify", "--dir", str(ckpt_dir)], code, stdout.getvalue(),
-                                       stderr.getvalue())
+        code = cli.main(argv)
+    return subprocess.CompletedProcess(["ckptrun", *argv], code, stdout.getvalue(), stderr.getvalue())
 
 
 def subclassed_optimizer_script(tmp_path: Path) -> Path:
