@@ -24,6 +24,7 @@ from conftest import (
     assert_same,
     assert_training_state,
     ckptrun,
+    cli,
     error_line,
     load,
     ok,
@@ -320,7 +321,7 @@ def test_ls_shows_the_in_memory_step_beside_the_durable_ones(tmp_path):
     finally:
         os.killpg(run.pid, signal.SIGTERM)
         run.wait(timeout=60)
-    rows = json.loads(ok(ckptrun(tmp_path, "ls", "--dir", ckpt, "--json")).stdout)
+    rows = json.loads(ok(cli(tmp_path, "ls", "--dir", ckpt, "--json")).stdout)
     assert [r["kind"] for r in rows] == ["full", "full"]  # the start and the step it stopped after
 
 
