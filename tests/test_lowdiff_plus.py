@@ -309,7 +309,7 @@ def test_ls_shows_the_in_memory_step_beside_the_durable_ones(tmp_path):
     try:
         deadline = time.monotonic() + 60
         while True:
-            listed = ckptrun(tmp_path, "ls", "--dir", ckpt, "--json")
+            listed = cli(tmp_path, "ls", "--dir", ckpt, "--json")
             rows = json.loads(listed.stdout) if listed.returncode == 0 else []  # (no directory yet)
             memory = [r for r in rows if r["kind"] == "memory"]
             if memory and memory[0]["step"] >= 3:
