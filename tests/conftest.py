@@ -163,7 +163,8 @@ def ckptrun(cwd: Path, *args: Any, fault: str | None = None) -> subprocess.Compl
 def cli(cwd: Path, *argv: Any) -> subprocess.CompletedProcess:
     """`ckptrun ARGV` through the CLI's entry point in this process (a subprocess per call costs
     seconds of imports), for the commands that only read a directory (ls, verify, restore); exit
-    code, stdout and stderr as a subprocess's. `error_line` tests keep the subprocess."""
+    code, stdout and stderr as a subprocess's (an uncaught exception fails the test instead of
+    printing a traceback). tests/test_cli_errors.py checks the errors of a real subprocess."""
     from ckptrun import cli as entry
 
     args = [str(a) for a in argv]
@@ -244,8 +245,8 @@ def load(path: Path) -> dict:
 
 
 def restore(cwd: Path, ckpt_dir: Path, step: int | str, rank: int = 0) -> tuple[dict, str]:
-    """`ckptrun restore` of one step into a file, in this process (`cli`; the subprocess path is
-    what `error_line` tests use); returns (the loaded state, stderr)."""
+    """`ckptrun restore` of one step into a file, in this process (`cli`); returns (the loaded
+    state, stderr)."""
     out = cwd / f"restored-{step}-{rank}.pt"
     proc = cli(cwd, "restore", "--dir", ckpt_dir, "--step", step, "--rank", rank, "--out", out)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"

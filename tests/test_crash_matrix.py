@@ -17,6 +17,7 @@ from conftest import (
     TINY,
     assert_training_state,
     ckptrun,
+    cli,
     copy_dir,
     error_line,
     flip_tensor_byte,
@@ -148,7 +149,7 @@ def test_flipped_byte_is_reported_and_skipped(strategy, example_run, example_tru
     if fallback < K + 1:  # (else another record holds that step too: lowdiff's diff beside a full)
         assert f"step {K + 1} is damaged" in stderr
         out = tmp_path / "bad.pt"
-        line = error_line(ckptrun(tmp_path, "restore", "--dir", ckpt, "--step", K + 1, "--out", out))
+        line = error_line(cli(tmp_path, "restore", "--dir", ckpt, "--step", K + 1, "--out", out))
         assert f"step {K + 1}" in line and "checksum mismatch" in line
         assert re.search(rf"good step\D*\b{fallback}\b", line), line
         assert not out.exists()

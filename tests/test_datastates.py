@@ -194,10 +194,9 @@ def test_a_crash_between_snapshot_done_and_persist_done_leaves_the_previous_step
 
 # ---- the header-at-end file -----------------------------------------------------------------
 @pytest.fixture(scope="module")
-def one_run(tmp_path_factory) -> Path:
-    cwd = tmp_path_factory.mktemp("datastates")
-    ok(ckptrun(cwd, "--strategy", "datastates", "--keep", "0", "--dir", "ckpts", EXAMPLE, *TINY))
-    return cwd / "ckpts"
+def one_run(example_run) -> Path:
+    """The crash matrix's datastates run, every step kept (shared: read it, change a copy)."""
+    return example_run("datastates")
 
 
 def test_the_rank_file_is_torn_wherever_it_is_cut(one_run, example_truth, tmp_path):
@@ -249,7 +248,7 @@ def test_a_flipped_byte_outside_the_tensors_is_caught(where, one_run, tmp_path):
     path.write_bytes(bytes(blob))
     proc = verify(tmp_path, ckpt)
     assert proc.returncode == 1 and full_name(STEPS) in proc.stdout, proc.stdout
-    line = error_line(ckptrun(tmp_path, "restore", "--dir", ckpt, "--step", STEPS, "--out", tmp_path / "x.pt"))
+    line = error_line(cli(tmp_path, "restore", "--dir", ckpt, "--step", STEPS, "--out", tmp_path / "x.pt"))
     assert f"step {STEPS}" in line
 
 

@@ -209,7 +209,7 @@ def test_corrupt_diff_record_is_reported_and_skipped(gpt_run, gpt_truth, tmp_pat
     assert len(lines) == 1 and bad in lines[0] and key in lines[0], proc.stdout
 
     for step in (12, STEPS):  # inside the damaged batch; after it, in the same chain
-        line = error_line(ckptrun(tmp_path, "restore", "--dir", ckpt, "--step", step, "--out", tmp_path / "x.pt"))
+        line = error_line(cli(tmp_path, "restore", "--dir", ckpt, "--step", step, "--out", tmp_path / "x.pt"))
         assert f"step {step} cannot be restored" in line and bad in line and "checksum mismatch" in line
         assert re.search(r"newest good step before it is 10\b", line), line
     assert not (tmp_path / "x.pt").exists()
