@@ -48,6 +48,10 @@ TINY = ["--layers", "1", "--d-model", "32", "--steps", str(STEPS), "--threads", 
         *(["--device", "cuda", "--deterministic"] if DEVICE == "cuda" else [])]
 LONG = [a if a != str(STEPS) else "100000" for a in TINY]  # the example, running until stopped
 TIMEOUT_S = 240
+# The DDP runs several modules share: dp_mlp.py (a replicated MLP, a per-rank parameter and
+# Generator) for DDP_STEPS steps, each rank saving its own state at the end.
+DP_MLP = SCRIPTS / "dp_mlp.py"
+DDP_STEPS = 8
 
 
 def clean_env(fault: str | None) -> dict[str, str]:
@@ -164,21 +168,23 @@ def ckptrun(cwd: Path, *args: Any, fault: str | None = None) -> subprocess.Compl
     return run_cmd([sys.executable, "-m", "ckptrun", *args], cwd, fault=fault)
 
 
-def verify(cwd: Path, ckpt_dir: Path | str) -> subprocess.CompletedProcess:
-    """`ckptrun verify --dir CKPT_DIR`, in this process (`in_process`)."""
-    return in_process(cwd, "verify", "--dir", ckpt_dir)
+def cli(cwd: Path, *argv: Any) -> subprocess.CompletedProcess:
+    """`ckptrun ARGV` through the CLI's entry point in this process (a subprocess per call costs
+    seconds of imports), for the commands that only read a directory (ls, verify, restore); exit
+    code, stdout and stderr as a subprocess's (an uncaught exception fails the test instead of
+    printing a traceback). tests/test_cli_errors.py checks the errors of a real subprocess."""
+    from ckptrun import cli as entry
 
-
-def in_process(cwd: Path, *args: Any) -> subprocess.CompletedProcess:
-    """`ckptrun ARGS` through the CLI's entry point in this process (a subprocess per call costs
-    seconds of imports); exit code, stdout and stderr as a subprocess's."""
-    from ckptrun import cli
-
-    argv = list(map(str, args))
+    args = [str(a) for a in argv]
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), contextlib.chdir(cwd):
-        code = cli.main(argv)
-    return subprocess.CompletedProcess(["ckptrun", *argv], code, stdout.getvalue(), stderr.getvalue())
+        code = entry.main(args)
+    return subprocess.CompletedProcess(["ckptrun", *args], code, stdout.getvalue(), stderr.getvalue())
+
+
+def verify(cwd: Path, ckpt_dir: Path | str, *extra: Any) -> subprocess.CompletedProcess:
+    """`ckptrun verify --dir CKPT_DIR EXTRA`, in this process (`cli`)."""
+    return cli(cwd, "verify", "--dir", ckpt_dir, *extra)
 
 
 def subclassed_optimizer_script(tmp_path: Path) -> Path:
@@ -247,18 +253,12 @@ def load(path: Path) -> dict:
 
 
 def restore(cwd: Path, ckpt_dir: Path, step: int | str, rank: int = 0) -> tuple[dict, str]:
-    """`ckptrun restore` of one step into a file, through the CLI's entry point in this process
-    (a subprocess per call costs seconds of imports; the subprocess path is what `error_line`
-    tests use); returns (the loaded state, stderr)."""
-    from ckptrun import cli
-
+    """`ckptrun restore` of one step into a file, in this process (`cli`); returns (the loaded
+    state, stderr)."""
     out = cwd / f"restored-{step}-{rank}.pt"
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), contextlib.chdir(cwd):
-        code = cli.main(["restore", "--dir", str(ckpt_dir), "--step", str(step), "--rank", str(rank),
-                         "--out", str(out)])
-    assert code == 0, f"exit {code}\n{stdout.getvalue()[-2000:]}\n{stderr.getvalue()[-4000:]}"
-    return load(out), stderr.getvalue()
+    proc = cli(cwd, "restore", "--dir", ckpt_dir, "--step", step, "--rank", rank, "--out", out)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return load(out), proc.stderr
 
 
 def assert_same(a: Any, b: Any, path: str = "state") -> None:
@@ -450,6 +450,13 @@ def long_truth(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], dict
     return get
 
 
+def example_run_argv(strategy: str, ckpt_dir: Path | str) -> list[Any]:
+    """The command of `example_run`: the example under `strategy` with its short-run flags,
+    keeping every step in `ckpt_dir`."""
+    return ["--strategy", strategy, *REGISTRY[strategy].short_run_flags, "--dir", ckpt_dir, "--keep", "0", EXAMPLE,
+            *TINY]
+
+
 @pytest.fixture(scope="session")
 def example_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Checkpoint dir of an uninterrupted ckptrun run of the example keeping every step (cached;
@@ -459,9 +466,44 @@ def example_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
     def get(strategy: str) -> Path:
         if strategy not in cache:
             cwd = tmp_path_factory.mktemp(f"run-{strategy}")
-            ok(ckptrun(cwd, "--strategy", strategy, *REGISTRY[strategy].short_run_flags, "--dir", "ckpts",
-                       "--keep", "0", EXAMPLE, *TINY))
+            ok(ckptrun(cwd, *example_run_argv(strategy, "ckpts")))
             cache[strategy] = cwd / "ckpts"
         return cache[strategy]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def ddp_truth(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
+    """The folder of an uninterrupted DDP run of dp_mlp.py on `ranks` ranks without ckptrun
+    (plain torchrun), holding each rank's own save own-{rank}-{DDP_STEPS}.pt (cached)."""
+    runs: dict[int, Path] = {}
+
+    def get(ranks: int) -> Path:
+        if ranks not in runs:
+            cwd = tmp_path_factory.mktemp(f"ddp-truth-{ranks}")
+            ok(run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", ranks, DP_MLP,
+                        "--wrap", "ddp", "--steps", DDP_STEPS, "--save-at", DDP_STEPS], cwd))
+            runs[ranks] = cwd
+        return runs[ranks]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def ddp_killed_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, int], Path]:
+    """The folder (ckpts, metrics, each rank's own save) of a ckptrun DDP run of dp_mlp.py whose
+    rank 1 is killed mid-step 5 and restarted once, by (strategy, ranks): one run that the crash
+    matrix's DDP tests and the write-once tests share (cached; read-only)."""
+    runs: dict[tuple[str, int], Path] = {}
+
+    def get(strategy: str, ranks: int) -> Path:
+        if (strategy, ranks) not in runs:
+            cwd = tmp_path_factory.mktemp(f"ddp-killed-{strategy}-{ranks}")
+            ok(ckptrun(cwd, "--nproc-per-node", ranks, "--max-restarts", "1", "--strategy", strategy,
+                       *REGISTRY[strategy].short_run_flags, "--dir", "ckpts", "--metrics-dir", "metrics", DP_MLP,
+                       "--wrap", "ddp", "--steps", DDP_STEPS, "--save-at", DDP_STEPS, fault="kill:step=5:rank=1"))
+            runs[strategy, ranks] = cwd
+        return runs[strategy, ranks]
 
     return get

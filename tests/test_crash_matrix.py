@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    DDP_STEPS,
     EXAMPLE,
     FULL,
     STEPS,
@@ -16,6 +17,7 @@ from conftest import (
     TINY,
     assert_training_state,
     ckptrun,
+    cli,
     copy_dir,
     error_line,
     flip_tensor_byte,
@@ -147,34 +149,23 @@ def test_flipped_byte_is_reported_and_skipped(strategy, example_run, example_tru
     if fallback < K + 1:  # (else another record holds that step too: lowdiff's diff beside a full)
         assert f"step {K + 1} is damaged" in stderr
         out = tmp_path / "bad.pt"
-        line = error_line(ckptrun(tmp_path, "restore", "--dir", ckpt, "--step", K + 1, "--out", out))
+        line = error_line(cli(tmp_path, "restore", "--dir", ckpt, "--step", K + 1, "--out", out))
         assert f"step {K + 1}" in line and "checksum mismatch" in line
         assert re.search(rf"good step\D*\b{fallback}\b", line), line
         assert not out.exists()
 
 
-@pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory) -> Path:
-    """An uninterrupted 2-rank DDP (gloo) run; each rank saves its own state after the last step."""
-    cwd = tmp_path_factory.mktemp("ddp")
-    ok(ckptrun(cwd, "--nproc-per-node", "2", "--dir", "ckpts", EXAMPLE, *TINY,
-               "--save-at", STEPS, "--save-path", "own-{rank}.pt"))
-    return cwd
-
-
-def test_ddp_two_ranks_restore_exactly(ddp_run, tmp_path):
-    m = Store(ddp_run / "ckpts").manifests()[-1]
-    assert (m.step, m.world_size) == (STEPS, 2)
+# Under DDP: the 2-rank run of dp_mlp.py whose rank 1 is killed mid-step 5 (shared with
+# tests/test_writeonce.py), against the same script under plain torchrun.
+def test_ddp_rank1_killed_resumes_exactly(ddp_killed_run, ddp_truth, tmp_path):
+    run = ddp_killed_run("checkfreq", 2)
+    m = Store(run / "ckpts").manifests()[-1]
+    assert (m.step, m.world_size) == (DDP_STEPS, 2)
     for rank in range(2):
-        state, _ = restore(tmp_path, ddp_run / "ckpts", STEPS, rank=rank)
-        assert_training_state(state, load(ddp_run / f"own-{rank}.pt"))
-
-
-def test_ddp_rank1_killed_resumes_exactly(ddp_run, tmp_path):
-    ok(ckptrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "--dir", "ckpts",
-               "--metrics-dir", "metrics", EXAMPLE, *TINY, "--save-at", STEPS, "--save-path", "own-{rank}.pt",
-               fault="kill:step=5:rank=1"))
-    for rank in range(2):
-        attempts = run_events(tmp_path / "metrics", rank)
+        attempts = run_events(run / "metrics", rank)
         assert [e["restart_count"] for e in attempts] == [0, 1], f"rank {rank} was not restarted"
-        assert_training_state(load(tmp_path / f"own-{rank}.pt"), load(ddp_run / f"own-{rank}.pt"))
+        truth = load(ddp_truth(2) / f"own-{rank}-{DDP_STEPS}.pt")
+        own = load(run / f"own-{rank}-{DDP_STEPS}.pt")
+        assert_training_state(own, truth)
+        state, _ = restore(tmp_path, run / "ckpts", DDP_STEPS, rank=rank)
+        assert_training_state(state, {"model": own["model"], "optimizer": own["optimizer"]})

@@ -25,10 +25,12 @@ from conftest import (
     assert_same,
     assert_training_state,
     ckptrun,
+    cli,
     error_line,
     ok,
     restore,
     run_events,
+    verify,
 )
 from torch import nn
 
@@ -182,8 +184,8 @@ def test_a_crash_between_snapshot_done_and_persist_done_leaves_the_previous_step
     # with --max-inflight 2, step 6's file may still have been in flight beside step 7's
     assert newest in (5, 6) and store.incomplete() == []  # (the launcher swept the torn step 7)
     assert all(m.step < 7 for m in store.manifests())
-    ok(ckptrun(tmp_path, "verify", "--dir", ckpt))
-    rows = json.loads(ok(ckptrun(tmp_path, "ls", "--dir", ckpt, "--json")).stdout)
+    ok(verify(tmp_path, ckpt))
+    rows = json.loads(ok(cli(tmp_path, "ls", "--dir", ckpt, "--json")).stdout)
     assert rows[-1]["step"] == newest and rows[-1]["snapshot_done_at"] <= rows[-1]["persisted_at"]
     state, _ = restore(tmp_path, ckpt, "latest")
     assert state["step"] == newest
@@ -192,10 +194,9 @@ def test_a_crash_between_snapshot_done_and_persist_done_leaves_the_previous_step
 
 # ---- the header-at-end file -----------------------------------------------------------------
 @pytest.fixture(scope="module")
-def one_run(tmp_path_factory) -> Path:
-    cwd = tmp_path_factory.mktemp("datastates")
-    ok(ckptrun(cwd, "--strategy", "datastates", "--keep", "0", "--dir", "ckpts", EXAMPLE, *TINY))
-    return cwd / "ckpts"
+def one_run(example_run) -> Path:
+    """The crash matrix's datastates run, every step kept (shared: read it, change a copy)."""
+    return example_run("datastates")
 
 
 def test_the_rank_file_is_torn_wherever_it_is_cut(one_run, example_truth, tmp_path):
@@ -245,9 +246,9 @@ def test_a_flipped_byte_outside_the_tensors_is_caught(where, one_run, tmp_path):
     blob = bytearray(path.read_bytes())
     blob[at] ^= 0x01
     path.write_bytes(bytes(blob))
-    proc = ckptrun(tmp_path, "verify", "--dir", ckpt)
+    proc = verify(tmp_path, ckpt)
     assert proc.returncode == 1 and full_name(STEPS) in proc.stdout, proc.stdout
-    line = error_line(ckptrun(tmp_path, "restore", "--dir", ckpt, "--step", STEPS, "--out", tmp_path / "x.pt"))
+    line = error_line(cli(tmp_path, "restore", "--dir", ckpt, "--step", STEPS, "--out", tmp_path / "x.pt"))
     assert f"step {STEPS}" in line
 
 

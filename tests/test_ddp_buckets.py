@@ -6,6 +6,8 @@ torchrun. (With 2 ranks any layout sums the same: tests/test_writeonce.py covers
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from conftest import (
@@ -36,21 +38,36 @@ def truth(tmp_path_factory):
     return cwd
 
 
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory) -> Callable[[str], Path]:
+    """The folder of a ckptrun run on RANKS ranks whose rank 1 is killed mid-step 5 and restarted,
+    each rank saving its final state as out-{rank}.pt, by strategy (cached for the module)."""
+    runs: dict[str, Path] = {}
+
+    def get(strategy: str) -> Path:
+        if strategy not in runs:
+            cwd = tmp_path_factory.mktemp(f"killed-{strategy}")
+            ok(ckptrun(cwd, "--nproc-per-node", RANKS, "--max-restarts", "1", "--strategy", strategy, "--every", "1",
+                       "--dir", "ckpts", "--metrics-dir", "metrics", EXAMPLE, *ARGS, "--save-at", STEPS,
+                       "--save-path", "out-{rank}.pt", fault="kill:step=5:rank=1"))
+            runs[strategy] = cwd
+        return runs[strategy]
+
+    return get
+
+
 @pytest.mark.parametrize("strategy", strategy_params(REPRESENTATIVES[:2]))
-def test_rank_killed_on_three_ranks_resumes_bit_exact(strategy, truth, tmp_path):
-    ok(ckptrun(tmp_path, "--nproc-per-node", RANKS, "--max-restarts", "1", "--strategy", strategy, "--every", "1",
-               "--dir", "ckpts", "--metrics-dir", "metrics", EXAMPLE, *ARGS, "--save-at", STEPS,
-               "--save-path", "out-{rank}.pt", fault="kill:step=5:rank=1"))
-    assert [e["restart_count"] for e in run_events(tmp_path / "metrics", 1)] == [0, 1], "the fault did not fire"
+def test_rank_killed_on_three_ranks_resumes_bit_exact(strategy, truth, killed_run):
+    run = killed_run(strategy)
+    assert [e["restart_count"] for e in run_events(run / "metrics", 1)] == [0, 1], "the fault did not fire"
     for rank in range(RANKS):
-        assert_same(load(tmp_path / f"out-{rank}.pt"), load(truth / f"truth-{rank}.pt"))
+        assert_same(load(run / f"out-{rank}.pt"), load(truth / f"truth-{rank}.pt"))
 
 
-def test_the_rebuilt_layout_is_in_the_state(tmp_path):
-    """Each DDP wrapper's layout (every parameter index once) is tracked under DDP_BUCKETS."""
-    ok(ckptrun(tmp_path, "--nproc-per-node", 2, "--strategy", "checkfreq", "--every", "1", "--dir", "ckpts",
-               EXAMPLE, *ARGS))
-    layout = restore(tmp_path, tmp_path / "ckpts", STEPS)[0]["extra"][f"{DDP_BUCKETS}0"]
+def test_the_rebuilt_layout_is_in_the_state(killed_run, tmp_path):
+    """Each DDP wrapper's layout (every parameter index once) is tracked under DDP_BUCKETS (in
+    the checkfreq run above: saved again after the restart)."""
+    layout = restore(tmp_path, killed_run("checkfreq") / "ckpts", STEPS)[0]["extra"][f"{DDP_BUCKETS}0"]
     params = sorted(i for bucket in layout["buckets"] for i in bucket)
     assert params == list(range(len(params))) and len(params) > 1, layout
 

@@ -18,8 +18,8 @@ from conftest import (
     TINY,
     assert_training_state,
     ckptrun,
+    cli,
     error_line,
-    in_process,
     load,
     ok,
     pack,
@@ -174,7 +174,7 @@ def test_unusable_store_is_one_line_at_start(case, s3, tmp_path):
         os.environ["AWS_ACCESS_KEY_ID"] = "AKIAWRONGWRONGWRONG0"
     try:
         t0 = time.time()
-        proc = in_process(tmp_path, "--durable", url, "--durable-endpoint", endpoint, EXAMPLE, *TINY)
+        proc = cli(tmp_path, "--durable", url, "--durable-endpoint", endpoint, EXAMPLE, *TINY)
         took = time.time() - t0
     finally:
         os.environ["AWS_ACCESS_KEY_ID"] = env_key

@@ -26,6 +26,7 @@ from conftest import (
     restore,
     run_events,
     subclassed_optimizer_script,
+    verify,
 )
 from test_crash_matrix import assert_clean_and_final
 from test_datastates import Loopback
@@ -155,7 +156,7 @@ def test_a_crash_in_the_middle_of_a_spread_leaves_the_previous_version(example_t
     assert proc.returncode != 0
     store = Store(tmp_path / "ckpts")
     assert [m.step for m in store.manifests()] == [3] and store.incomplete() == []
-    ok(ckptrun(tmp_path, "verify", "--dir", "ckpts"))
+    ok(verify(tmp_path, "ckpts"))
     state, _ = restore(tmp_path, tmp_path / "ckpts", "latest")
     assert state["step"] == 3
     assert_training_state(state, example_truth(3))

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE, TINY, ckptrun, logged, ok
+from conftest import EXAMPLE, TINY, ckptrun, logged, ok, verify
 
 from ckptrun.bench import plan
 from ckptrun.launcher.console.dashboard import render_header
@@ -262,4 +262,4 @@ def test_run_option_reaches_the_engine(tmp_path: Path) -> None:
     events = [json.loads(line) for line in (tmp_path / "metrics" / "engine-0.jsonl").read_text().splitlines()]
     said = [e["engine"] for e in events if e.get("type") == "io_engine"]
     assert said == ["native" if NATIVE_MISSING is None else "python"]
-    ok(ckptrun(tmp_path, "verify", "--dir", "ckpts"))
+    ok(verify(tmp_path, "ckpts"))

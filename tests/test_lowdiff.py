@@ -25,12 +25,14 @@ from conftest import (
     EXAMPLE,
     assert_training_state,
     ckptrun,
+    cli,
     copy_dir,
     error_line,
     load,
     ok,
     restore,
     run_events,
+    verify,
 )
 
 from ckptrun.config import RESUME_ENV
@@ -190,7 +192,7 @@ def test_restore_replays_exactly_sgd_steplr_batchnorm(tmp_path):
 
 
 def test_ls_json_shows_full_checkpoints_and_diff_ranges(gpt_run, tmp_path):
-    rows = json.loads(ok(ckptrun(tmp_path, "ls", "--dir", gpt_run("adamw"), "--json")).stdout)
+    rows = json.loads(ok(cli(tmp_path, "ls", "--dir", gpt_run("adamw"), "--json")).stdout)
     assert [(r["kind"], r["first_step"], r["step"], r["depends_on"]) for r in rows] == RECORDS
     assert [r["record"] for r in rows] == [full_name(s) if k == "full" else diff_name(f, s)
                                            for k, f, s, _ in RECORDS]
@@ -201,13 +203,13 @@ def test_corrupt_diff_record_is_reported_and_skipped(gpt_run, gpt_truth, tmp_pat
     bad = diff_name(11, 13)
     key = flip_diff_byte(ckpt / bad)
 
-    proc = ckptrun(tmp_path, "verify", "--dir", ckpt)
+    proc = verify(tmp_path, ckpt)
     assert proc.returncode == 1
     lines = [line for line in proc.stdout.splitlines() if line.startswith("BAD")]
     assert len(lines) == 1 and bad in lines[0] and key in lines[0], proc.stdout
 
     for step in (12, STEPS):  # inside the damaged batch; after it, in the same chain
-        line = error_line(ckptrun(tmp_path, "restore", "--dir", ckpt, "--step", step, "--out", tmp_path / "x.pt"))
+        line = error_line(cli(tmp_path, "restore", "--dir", ckpt, "--step", step, "--out", tmp_path / "x.pt"))
         assert f"step {step} cannot be restored" in line and bad in line and "checksum mismatch" in line
         assert re.search(r"newest good step before it is 10\b", line), line
     assert not (tmp_path / "x.pt").exists()

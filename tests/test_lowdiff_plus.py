@@ -24,6 +24,7 @@ from conftest import (
     assert_same,
     assert_training_state,
     ckptrun,
+    cli,
     error_line,
     load,
     ok,
@@ -308,7 +309,7 @@ def test_ls_shows_the_in_memory_step_beside_the_durable_ones(tmp_path):
     try:
         deadline = time.monotonic() + 60
         while True:
-            listed = ckptrun(tmp_path, "ls", "--dir", ckpt, "--json")
+            listed = cli(tmp_path, "ls", "--dir", ckpt, "--json")
             rows = json.loads(listed.stdout) if listed.returncode == 0 else []  # (no directory yet)
             memory = [r for r in rows if r["kind"] == "memory"]
             if memory and memory[0]["step"] >= 3:
@@ -320,7 +321,7 @@ def test_ls_shows_the_in_memory_step_beside_the_durable_ones(tmp_path):
     finally:
         os.killpg(run.pid, signal.SIGTERM)
         run.wait(timeout=60)
-    rows = json.loads(ok(ckptrun(tmp_path, "ls", "--dir", ckpt, "--json")).stdout)
+    rows = json.loads(ok(cli(tmp_path, "ls", "--dir", ckpt, "--json")).stdout)
     assert [r["kind"] for r in rows] == ["full", "full"]  # the start and the step it stopped after
 
 

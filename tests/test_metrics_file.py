@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE, TINY, ckptrun, ok
+from conftest import EXAMPLE, TINY, ckptrun, cli, ok
 
 from ckptrun.ipc.events import STALL_CAUSES
 from ckptrun.launcher.console.metrics_feed import MetricsState
@@ -46,7 +46,7 @@ def test_one_valid_step_line_per_step_and_rank(lowdiff_run) -> None:
 def test_durable_step_never_ahead_of_committed(lowdiff_run) -> None:
     cwd, events, _ = lowdiff_run
     committed = set(restorable(Store(cwd / "ck")))
-    listed = json.loads(ok(ckptrun(cwd, "ls", "--dir", "ck", "--json")).stdout)
+    listed = json.loads(ok(cli(cwd, "ls", "--dir", "ck", "--json")).stdout)
     assert max(committed) == max(r["step"] for r in listed)
     durable = [e["last_durable_step"] for e in events if e["type"] == "step" and e["last_durable_step"] is not None]
     assert durable, "no step ever reported a durable step"

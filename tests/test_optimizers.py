@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import (
@@ -55,8 +56,15 @@ def _strategy_cases() -> list:
             for s in REGISTRY for case, (_, _, refusal) in CASES.items()]
 
 
+@pytest.fixture(scope="module")
+def truths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The uninterrupted plain-python save of each case, by case: the same for every strategy,
+    run once (beside the first ckptrun run that needs it)."""
+    return {case: tmp_path_factory.mktemp(f"truth-{case}") / "truth.pt" for case in CASES}
+
+
 @pytest.mark.parametrize(("strategy", "case"), _strategy_cases())
-def test_optimizer_shapes_restore_exactly_or_are_refused(strategy, case, tmp_path):
+def test_optimizer_shapes_restore_exactly_or_are_refused(strategy, case, truths, tmp_path):
     script, extra, refusal = CASES[case]
     args = [SCRIPTS / script, *extra, "--steps", STEPS, "--save-at", STEPS, "--save-path"]
     if refusal and replays(strategy):
@@ -65,15 +73,17 @@ def test_optimizer_shapes_restore_exactly_or_are_refused(strategy, case, tmp_pat
         assert refusal in line and "--strategy checkfreq" in line, line
         assert Store(tmp_path / "ckpts").manifests() == []
         return
-    plain = subprocess.Popen([sys.executable, *map(str, args), tmp_path / "truth.pt"], cwd=tmp_path,
-                             env=clean_env(None), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    plain = None if truths[case].exists() else subprocess.Popen(
+        [sys.executable, *map(str, args), truths[case]], cwd=truths[case].parent, env=clean_env(None),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     proc = ckptrun(tmp_path, "--strategy", strategy, "--dir", "ckpts", "--keep", "0", "--max-restarts", "1",
                    "--metrics-dir", "metrics", *args, "resumed.pt", fault="kill:step=7")
-    _, err = plain.communicate(timeout=TIMEOUT_S)
-    assert plain.returncode == 0, err
+    if plain is not None:
+        _, err = plain.communicate(timeout=TIMEOUT_S)
+        assert plain.returncode == 0, err
     ok(proc)
     assert [e["restart_count"] for e in run_events(tmp_path / "metrics")] == [0, 1], "the fault did not fire"
-    truth = load(tmp_path / "truth.pt")
+    truth = load(truths[case])
     assert_training_state(load(tmp_path / "resumed.pt"), truth)
     restored, _ = restore(tmp_path, tmp_path / "ckpts", STEPS)
     assert_training_state(comparable(restored), truth)
@@ -83,8 +93,9 @@ def test_optimizer_shapes_restore_exactly_or_are_refused(strategy, case, tmp_pat
 @pytest.mark.parametrize("policy", ["resume", "fresh", "fail"])
 def test_a_script_that_does_not_resume_itself_is_handled_by_policy(policy, tmp_path):
     args = [SCRIPTS / "no_resume.py", "--steps", STEPS, "--save-at", STEPS, "--save-path"]
-    subprocess.run([sys.executable, *map(str, args), tmp_path / "truth.pt"], cwd=tmp_path, env=clean_env(None),
-                   check=True, timeout=TIMEOUT_S)
+    if policy == "fresh":  # the one policy compared with the uninterrupted run
+        subprocess.run([sys.executable, *map(str, args), tmp_path / "truth.pt"], cwd=tmp_path, env=clean_env(None),
+                       check=True, timeout=TIMEOUT_S)
     proc = ckptrun(tmp_path, "--on-restart", policy, "--dir", "ckpts", "--keep", "0", "--max-restarts", "1",
                    *args, "final.pt", fault="kill:step=7")
     warning = "does not call ckptrun.resume_step()"

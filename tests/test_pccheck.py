@@ -17,11 +17,13 @@ from conftest import (
     TINY,
     assert_training_state,
     ckptrun,
+    cli,
     copy_dir,
     flip_tensor_byte,
     ok,
     restore,
     tear,
+    verify,
 )
 
 from ckptrun.ipc.messages import RecordSpec
@@ -314,11 +316,11 @@ def test_verify_reports_a_flipped_byte_in_a_slot(keep3, tmp_path):
     ckpt = copy_dir(keep3, tmp_path / "ckpts")
     newest = Store(ckpt).manifests()[-1]
     key = flip_tensor_byte(ckpt, newest.step)
-    proc = ckptrun(tmp_path, "verify", "--dir", ckpt)
+    proc = verify(tmp_path, ckpt)
     assert proc.returncode == 1
     bad = [line for line in proc.stdout.splitlines() if line.startswith("BAD")]
     assert len(bad) == 1 and newest.name in bad[0] and key in bad[0], proc.stdout
-    listing = ok(ckptrun(tmp_path, "ls", "--dir", ckpt, "--json"))
+    listing = ok(cli(tmp_path, "ls", "--dir", ckpt, "--json"))
     assert {row["layout"] for row in json.loads(listing.stdout)} == {"region"}
 
 

@@ -17,6 +17,7 @@ from conftest import (
     error_line,
     load,
     ok,
+    restore,
     resumed_beside_plain,
 )
 
@@ -63,7 +64,6 @@ def test_module_less_parameter_is_restored_by_offline_replay(tmp_path):
                       timeout=TIMEOUT_S))
     ok(ckptrun(tmp_path, "--strategy", "lowdiff", "--full-every", "5", "--batch", "3", "--keep", "0", "--dir",
                "ckpts", SCRIPTS / "orphan_param.py", "--steps", STEPS))
-    ok(ckptrun(tmp_path, "restore", "--dir", "ckpts", "--step", "8", "--out", "r8.pt"))
-    truth, restored = load(tmp_path / "truth.pt"), load(tmp_path / "r8.pt")
+    truth, (restored, _) = load(tmp_path / "truth.pt"), restore(tmp_path, tmp_path / "ckpts", 8)
     (scale,) = restored["extra"]["ckptrun.orphan_params.optimizer"].values()
     assert_training_state({**restored, "model": {**restored["model"], "scale": scale}}, truth)

@@ -21,6 +21,7 @@ from conftest import (
     STRATEGIES,
     assert_training_state,
     ckptrun,
+    cli,
     copy_dir,
     error_line,
     load,
@@ -28,6 +29,7 @@ from conftest import (
     python,
     restore,
     run_events,
+    verify,
 )
 from test_untrusted_dir import reseal
 
@@ -95,8 +97,8 @@ def test_consolidated_restore_equals_the_unsharded_run(fsdp_run, tmp_path):
         assert_training_state(state, truth(fsdp_run, step))
     from safetensors.torch import load_file
 
-    ok(ckptrun(tmp_path, "restore", "--dir", fsdp_run / "ckpts", "--step", STEPS, "--format", "safetensors",
-               "--out", "s.safetensors"))
+    ok(cli(tmp_path, "restore", "--dir", fsdp_run / "ckpts", "--step", STEPS, "--format", "safetensors",
+           "--out", "s.safetensors"))
     tensors = load_file(tmp_path / "s.safetensors")
     for key, t in truth(fsdp_run, STEPS)["model"].items():
         assert torch.equal(tensors[f"model/{key}"], t), key
@@ -157,7 +159,7 @@ def test_shards_that_do_not_make_a_tensor_fail_verify_and_restore(fsdp_run, tmp_
     node.update(shape=[3, 6], placements=["R"])
     path.write_text(json.dumps(index))
     reseal(ckpt, record)
-    proc = ckptrun(tmp_path, "verify", "--dir", ckpt)
+    proc = verify(tmp_path, ckpt)
     assert proc.returncode == 1 and "ranks disagree on its global shape" in proc.stdout, proc.stdout
     state, stderr = restore(tmp_path, ckpt, "latest")
     assert state["step"] == EARLY - 1 and f"step {EARLY} is damaged" in stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, assert_same, ckptrun, logged, pack, run_cmd
+from conftest import SCRIPTS, assert_same, logged, pack, run_cmd, verify
 
 from ckptrun.errors import CorruptCheckpoint
 from ckptrun.restore.recovery import newest_good
@@ -80,14 +80,14 @@ def test_crash_mid_commit_keeps_previous_step(point, store, tmp_path):
     assert [m.step for m in store.manifests()] == ([1, 2] if committed else [1])
     assert newest_good(store).step == (2 if committed else 1)
     assert_same(stored(store, 1), make_state(1))
-    verify = ckptrun(tmp_path, "verify", "--dir", store.root)
+    report = verify(tmp_path, store.root)
     if committed:
         assert_same(stored(store, 2), make_state(2))
-        assert verify.returncode == 0, verify.stdout
+        assert report.returncode == 0, report.stdout
         return
-    notes = [line for line in verify.stdout.splitlines() if line.startswith(("BAD", "note"))]
-    assert verify.returncode == 0 and notes == [f"note: {full_name(2)}: incomplete (no manifest; torn or still "
-                                                "being written), not committed"], verify.stdout
+    notes = [line for line in report.stdout.splitlines() if line.startswith(("BAD", "note"))]
+    assert report.returncode == 0 and notes == [f"note: {full_name(2)}: incomplete (no manifest; torn or still "
+                                                "being written), not committed"], report.stdout
     # A restarted writer publishes the same step over the torn leftovers.
     commit(store, 2, make_state(2))
     assert store.incomplete() == []
@@ -135,10 +135,10 @@ def test_flipped_byte_is_detected(flip, store, tmp_path):
         assert newest_good(store).step == 1
     assert any("step 2" in line or "step-00000002" in line for line in lines), lines
     assert_same(stored(store, 1), make_state(1))
-    verify = ckptrun(tmp_path, "verify", "--dir", store.root)
-    bad = [line for line in verify.stdout.splitlines() if line.startswith("BAD")]
-    assert verify.returncode == 1 and len(bad) == 1 and full_name(2) in bad[0] and problem in bad[0], \
-        verify.stdout + verify.stderr
+    report = verify(tmp_path, store.root)
+    bad = [line for line in report.stdout.splitlines() if line.startswith("BAD")]
+    assert report.returncode == 1 and len(bad) == 1 and full_name(2) in bad[0] and problem in bad[0], \
+        report.stdout + report.stderr
 
 
 def test_prune_keeps_the_newest_k(store):

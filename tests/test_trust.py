@@ -18,7 +18,9 @@ from conftest import (
     TINY,
     assert_training_state,
     ckptrun,
+    copy_dir,
     error_line,
+    example_run_argv,
     kill_tree,
     load,
     ok,
@@ -54,14 +56,13 @@ def final_run(cwd: Path, strategy: str, ckpt: Path, *extra, fault: str | None = 
 
 # ---- 1. a re-run of a finished command --------------------------------------------------
 # One strategy per family by default (record folders, replay chains, a region reusing its slots);
-# every registered one under --full.
+# every registered one under --full. The finished run is the crash matrix's (`example_run`,
+# shared): the same command runs again on a copy of its directory.
 @pytest.mark.parametrize("strategy", strategy_params(REPRESENTATIVES))
-def test_rerun_of_a_finished_command_keeps_every_step(strategy, example_truth, tmp_path):
-    ckpt = tmp_path / "ckpts"
-    args = ["--strategy", strategy, "--dir", ckpt, "--keep", "0", EXAMPLE, *TINY]
-    ok(ckptrun(tmp_path, *args))
+def test_rerun_of_a_finished_command_keeps_every_step(strategy, example_run, example_truth, tmp_path):
+    ckpt = copy_dir(example_run(strategy), tmp_path / "ckpts")
     before = {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("step-*/*")}
-    ok(ckptrun(tmp_path, *args))
+    ok(ckptrun(tmp_path, *example_run_argv(strategy, ckpt)))
     ok(verify(tmp_path, ckpt))
     after = {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("step-*/*")}
     assert {k: v for k, v in after.items() if k in before} == before, "a committed record changed"

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE, FULL, LONG, assert_training_state, ckptrun, clean_env, load, ok
+from conftest import EXAMPLE, FULL, LONG, assert_training_state, clean_env, load, ok, verify
 
 from ckptrun.config import RunConfig
 from ckptrun.storage.store import Store
@@ -145,7 +145,7 @@ def _committed_with_both_parts(cwd: Path) -> list[int]:
     ms = Store(cwd / "ckpts").manifests()
     for m in ms:
         assert (m.world_size, sorted(m.index_checksums)) == (2, ["0", "1"]), f"{m.name} lacks a node's part"
-    ok(ckptrun(cwd, "verify", "--dir", "ckpts"))
+    ok(verify(cwd, "ckpts"))
     return [m.step for m in ms]
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import EXAMPLE, SCRIPTS, TINY, ckptrun, clean_env, copy_dir, error_line, ok
+from conftest import EXAMPLE, SCRIPTS, TINY, ckptrun, clean_env, copy_dir, error_line, ok, verify
 
 from ckptrun.restore.recovery import optimizer_classes, restorable, verify_problems
 from ckptrun.storage.store import MANIFEST, Store, checksum, diff_name, full_name, rank_files
@@ -376,11 +376,11 @@ def test_optimizer_class_named_on_the_command_line_is_trusted(tmp_path):
     (tmp_path / "train.py").write_text(TRUSTED_SCRIPT)
     ok(ckptrun(tmp_path, "--strategy", "lowdiff", "--full-every", "3", "--batch", "2", "--keep", "0", "--dir", "ckpts",
                "--no-dashboard", "train.py"))
-    verify = ckptrun(tmp_path, "verify", "--dir", "ckpts")
-    assert verify.returncode == 1 and "'myopt.MyOpt'" in verify.stdout, verify.stdout
+    report = verify(tmp_path, "ckpts")
+    assert report.returncode == 1 and "'myopt.MyOpt'" in report.stdout, report.stdout
     line = error_line(ckptrun(tmp_path, "restore", "--dir", "ckpts", "--step", "2", "--out", "x.pt"))
     assert "--optimizer-class" in line and "myopt.MyOpt" in line, line
-    ok(ckptrun(tmp_path, "verify", "--dir", "ckpts", "--optimizer-class", "myopt:MyOpt"))
+    ok(ckptrun(tmp_path, "verify", "--dir", "ckpts", "--optimizer-class", "myopt:MyOpt"))  # imports myopt from cwd
     proc = ok(ckptrun(tmp_path, "restore", "--dir", "ckpts", "--step", "2", "--out", "x.pt",
                       "--optimizer-class", "myopt:MyOpt"))
     assert "restored step 2 (from step-00000000 + 1 diff record(s) replayed" in proc.stderr, proc.stderr

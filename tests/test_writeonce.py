@@ -5,21 +5,18 @@ restore and a resume after a rank is killed reassemble every rank's state exactl
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 from conftest import (
+    DDP_STEPS,
+    DP_MLP,
     FULL,
     REPRESENTATIVES,
-    SCRIPTS,
     assert_same,
     ckptrun,
     error_line,
     load,
     ok,
     restore,
-    run_cmd,
     run_events,
     strategy_params,
 )
@@ -30,8 +27,7 @@ from ckptrun.storage.store import Manifest, Store
 from ckptrun.storage.writeonce import owners, remote_refs
 from ckptrun.strategies import BUILTIN, REGISTRY
 
-SCRIPT = SCRIPTS / "dp_mlp.py"
-STEPS = 8
+SCRIPT, STEPS = DP_MLP, DDP_STEPS
 WRITE_ONCE = [name for name, entry in REGISTRY.items() if entry.write_once]
 
 
@@ -46,22 +42,6 @@ def test_owners_balance_bytes_to_within_one_tensor():
         assert assigned == owners(dict(reversed(sizes.items())), n)  # from names and sizes alone
         per_rank = [sum(s for k, s in sizes.items() if assigned[k] == r) for r in range(n)]
         assert max(per_rank) - min(per_rank) <= max(sizes.values())
-
-
-@pytest.fixture(scope="module")
-def truth(tmp_path_factory):
-    """Each rank's own save after step STEPS of an uninterrupted DDP run without ckptrun, by world size."""
-    runs: dict[int, Path] = {}
-
-    def get(ranks: int) -> Path:
-        if ranks not in runs:
-            cwd = tmp_path_factory.mktemp(f"ddp{ranks}")
-            ok(run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", ranks, SCRIPT,
-                        "--wrap", "ddp", "--steps", STEPS, "--save-at", STEPS], cwd))
-            runs[ranks] = cwd
-        return runs[ranks]
-
-    return get
 
 
 def replicated_bytes_per_rank(store: Store, m: Manifest) -> tuple[list[int], int]:
@@ -84,22 +64,21 @@ CASES = [pytest.param(s, n, marks=FULL if n == 3 and s not in REPRESENTATIVES el
 
 
 @pytest.mark.parametrize(("strategy", "ranks"), CASES, ids=[f"{s}-{n}" for s in WRITE_ONCE for n in (2, 3)])
-def test_ddp_writes_replicated_state_once_and_resumes_exactly(strategy, ranks, truth, tmp_path):
+def test_ddp_writes_replicated_state_once_and_resumes_exactly(strategy, ranks, ddp_killed_run, ddp_truth,
+                                                              tmp_path):
     """Rank 1 killed mid-run: every rank resumes exactly (its tracked Generator too); the last
     step restores every rank's own state; in every record (full checkpoints and the replay
     strategies' gradient records alike) each replicated tensor was written by one rank, and each
     rank wrote 1/N of them to within one tensor."""
-    ok(ckptrun(tmp_path, "--nproc-per-node", ranks, "--max-restarts", "1", "--strategy", strategy,
-               *REGISTRY[strategy].short_run_flags, "--dir", "ckpts", "--metrics-dir", "metrics", SCRIPT,
-               "--wrap", "ddp", "--steps", STEPS, "--save-at", STEPS, fault="kill:step=5:rank=1"))
-    assert [e["restart_count"] for e in run_events(tmp_path / "metrics", 1)] == [0, 1], "the fault did not fire"
+    run = ddp_killed_run(strategy, ranks)
+    assert [e["restart_count"] for e in run_events(run / "metrics", 1)] == [0, 1], "the fault did not fire"
     for rank in range(ranks):
-        own = load(truth(ranks) / f"own-{rank}-{STEPS}.pt")
-        assert_same(load(tmp_path / f"own-{rank}-{STEPS}.pt"), own)
-        state, _ = restore(tmp_path, tmp_path / "ckpts", STEPS, rank=rank)
+        own = load(ddp_truth(ranks) / f"own-{rank}-{STEPS}.pt")
+        assert_same(load(run / f"own-{rank}-{STEPS}.pt"), own)
+        state, _ = restore(tmp_path, run / "ckpts", STEPS, rank=rank)
         assert_same([state["model"], state["optimizer"], state["extra"]["mine"]],
                     [own["model"], own["optimizer"], own["mine"]])
-    store = Store(tmp_path / "ckpts")
+    store = Store(run / "ckpts")
     records = store.manifests()
     assert records[-1].step == STEPS
     for m in records:
@@ -108,7 +87,7 @@ def test_ddp_writes_replicated_state_once_and_resumes_exactly(strategy, ranks, t
     assert verify_problems(store, optimizer_classes()) == []
     for m in records:  # a replay step (a diff record) restores every rank's replicated state from all ranks' parts
         if m.kind == "diff":
-            states = [replicated(restore(tmp_path, tmp_path / "ckpts", m.step, rank=r)[0]) for r in range(ranks)]
+            states = [replicated(restore(tmp_path, run / "ckpts", m.step, rank=r)[0]) for r in range(ranks)]
             for state in states[1:]:
                 assert_same(state, states[0])
 

@@ -193,7 +193,9 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
     from .console.dashboard import Dashboard
     from .console.hostmetrics import HostSampler
     from .console.worker_logs import WorkerLogTailer, torchrun_args
+    from .rdzv_names import install as cheap_rdzv_names
 
+    cheap_rdzv_names()
     # The agent's own warnings on a signal ("Received 15 death signal", "Sending process ... closing
     # signal") restate what ckptrun reports in one line.
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
