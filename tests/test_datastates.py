@@ -45,7 +45,9 @@ from ckptrun.storage.leftovers import remove_staging
 from ckptrun.storage.store import Store, full_name
 from ckptrun.storage.tree import flatten
 from ckptrun.strategies.datastates.providers import rank_state, serialize
+from ckptrun.worker.copier import Copier
 from ckptrun.worker.runtime import Runtime
+from ckptrun.worker.state import TrainingState
 
 
 # ---- in-process: a Runtime wired to a real Engine ------------------------------------------
@@ -107,7 +109,7 @@ def slow_copier(monkeypatch: pytest.MonkeyPatch, delay_s: float, copied: list[fl
         if progress is not None:
             progress(layout.nbytes)
 
-    monkeypatch.setattr(Runtime, "_copy", staticmethod(copy))
+    monkeypatch.setattr(Copier, "copy", staticmethod(copy))
 
 
 @pytest.mark.parametrize("read", ["lazy", "retried"])
@@ -122,14 +124,14 @@ def test_the_update_waits_for_the_lazy_copy_and_the_file_holds_step_t(read, tmp_
     copied: list[float] = []
     slow_copier(monkeypatch, 0.02, copied)
     if read == "retried":
-        early_state = Runtime.early_state
+        early_state = TrainingState.early_state
 
         def flaky(self, taken=None):
             if threading.current_thread() is not threading.main_thread():
                 raise RuntimeError("dictionary changed size during iteration")
             return early_state(self, taken)
 
-        monkeypatch.setattr(Runtime, "early_state", flaky)
+        monkeypatch.setattr(TrainingState, "early_state", flaky)
     loop = Loopback()
     (tmp_path / "ckpts").mkdir()
     Store(tmp_path / "ckpts").ensure_writable()

@@ -21,7 +21,8 @@ from ckptrun.strategies.lowdiff.policy import FullEveryBatch
 from ckptrun.strategies.lowdiff_plus.policy import PersistInterval
 from ckptrun.strategies.lowdiff_plus.trainer import LowDiffPlus
 from ckptrun.strategies.pccheck.trainer import PCcheck
-from ckptrun.worker.decisions import FIRST_EVAL, DalyInterval, FixedInterval, Measured, PersistBound, Retuner
+from ckptrun.strategies.save_policy import Measured
+from ckptrun.worker.decisions import FIRST_EVAL, DalyInterval, FixedInterval, PersistBound, Retuner
 
 EVERY = 3
 # The strategies that map an explicit --every onto intervals of their own (the others checkpoint

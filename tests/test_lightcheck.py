@@ -43,6 +43,7 @@ from ckptrun.strategies import REGISTRY
 from ckptrun.strategies.lightcheck.engine import LightCheckHandler
 from ckptrun.strategies.lightcheck.layers import LayerSteps, why_not
 from ckptrun.strategies.lightcheck.messages import Ready, Seal, Take
+from ckptrun.worker.copier import Copier
 from ckptrun.worker.runtime import Runtime
 
 OPTIMIZERS = {
@@ -164,7 +165,7 @@ def slow_copier(monkeypatch: pytest.MonkeyPatch, slow_key: str, delay_s: float, 
         if progress is not None:
             progress(layout.nbytes)
 
-    monkeypatch.setattr(Runtime, "_copy", staticmethod(copy))
+    monkeypatch.setattr(Copier, "copy", staticmethod(copy))
 
 
 SLOW = "models/model/3.weight"

@@ -40,7 +40,8 @@ from ckptrun.restore.export import export
 from ckptrun.storage.store import Store, diff_name, full_name, rank_files
 from ckptrun.strategies.lowdiff.model import LowDiffCosts, optimal_fb
 from ckptrun.strategies.lowdiff.policy import DEFAULT_B, DEFAULT_F, RECORD_OPEN_S, FullEveryBatch
-from ckptrun.worker.decisions import EVAL_EVERY, FIRST_EVAL, Decision, Retuner
+from ckptrun.strategies.save_policy import Decision
+from ckptrun.worker.decisions import EVAL_EVERY, FIRST_EVAL, Retuner
 
 SCRIPT = Path(__file__).resolve().parent / "scripts_lowdiff" / "sgd_steplr.py"
 STEPS = 14

@@ -122,7 +122,7 @@ class CopierGate:
 
     def _hold(self) -> None:
         self.gate = gate = threading.Event()
-        self.rt._copier.submit(gate.wait)
+        self.rt.capture.thread.submit(gate.wait)
 
     def release(self) -> None:
         self.gate.set()

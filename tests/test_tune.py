@@ -17,11 +17,12 @@ from ckptrun import cli
 from ckptrun.launcher import run as launcher
 from ckptrun.storage.store import Store
 from ckptrun.strategies import REGISTRY
+from ckptrun.strategies.save_policy import Decision
 from ckptrun.tuning import profile as profile_mod
 from ckptrun.tuning.intervals import daly_interval, young_interval
 from ckptrun.tuning.plan import make_plan
 from ckptrun.tuning.profile import needs_repeat, slowdown
-from ckptrun.worker.decisions import FIRST_EVAL, DalyInterval, Decision, PersistBound, Retuner
+from ckptrun.worker.decisions import FIRST_EVAL, DalyInterval, PersistBound, Retuner
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 SMALL = ["--layers", "1", "--d-model", "32", "--threads", "1"]

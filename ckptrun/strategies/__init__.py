@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
@@ -159,6 +159,17 @@ def __getattr__(name: str) -> dict[str, Entry]:
 
 def names() -> list[str]:
     return list(registry())
+
+
+def names_where(test: Callable[[Entry], bool]) -> str:
+    """The registered strategies that `test` accepts, comma-separated: what an error that refuses
+    one strategy offers instead, without naming strategies outside this package."""
+    return ", ".join(name for name, entry in registry().items() if test(entry))
+
+
+def checkpoints_every_optimizer(entry: Entry) -> bool:
+    """It saves each optimizer's state as it is (no replay of one optimizer's gradients)."""
+    return not entry.load().single_optimizer
 
 
 def all_options() -> Iterator[tuple[str, Option]]:

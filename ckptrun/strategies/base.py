@@ -30,8 +30,7 @@ from ..ipc.messages import Persist
 
 if TYPE_CHECKING:
     from ..ipc.messages import Message
-    from ..worker.runtime import Snapshot
-    from .context import StrategyContext
+    from .context import Snapshot, StrategyContext
 
 
 class Strategy:

@@ -1,1 +1,2 @@
-"""TRAINING PROCESS: bootstrap, the runtime hooked into the optimizer, discovery, patches, integrations."""
+"""TRAINING PROCESS: bootstrap, the runtime and its parts (docs/architecture.md, "Inside a worker"),
+discovery, patches, integrations."""

@@ -22,8 +22,10 @@ from ..log import log
 from ..restore.consolidate import resharded
 from ..restore.recovery import CHECK_AHEAD_BYTES, DamagedRecord, Plan, newest_good, plans, resume_state
 from ..storage.store import Store
+from .hooks import StopRun
 from .jobstore import job_store
-from .runtime import ResumeState, Runtime, StopRun, install
+from .loading import ResumeState, fetch_held
+from .runtime import Runtime, install
 
 
 def _rank_env() -> tuple[int, int, int, int, int]:
@@ -151,7 +153,7 @@ def _fail(cfg: RunConfig | None, rank: int, err: CkptrunError, restarts: bool) -
 
 
 def _on_signal(rt: Runtime):
-    """SIGTERM/SIGINT: stop at the next optimizer step every rank agrees on (Runtime._stop_here),
+    """SIGTERM/SIGINT: stop at the next optimizer step every rank agrees on (StepHooks._stop_here),
     after handing over the newest finished step. Repeats (the terminal's Ctrl-C and the agent's
     forwarded one) change nothing; the agent kills what outlives the grace period."""
 
@@ -179,14 +181,12 @@ def main() -> None:
         if isinstance(plan, Plan):
             plan, resumed = _read_resume(rt, store, plan, restarts)
         if isinstance(plan, tuple):
-            rt.resume = rt.fetch_held(*plan)
-            rt.step = rt.checkpointed_step = rt.resume.step
+            rt.resume_from(fetch_held(rt.client, *plan, rank, world_size))
             log.info(f"rank {rank}: resumed step {rt.step} from the checkpoint engine's memory (no disk read)")
         elif plan is not None:
             state, diffs = resumed
-            rt.resume = ResumeState(plan.step, plan.base.name, state, plan.base.world_size, diffs)
-            rt.step = rt.checkpointed_step = plan.step
-        rt.restore_s = time.perf_counter() - t_restore
+            rt.resume_from(ResumeState(plan.step, plan.base.name, state, plan.base.world_size, diffs))
+        rt.loading.restore_s = time.perf_counter() - t_restore
         if plan is not None or restart_count > 0:
             rt.recovery_started = t_start
         os.environ[RESUME_ENV] = str(rt.step)
@@ -214,7 +214,7 @@ def main() -> None:
     except SystemExit as e:
         if e.code not in (None, 0):  # the script's own choice: its code is the run's, no restart advice
             code = e.code if isinstance(e.code, int) else 1
-            if rt.optimizers:  # what it trained is handed over as after a normal exit
+            if rt.state.optimizers:  # what it trained is handed over as after a normal exit
                 rt.finish()
             _leave_error(cfg, rank, code, f"the training script exited with code {code} (rank {rank})")
             raise

@@ -1,8 +1,8 @@
-"""Save decisions: small policies answering "is this step checkpointed?", and the one online
-re-tuner that feeds every policy of a worker the same measurements (DESIGN §6).
+"""Save decisions: the run's own interval policies, and the one online re-tuner that feeds every
+policy of a worker the same measurements (DESIGN §6).
 
-In the manner of Orbax's `SaveDecisionPolicy`, a policy holds its settings and answers `due`;
-unlike a fixed rule it may also `propose` new settings from what was measured. Policies compose:
+The policy vocabulary (`SavePolicy`, `IntervalPolicy`, `Measured`, `Decision`) lives beside the
+strategies (ckptrun/strategies/save_policy.py), which write their own in it. Policies compose:
 `PersistBound(DalyInterval(...))` is `--every auto` (Daly's interval, never faster than the
 persist path drains); a strategy adds its own (lowdiff's (F, B), pccheck's f*, gockpt's k)
 through `StrategyContext.policy`.
@@ -31,118 +31,25 @@ import json
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from statistics import median
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from ..config import RunConfig
 from ..log import log
+from ..strategies.save_policy import Decision, IntervalPolicy, Measured, SavePolicy
 from ..tuning.durations import format_duration
 from ..tuning.intervals import checkfreq_min_interval_steps, daly_interval
 
 DEFAULT_MTBF_S = 3600.0  # --every auto without --mtbf (documented in docs/tuning.md)
 FIRST_EVAL = 3  # the first estimate is made this many steps after (re)start
 EVAL_EVERY = 25  # later re-evaluations: at steps that are multiples of this
-MIN_CHANGE = 0.2  # relative change of an interval below which it is kept
 WINDOW_CKPTS = 4  # the estimate covers about this many checkpoints...
 MIN_WINDOW = 20  # ...and at least this many steps
 WRITES_KEPT = 8
 LOG_CHANGES_EVERY_S = 60.0  # a policy's changes reach the log at most this often (all go to the metrics file)
 MIN_DELTA_S = 1e-9  # a checkpoint that measured no stall at all still costs something
 
-if TYPE_CHECKING:
-    from .runtime import Runtime
-
-__all__ = ["DEFAULT_MTBF_S", "DalyInterval", "Decision", "FixedInterval", "IntervalPolicy", "Measured",
-           "PersistBound", "Retuner", "SavePolicy", "for_runtime"]
-
-
-@dataclass(frozen=True)
-class Measured:
-    """What the re-tuner measured, the same for every policy; None where nothing was measured yet."""
-
-    mtbf_s: float
-    mtbf_given: bool
-    step_s: float | None = None  # compute time of one step, checkpoint stall excluded
-    iter_s: float | None = None  # wall time of one step, stall included
-    optim_s: float | None = None  # one optimizer step (what replaying one step's gradients costs)
-    replay_step_s: float | None = None  # replay of one recorded step at this worker's resume, read included
-    delta_s: float | None = None  # blocking cost of one checkpoint; None while none was handed over
-    persist_s: float | None = None  # time to persist one checkpoint's bytes
-    write_bw: float | None = None  # bytes per second of recent writes
-    sizes: dict[str, int] = field(default_factory=dict)  # bytes of the last snapshot of each kind
-
-    @property
-    def mtbf_text(self) -> str:
-        return format_duration(self.mtbf_s) + ("" if self.mtbf_given else " (default; set --mtbf)")
-
-
-@dataclass(frozen=True)
-class Decision:
-    settings: dict[str, int]
-    reason: str
-
-    def to_json(self) -> dict:
-        return {"settings": self.settings, "reason": self.reason}
-
-    @classmethod
-    def from_json(cls, body: dict) -> Decision:
-        return cls({k: int(v) for k, v in body["settings"].items()}, str(body["reason"]))
-
-
-class SavePolicy:
-    """One save decision. `label` prefixes its log lines; a policy that never changes keeps the
-    default `propose`."""
-
-    label = ""
-    adjustable = True  # False: `propose` never changes anything (the re-tuner skips it)
-
-    @property
-    def settings(self) -> dict[str, int]:
-        raise NotImplementedError
-
-    def due(self, step: int) -> bool:
-        raise NotImplementedError
-
-    def propose(self, measured: Measured, step: int) -> Decision | None:
-        """New settings if the measurements call for them (with the reason), else None."""
-        return None
-
-    def adopt(self, decision: Decision) -> None:
-        """Take the settings all ranks agreed on."""
-        raise NotImplementedError
-
-
-class IntervalPolicy(SavePolicy):
-    """Checkpoint every `every` steps. Subclasses say what the interval should be (`target`);
-    a change smaller than MIN_CHANGE is ignored unless the current interval breaks a floor."""
-
-    label = "--every auto"
-
-    def __init__(self, every: int = 1) -> None:
-        self.every = every
-
-    @property
-    def settings(self) -> dict[str, int]:
-        return {"every": self.every}
-
-    def due(self, step: int) -> bool:
-        return step % self.every == 0
-
-    def target(self, m: Measured) -> tuple[int, str, int] | None:
-        """(steps, why, floor): the interval wanted, its reason, and a hard lower bound."""
-        return None
-
-    def propose(self, measured: Measured, step: int) -> Decision | None:
-        wanted = self.target(measured)
-        if wanted is None:
-            return None
-        steps, why, floor = wanted
-        if steps == self.every or (self.every >= floor and abs(steps - self.every) < MIN_CHANGE * self.every):
-            return None
-        return Decision({"every": steps}, f"every {self.every} -> {steps} steps at step {step}: {why}")
-
-    def adopt(self, decision: Decision) -> None:
-        self.every = decision.settings["every"]
+__all__ = ["DEFAULT_MTBF_S", "DalyInterval", "FixedInterval", "PersistBound", "Retuner", "for_runtime"]
 
 
 class FixedInterval(IntervalPolicy):
@@ -265,7 +172,17 @@ class Retuner:
                 self._on_change(step, policy, decision)
 
 
-def _store_share(rt: Runtime) -> Share:
+class Worker(Protocol):
+    """What `for_runtime` reads of the worker's runtime."""
+
+    cfg: RunConfig
+    rank: int
+    world_size: int
+    restart_count: int
+    metrics: Any  # a WorkerMetrics (its `emit`)
+
+
+def _store_share(rt: Worker) -> Share:
     """Rank 0 publishes each evaluation's outcome; the other ranks wait for it at the same step."""
     from .jobstore import job_store
 
@@ -280,7 +197,7 @@ def _store_share(rt: Runtime) -> Share:
     return share
 
 
-def for_runtime(rt: Runtime) -> tuple[Retuner, IntervalPolicy]:
+def for_runtime(rt: Worker) -> tuple[Retuner, IntervalPolicy]:
     """A worker's re-tuner and its interval policy (`--every N` or `--every auto`): changes are
     logged on rank 0 and recorded in the metrics of every rank."""
 

@@ -37,6 +37,10 @@ class WorkerMetrics:
     def add_stall(self, cause: str, seconds: float) -> None:
         self.stall[cause] += seconds
 
+    def stalled_since(self, cause: str, t0: float) -> None:
+        """The trainer was blocked from `t0` (a `time.perf_counter()`) until now by `cause`."""
+        self.add_stall(cause, time.perf_counter() - t0)
+
     def end_step(self, step: int) -> dict[str, Any]:
         """Close the books on one optimizer step (called after its post-step work); returns its record."""
         now = time.perf_counter()

@@ -99,7 +99,7 @@ def _watch_backward(rt: Any) -> None:
     @functools.wraps(orig)
     def backward(*args: Any, **kwargs: Any):
         nonlocal seen
-        if rt.optimizers:
+        if rt.state.optimizers:
             if torch.autograd.backward is backward:
                 torch.autograd.backward = orig
         elif seen >= BACKWARDS_WITHOUT_OPTIMIZER:

@@ -19,9 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ...storage.layout import Layout
-from ...worker.runtime import Snapshot
 from ..base import SnapshotStrategy
-from ..context import StrategyContext
+from ..context import Snapshot, StrategyContext
 from . import STREAM_MB
 from .messages import APPEND, Begin, Chunks, Objects, Seal
 from .providers import Path, rank_state, serialize

@@ -28,9 +28,8 @@ import torch
 from ...errors import CkptrunError, UsageError
 from ...log import log
 from ...restore.replay import not_elementwise, optimizer_params
-from ...worker.runtime import Snapshot
 from ..base import Strategy
-from ..context import StrategyContext
+from ..context import Snapshot, StrategyContext
 from . import BLOCK_MB, MAX_AUTO_SPREAD, SPREAD, model
 from .blocks import Piece, block_states, plan, shares
 from .messages import Spread
@@ -184,8 +183,9 @@ class GoCkpt(Strategy):
         self.sent += pieces
 
     def _frame(self) -> dict:
-        """The state of V besides its blocks, shaped as a full snapshot (`Runtime.early_state`):
-        the places the blocks fill are None (parameters, sliced optimizer state)."""
+        """The state of V besides its blocks, shaped as a full snapshot (the worker's
+        `TrainingState.early_state`): the places the blocks fill are None (parameters, sliced
+        optimizer state)."""
         ctx, opt = self.ctx, self.ctx.primary
         position = {id(p): i for i, p in enumerate(self.params)}
         models = {}

@@ -19,9 +19,8 @@ from ...ipc.staging import page_lock
 from ...log import log
 from ...storage.layout import ALIGN, align
 from ...storage.region import REGION_FILE
-from ...worker.runtime import Snapshot
 from ..base import SnapshotStrategy
-from ..context import StrategyContext
+from ..context import Snapshot, StrategyContext
 from . import COPY_TO, LAYER_WAIT
 from .layers import LayerSteps, why_not
 from .messages import Ready, Seal, Take

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ...errors import UsageError
 from ...storage.schema import MAX_DIFF_SPAN
-from ...worker.decisions import Decision, Measured, SavePolicy
+from ..save_policy import Decision, Measured, SavePolicy
 from .model import LowDiffCosts, optimal_fb_given, retune
 
 DEFAULT_F, DEFAULT_B = 50, 4

@@ -30,9 +30,8 @@ from ...restore.replay import optimizer_params
 from ...storage.layout import TensorSpec, view
 from ...storage.store import full_name
 from ...storage.tree import unflatten
-from ...worker.runtime import Snapshot
 from ..base import Strategy
-from ..context import StrategyContext
+from ..context import Snapshot, StrategyContext
 from .messages import Diff, Residual
 from .policy import FullEveryBatch
 

@@ -4,7 +4,7 @@ from the re-tuner's measured write and step times, re-decided as they move."""
 
 from __future__ import annotations
 
-from ...worker.decisions import MIN_CHANGE, Decision, Measured, SavePolicy
+from ..save_policy import MIN_CHANGE, Decision, Measured, SavePolicy
 from .model import persist_every
 
 DEFAULT_P = 10  # until a write and a step are measured

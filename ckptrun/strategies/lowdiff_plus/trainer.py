@@ -30,9 +30,8 @@ from ...restore.recovery import optimizer_classes
 from ...restore.replay import optimizer_params
 from ...storage.layout import Layout, TensorSpec
 from ...storage.tree import TENSOR, flatten
-from ...worker.runtime import Snapshot
 from ..base import Strategy
-from ..context import StrategyContext
+from ..context import Snapshot, StrategyContext
 from . import HW_FAILURE_SHARE, PERSIST_EVERY, REBASE_EVERY
 from .messages import Base, Grads
 from .policy import PersistInterval

@@ -6,7 +6,7 @@ online as §3.4 proposes (its "monitor and adapt" future work)."""
 from __future__ import annotations
 
 from ...tuning.durations import format_duration
-from ...worker.decisions import IntervalPolicy, Measured
+from ..save_policy import IntervalPolicy, Measured
 from .model import checkpoint_interval_steps
 
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ...errors import UsageError
-from ...worker.runtime import Snapshot
 from ..base import SnapshotStrategy
-from ..context import StrategyContext
+from ..context import Snapshot, StrategyContext
 from . import CHUNK_MB, CKPT_WRITERS
 from .messages import Begin, Ready, Seal
 from .policy import ConcurrentInterval

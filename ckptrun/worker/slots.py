@@ -1,0 +1,181 @@
+"""The staging slots a snapshot is copied into: free-list, back-pressure, and their size and
+number within the host-memory budget (ckptrun/memory_budget.py).
+
+Runs when a snapshot begins (`Staging.acquire`, after `ensure` made the slots big enough: the
+trainer waits here while every slot is in flight) and when the engine hands a slot back
+(`release`, on the engine-event thread). The slots are shared memory the engine allocates;
+the worker maps them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..config import RunConfig
+from ..ipc.client import EngineClient, EngineLost
+from ..ipc.messages import Alloc, Retire
+from ..ipc.staging import map_slot
+from ..log import log
+from ..memory_budget import Budget, fmt
+from ..storage.layout import ALIGN, align
+from .metrics import WorkerMetrics
+
+STAGING = "staging slots"  # the budget's use by the shared staging slots (memory_budget.py)
+
+
+class SlotPool:
+    """Staging slots on the worker side: free-list, back-pressure and the mapped buffers.
+
+    Slots are numbered by the engine. When state outgrows them, a larger generation is added
+    and the old slots are retired as they come back, so growing never waits on a slot in use.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.free: list[int] = []
+        self.retired: set[int] = set()
+        self.nbytes = 0
+        self.cond = threading.Condition()
+
+    def add(self, slots: list[tuple[int, str, int]], pin: bool) -> list[int]:
+        """Make `slots` the current generation; returns the old slots already free (to retire)."""
+        with self.cond:
+            old_free = [i for i in self.free]
+            self.retired |= set(self.buffers)
+            self.free = []
+            for index, path, n in slots:
+                self.buffers[index] = map_slot(path, n, pin)
+                self.free.append(index)
+                self.nbytes = n
+            for i in old_free:
+                self.retired.discard(i)
+                del self.buffers[i]
+            self.cond.notify_all()
+            return old_free
+
+    def acquire(self, lost: threading.Event) -> int:
+        with self.cond:
+            self.cond.wait_for(lambda: self.free or lost.is_set())
+            if lost.is_set():
+                raise EngineLost("checkpoint engine went away")
+            return self.free.pop(0)
+
+    def release(self, slot: int) -> bool:
+        """Return a slot; False if it belonged to a retired generation (the engine may drop it)."""
+        with self.cond:
+            if slot in self.retired:
+                self.retired.discard(slot)
+                self.buffers.pop(slot, None)
+                return False
+            self.free.append(slot)
+            self.cond.notify_all()
+            return True
+
+    @property
+    def inflight(self) -> int:
+        return len(self.buffers) - len(self.free)
+
+
+class Staging:
+    """This worker's slots, sized for its snapshots and counted in its host-memory budget.
+    `check()` raises if the engine went away (or a save failed under --on-save-error=fail);
+    `lost` is set when the engine connection drops. `min_slots` is the strategy's (set once
+    the strategy exists): the fewest slots the budget may leave it."""
+
+    def __init__(self, cfg: RunConfig, rank: int, metrics: WorkerMetrics, check: Callable[[], None],
+                 lost: threading.Event, pin: bool) -> None:
+        self.cfg, self.rank, self.metrics = cfg, rank, metrics
+        self.client: EngineClient  # set once connected
+        self._check, self.lost, self._pin = check, lost, pin
+        self.pool = SlotPool()
+        self.budget = Budget(cfg.host_memory, node=cfg.host_memory_node, nlocal=cfg.host_memory_nlocal,
+                             source=cfg.host_memory_source)
+        self.nslots = cfg.max_inflight  # staging slots per generation: --max-inflight, or fewer by the budget
+        self.min_slots = 1
+        self.sizes: dict[str, int] = {}  # bytes the last submitted snapshot of each kind took
+        self._least = 0  # the fewest staging bytes this run could have done with so far
+
+    def start(self, slots: list[tuple[int, str, int]]) -> None:
+        """The slots a restarted worker's engine kept from before (its Hello reply)."""
+        if slots:
+            self.pool.add(slots, pin=self._pin)
+            self._least = sum(n for _, _, n in slots)
+            self._used()
+
+    def acquire(self) -> int:
+        """A free slot; back-pressure (counted as stall) while none is."""
+        t0 = time.perf_counter()
+        slot = self.pool.acquire(self.lost)
+        self.metrics.stalled_since("backpressure", t0)
+        return slot
+
+    def release(self, slot: int) -> None:
+        """`slot` is free again (a retired one goes back to the engine for good)."""
+        if not self.pool.release(slot):
+            self.client.send(Retire(slots=[slot]))
+            self._used()
+
+    def ensure(self, need: int) -> None:
+        """Make the slots hold `need` bytes; with none yet (a fresh engine), allocate some anyway,
+        so that a snapshot of unknown size has a slot to start in and grow from."""
+        if self.pool.buffers and need <= self.pool.nbytes:
+            return
+        self._check()
+        size = align(int(need * 1.25) + ALIGN)
+        self.nslots = self._within_budget(size)
+        old = self.pool.inflight * self.pool.nbytes  # the old generation's slots still in flight
+        reply = self.client.request(Alloc(nslots=self.nslots, nbytes=size))
+        retire = self.pool.add(reply["slots"], pin=self._pin)
+        if retire:
+            self.client.send(Retire(slots=retire))
+        least = self.cfg.max_inflight if self.cfg.max_inflight_given else min(self.cfg.max_inflight, self.min_slots)
+        self._least = max(self._least, size * least + old)
+        self._used()
+
+    def _used(self) -> None:
+        """The slots mapped now (this generation and old ones not yet back) as the budget's use;
+        the least it could do with: the fewest slots of this size, plus the old slots in flight
+        when they grew."""
+        with self.pool.cond:
+            mapped = sum(b.numel() for b in self.pool.buffers.values())
+        self.budget.set(STAGING, mapped, least=self._least)
+
+    def _within_budget(self, size: int) -> int:
+        """How many slots of `size` bytes the next generation gets: --max-inflight, fewer when the
+        budget cannot hold them (an explicit --max-inflight that does not fit is refused). Slots of
+        the old generation still in flight count until they come back."""
+        want, least = self.cfg.max_inflight, min(self.cfg.max_inflight, self.min_slots)
+        old = self.pool.inflight * self.pool.nbytes
+        room = self.budget.room(STAGING) - old
+        if want * size <= room or not self.budget.limited:
+            return want
+        beside = f", beside {fmt(old)} of older slots still in flight" if old else ""
+        if self.cfg.max_inflight_given:
+            self.budget.refuse(f"--max-inflight {want}", f"staging ({want} slots of {fmt(size)}{beside})",
+                               want * size + old)
+        fit = max(least, room // size)
+        if fit * size > room:  # other uses that can shrink (an auto batch) do so at their next decision
+            room = self.budget.room_least(STAGING) - old
+        if fit * size > room:
+            self.budget.refuse(f"--strategy {self.cfg.strategy}",
+                               f"staging (at least {least} slot{'s' if least > 1 else ''} of {fmt(size)}{beside})",
+                               least * size + old)
+        line = (f"host-memory budget decided: {fit} staging slot{'s' if fit > 1 else ''} of {fmt(size)} in flight "
+                f"instead of --max-inflight {want} ({self.budget.describe()})")
+        if self.budget.decide("max_inflight", line):
+            log.info(line) if self.rank == 0 else None
+            self.metrics.emit(type="budget_decided", setting="max_inflight", value=fit, reason=line)
+        return fit
+
+    def report(self, step: int) -> None:
+        """Into the step's metrics: slots in flight, and the budget's use (an event when it moved)."""
+        self.metrics.inflight = self.pool.inflight
+        if self.budget.limited:
+            if self.budget.changed:  # what uses the budget, each time it moves (not every step)
+                self.metrics.emit(type="host_memory", step=step, **self.budget.report())
+            self.metrics.host_memory = (self.budget.total, self.budget.used)
+
