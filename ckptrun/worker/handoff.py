@@ -142,6 +142,10 @@ class Handoff:
                           tensors={s.key: s.to_json() for s in snap.layout.specs}, meta=self.record_meta(snap),
                           layout=layout)
         self.client.send(message(slot=snap.slot, nbytes=snap.nbytes, spec=spec, **fields))
+        # A stream callback usually refers to its snapshot (its step, its slot): a cycle that only
+        # the rare full garbage collection frees, with the step's state in it. The copies still
+        # queued hold the callback themselves.
+        snap.progress = None
         self.metrics.bytes += snap.nbytes
         self.capture.staging.sizes[snap.kind] = snap.nbytes
         if snap.kind == "full" and not self._index_bytes:
