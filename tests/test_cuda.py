@@ -175,18 +175,19 @@ def test_lazy_capture_copies_the_state_of_its_step(device, tmp_path, monkeypatch
     hooked(rt, model, opt)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
+    ctx = rt.strategy.ctx  # the StrategyContext a strategy drives these through
     truth, snap = {}, None
     for _ in range(4):
         if snap is not None:
-            rt.wait_copy(snap)
-            rt.seal(snap)
-            rt.submit(snap)
+            ctx.wait_copy(snap)
+            ctx.seal(snap)
+            ctx.submit(snap)
         opt.step()
         truth[rt.step] = (cloned(model.state_dict()), cloned(opt.state_dict()))
-        snap = rt.capture(rt.step, background=True, lazy=True)
-    rt.wait_copy(snap)
-    rt.seal(snap)
-    rt.submit(snap)
+        snap = ctx.capture(rt.step, background=True, lazy=True)
+    ctx.wait_copy(snap)
+    ctx.seal(snap)
+    ctx.submit(snap)
     rt.finish()
     assert_recorded(engine, truth)
 
@@ -274,7 +275,7 @@ def test_no_pinned_memory_leak_across_100_checkpoints(tmp_path, monkeypatch):
         host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
         return {**{k: device[k] for k in ("allocated_bytes.all.current", "reserved_bytes.all.current")},
                 **{f"host {k}": v for k, v in host.items() if "bytes" in k and "current" in k},
-                "slots": sorted(rt.slots.buffers)}
+                "slots": sorted(rt.staging.pool.buffers)}
 
     seen = {}
     for step in range(1, 101):
@@ -283,7 +284,7 @@ def test_no_pinned_memory_leak_across_100_checkpoints(tmp_path, monkeypatch):
         opt.step()
         if step in (20, 100):
             seen[step] = figures()
-    slots = list(rt.slots.buffers.values())
+    slots = list(rt.staging.pool.buffers.values())
     rt.finish()
     grew = {k: (seen[20][k], v) for k, v in seen[100].items() if seen[20].get(k) != v}
     assert not grew, f"grew between checkpoints 20 and 100: {grew}"

@@ -29,7 +29,7 @@ from conftest import (
 )
 
 from ckptrun.storage.store import Store
-from ckptrun.strategies import REGISTRY
+from ckptrun.strategies import REGISTRY, checkpoints_every_optimizer, names_where
 
 CASES = {  # id -> (script, script args, what a single-optimizer (replaying) strategy says)
     "closure": ("closure_loop.py", [], None),
@@ -70,7 +70,7 @@ def test_optimizer_shapes_restore_exactly_or_are_refused(strategy, case, truths,
     if refusal and replays(strategy):
         proc = ckptrun(tmp_path, "--strategy", strategy, "--dir", "ckpts", *args, "resumed.pt")
         line = error_line(proc)
-        assert refusal in line and "--strategy checkfreq" in line, line
+        assert refusal in line and f"--strategy {names_where(checkpoints_every_optimizer)}" in line, line
         assert Store(tmp_path / "ckpts").manifests() == []
         return
     plain = None if truths[case].exists() else subprocess.Popen(

@@ -250,9 +250,14 @@ class LowDiffPlusHandler(EngineHandler):
 
 
 def _warm_up() -> None:
-    p = torch.zeros(1, requires_grad=True)
-    p.grad = torch.zeros(1)
-    torch.optim.AdamW([p]).step()
+    """Best effort: an engine told to stop while this runs (the worker refused the script at once)
+    is shutting its interpreter down under the import; only the time it would save is lost."""
+    try:
+        p = torch.zeros(1, requires_grad=True)
+        p.grad = torch.zeros(1)
+        torch.optim.AdamW([p]).step()
+    except Exception:  # the warm-up changes no state that anything reads
+        return
 
 
 def _own(tree: Any) -> Any:
