@@ -48,7 +48,6 @@ from ..storage.fsutil import FaultHook, _no_fault
 from ..storage.leftovers import exit_with_owner, remove_staging, staging_path
 from ..storage.store import Store
 from . import drain
-from .drain import Drain
 from .handlers import EngineContext, engine_handler
 
 COMMIT_TRIES = 6  # a commit that fails this often is abandoned (reported; the previous step stays)
@@ -83,7 +82,7 @@ class Engine:
         self.io_engine: str | None = None  # the file writer running (storage/iowriter.py)
         self.holds_memory = False  # a handler said it holds a step in memory (memory_status)
         self.stopping = threading.Event()
-        self.drain: Drain | None = None  # --durable: global rank 0 copies committed steps there
+        self.drain: drain.Drain | None = None  # --durable: global rank 0 copies committed steps there
         self.log.emit(type="engine", local_rank=local_rank, pid=os.getpid())
 
     # ---- plumbing ----------------------------------------------------------------------
