@@ -171,7 +171,12 @@ def test_killed_run_logs_every_step_once_with_the_plain_loss(runs, strategy):
     """The restarted loop starts where the last committed step left it: no iteration twice, none
     skipped, and every loss (before and after the kill) is the uninterrupted run's, bit for bit."""
     run = runs.killed[strategy]
-    assert [(e["restart_count"], e["resume_step"]) for e in run_events(run.cwd / "metrics")] == [(0, 0), (1, RESUMED)]
+    starts = [(e["restart_count"], e["resume_step"]) for e in run_events(run.cwd / "metrics")]
+    assert starts[0] == (0, 0) and [n for n, _ in starts] == [0, 1], starts
+    # The kill fires as step KILL's update begins. A lazy strategy (datastates) hands step
+    # KILL - 1 over at that moment, its late copies still running behind: the worker dying
+    # under them leaves KILL - 2 the newest committed step (README, datastates), never older.
+    assert RESUMED - 1 <= starts[1][1] <= RESUMED, starts
     assert run.losses() == runs.plain.losses()
     assert [s for s, _ in run.losses()] == list(range(1, STEPS + 1))
     assert RESTART_WARNING not in run.log()
