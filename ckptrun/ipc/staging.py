@@ -76,12 +76,21 @@ def page_lock(ptr: int, nbytes: int) -> str | None:
     return cuda_error(int(err), text)
 
 
+def page_unlock(ptr: int) -> None:
+    """cudaHostUnregister what `page_lock` registered at `ptr`, before its memory is unmapped: the
+    registration outlives the mapping, and a later mapping at that address could not be locked."""
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
 def map_slot(path: str, nbytes: int, pin: bool = False):
-    """The worker's view: a flat uint8 tensor over the slot file (page-locked if `pin`)."""
+    """The worker's view: a flat uint8 tensor over the slot file (page-locked if `pin`; then
+    `page_unlock(buf.data_ptr())` before dropping it)."""
     import torch
 
     buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-    if pin and torch.cuda.is_available():
+    if pin:
         err = page_lock(buf.data_ptr(), nbytes)
         if err is not None:
             raise RuntimeError(f"cudaHostRegister of staging slot {path} ({nbytes} bytes) failed: {err}")

@@ -102,7 +102,12 @@ class CudaCopier(Copier):
         with torch.no_grad(), torch.cuda.stream(self._stream):
             for spec in layout.specs:
                 if spec.key in tensors:
-                    view(buf, spec).copy_(tensors[spec.key], non_blocking=True)
+                    src = tensors[spec.key]
+                    view(buf, spec).copy_(src, non_blocking=True)
+                    # The caller may drop `src` before the copy has run (a clone, a gradient
+                    # zero_grad frees): its memory is not reused until the side stream is past it.
+                    if src.is_cuda:
+                        src.record_stream(self._stream)
                     if progress is not None:
                         marks.append((torch.cuda.Event(), spec.offset + spec.nbytes))
                         marks[-1][0].record(self._stream)

@@ -163,6 +163,7 @@ class Runtime(StepHooks):
             raise no_optimizer("the script never created a torch.optim optimizer")
         self.strategy.finish()
         self.handoff.drain()
+        self.staging.pool.close()
         if self.metrics.last_memory_step is not None:  # reached after the last step's record
             self.metrics.emit(type="in_memory", step=self.metrics.last_memory_step)
         self.metrics.close()

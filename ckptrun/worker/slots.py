@@ -18,7 +18,7 @@ import torch
 from ..config import RunConfig
 from ..ipc.client import EngineClient, EngineLost
 from ..ipc.messages import Alloc, Retire
-from ..ipc.staging import map_slot
+from ..ipc.staging import map_slot, page_unlock
 from ..log import log
 from ..memory_budget import Budget, fmt
 from ..storage.layout import ALIGN, align
@@ -38,6 +38,7 @@ class SlotPool:
         self.buffers: dict[int, torch.Tensor] = {}
         self.free: list[int] = []
         self.retired: set[int] = set()
+        self.pinned = False  # the buffers are page-locked (a GPU): unlocked as they are dropped
         self.nbytes = 0
         self.cond = threading.Condition()
 
@@ -47,13 +48,14 @@ class SlotPool:
             old_free = [i for i in self.free]
             self.retired |= set(self.buffers)
             self.free = []
+            self.pinned = pin and torch.cuda.is_available()
             for index, path, n in slots:
-                self.buffers[index] = map_slot(path, n, pin)
+                self.buffers[index] = map_slot(path, n, self.pinned)
                 self.free.append(index)
                 self.nbytes = n
             for i in old_free:
                 self.retired.discard(i)
-                del self.buffers[i]
+                self._drop(i)
             self.cond.notify_all()
             return old_free
 
@@ -69,11 +71,24 @@ class SlotPool:
         with self.cond:
             if slot in self.retired:
                 self.retired.discard(slot)
-                self.buffers.pop(slot, None)
+                self._drop(slot)
                 return False
             self.free.append(slot)
             self.cond.notify_all()
             return True
+
+    def _drop(self, slot: int) -> None:
+        """Unmap a retired slot (no copy is running into it: it came back free)."""
+        buf = self.buffers.pop(slot, None)
+        if buf is not None and self.pinned:
+            page_unlock(buf.data_ptr())
+
+    def close(self) -> None:
+        """Unmap every slot: the worker finished, and the engine holds nothing unwritten."""
+        with self.cond:
+            for slot in list(self.buffers):
+                self._drop(slot)
+            self.free.clear()
 
     @property
     def inflight(self) -> int:

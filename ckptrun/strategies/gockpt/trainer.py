@@ -281,6 +281,8 @@ def copy_bandwidth(params: list[torch.Tensor], nbytes: int = 4 << 20) -> float:
     """Bytes per second of a device-to-host copy of up to `nbytes` of the first parameter (a probe)."""
     src = _flat(params[0])[: max(1, nbytes // params[0].element_size())]
     dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+    if src.is_cuda:  # the work queued before (the update) is not the copy's time
+        torch.cuda.synchronize(src.device)
     t0 = time.perf_counter()
     dst.copy_(src)
     if src.is_cuda:
