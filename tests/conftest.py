@@ -127,9 +127,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=opt_in)
         items[:] = [item for item in items if not item.get_closest_marker("full")]
         config.stash[_OPT_IN] = len(opt_in)
+        if hasattr(config, "workeroutput"):  # a pytest-xdist worker: its controller prints the count
+            config.workeroutput["opt_in"] = len(opt_in)
 
 
 _OPT_IN = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """pytest-xdist's controller collects nothing itself: the count comes from its workers (each
+    collected every test)."""
+    count = getattr(node, "workeroutput", {}).get("opt_in")
+    if count:
+        node.config.stash[_OPT_IN] = count
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
