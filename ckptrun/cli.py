@@ -460,7 +460,17 @@ def bench(
                                                       "they do not fit, and said so).")] = False,
 ) -> None:
     """Measure every strategy against no checkpointing, torch.save and DCP async_save; with
-    --failures, their goodput when failures really happen."""
+    --failures, their goodput when failures really happen.
+
+    Where a configuration's cost goes, per timed step (docs/performance.md): `fwd+bwd ms` is the
+    script's forward, backward and gradient clipping (the work before optimizer.step(), ckptrun's
+    gradient hooks included), `fwd+bwd ratio` that time against its reference's (`against`):
+    above 1x, checkpointing slowed compute itself (a copy or the engine on the trainer's core or
+    memory bandwidth). `trainer CPU ms`, `engine CPU ms` and `launcher CPU ms` are the CPU time
+    (user + system) per step of the training process (every thread of it), of the checkpoint
+    engine (ckptrun's engine; DCP's checkpoint daemon for dcp-process; 0 where there is none)
+    and of ckptrun's launcher (- for the references: no launcher).
+    """
     from .bench import BenchOptions, run_bench
 
     raise typer.Exit(run_bench(BenchOptions(model, strategies, every, steps, repeat, device, trainer_threads,

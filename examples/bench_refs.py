@@ -14,7 +14,8 @@ itself every `--ref-every` steps into `--ref-dir`, keeping the newest two saves 
 
 Recorded as JSON lines appended to `--timing-json` (one `start` line per process, so a killed
 and restarted run leaves both attempts): each iteration's wall time and the part of it the loop
-was blocked by reference checkpointing (`step`: wall_s, stall_s, and `t`, the wall clock when it
+was blocked by reference checkpointing (`step`: wall_s, stall_s, compute_s, its forward,
+backward and gradient clipping, the work before the optimizer step, and `t`, the wall clock when it
 ended, as `start` has, for `bench --failures`); each save's bytes and write time, hand-off to on
 disk (`save`); with `--ref-resume`, the recovery time: start of main() to the end of the first
 resumed step, before that step's own save, less the daemon's start (`recovery`: recovery_s, and
@@ -214,6 +215,7 @@ class Probe:
         self._resumed = False
         self._t = 0.0
         self._stall = 0.0
+        self._compute = 0.0
 
     def _emit(self, event: str, **fields) -> None:
         if self._out is not None:
@@ -236,6 +238,9 @@ class Probe:
         self._stall = 0.0
 
     def before_update(self) -> None:
+        if self.device.type == "cuda":  # the compute stream's kernels only: copy streams keep overlapping
+            torch.cuda.current_stream(self.device).synchronize()
+        self._compute = time.perf_counter() - self._t
         if self.saver is not None:
             self._stall += self.saver.before_update()
 
@@ -248,7 +253,8 @@ class Probe:
                        setup_s=self.setup_s, restore_s=self.restore_s)
         if self.saver is not None and step % self.args.ref_every == 0:
             self._stall += self.saver.save(step)
-        self._emit("step", step=step, wall_s=time.perf_counter() - self._t, stall_s=self._stall, t=time.time())
+        self._emit("step", step=step, wall_s=time.perf_counter() - self._t, stall_s=self._stall,
+                   compute_s=self._compute, t=time.time())
 
     def finish(self) -> None:
         """Wait for outstanding saves (they are recorded), then close the timing file."""

@@ -4,10 +4,12 @@ configuration choice) without runs. Nothing here asserts speed."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import shutil
 import sys
+import types
 
 import pytest
 from conftest import EXAMPLE, assert_training_state, ckptrun, load, ok, python
@@ -15,6 +17,7 @@ from rich.console import Console
 
 from ckptrun.bench import BenchOptions, figures, plan, report, stats
 from ckptrun.bench.figures import FIGURES, RunFigures
+from ckptrun.bench.proccpu import CpuTrace
 from ckptrun.bench.progress import RunProgress
 from ckptrun.bench.runner import Outcome
 from ckptrun.errors import CkptrunError, UsageError
@@ -53,6 +56,14 @@ def test_tiny_bench_writes_every_figure_with_ratios_against_its_own_none(tmp_pat
     # The staging slots are shared memory, counted once in the memory held (RSS counts them per process).
     assert none["staging_MB"] == 0 and sync["staging_MB"] > 0 and 0 < sync["peak_MB"]
     assert none["against"] is None and sync["against"] == "none"
+    # Where the cost goes: forward+backward against none's, and CPU per step of each process role.
+    assert none["compute_ratio"] == 1.0 and 0 < none["compute_s"] < none["median_step_s"]
+    assert sync["compute_ratio"] == pytest.approx(sync["compute_s"] / none["compute_s"], rel=1e-12)
+    assert none["trainer_cpu_ms_per_step"] > 0 and none["engine_cpu_ms_per_step"] == 0
+    assert none["launcher_cpu_ms_per_step"] is None  # the bench ran the script itself
+    assert sync["trainer_cpu_ms_per_step"] > 0 and sync["engine_cpu_ms_per_step"] > 0
+    assert sync["launcher_cpu_ms_per_step"] is not None
+    assert "fwd+bwd ratio" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list(runs.iterdir()) == []  # successful runs leave nothing behind
 
@@ -75,6 +86,38 @@ def test_summary_is_median_min_max_with_ratios_against_none_and_keeps_failures()
     assert (sync["overhead_ratio"], sync["min"]["overhead_ratio"], sync["max"]["overhead_ratio"]) == (2.0, 1.5, 2.5)
     assert (sync["recovery_s"], sync["min"]["recovery_s"], sync["max"]["recovery_s"]) == (2.0, 1.0, 3.0)
     assert sync["runs"][1] == {"error": "boom", "wall_s": 1.0, "load_1m": None}
+
+
+class _FakeProcess:
+    """What CpuTrace reads of a psutil.Process: pid, creation time, cumulative CPU times."""
+
+    def __init__(self, pid: int, created: float, user: float, system: float = 0.0) -> None:
+        self.pid, self._created, self._times = pid, created, (user, system)
+
+    def oneshot(self):
+        return contextlib.nullcontext()
+
+    def create_time(self) -> float:
+        return self._created
+
+    def cpu_times(self):
+        return types.SimpleNamespace(user=self._times[0], system=self._times[1])
+
+
+def test_cpu_per_role_is_each_process_interpolated_over_the_window():
+    """Trainer 10 -> 12 s between samples at t=100 and 102 (1 s/s), engine created at t=101 and at
+    0.5 s CPU at 102, the launcher (the root) 3 -> 3.2 s; a process gone after t=102 keeps its last
+    value. The window 100.5-101.5: trainer 1 s, engine 0.25 s (0 before its creation), launcher
+    0.1 s; beyond the last sample nothing is added."""
+    trace = CpuTrace(root_pid=1)
+    trace.record([_FakeProcess(1, 0.0, 2.0, 1.0), _FakeProcess(2, 0.0, 10.0)], now=100.0)
+    trace.record([_FakeProcess(1, 0.0, 2.1, 1.1), _FakeProcess(2, 0.0, 11.0, 1.0), _FakeProcess(3, 101.0, 0.5)],
+                 now=102.0)
+    roles = trace.per_role(2, 100.5, 101.5)
+    assert roles == pytest.approx({"trainer": 1.0, "engine": 0.25, "launcher": 0.1})
+    assert trace.per_role(2, 102.0, 200.0) == {"trainer": 0.0, "engine": 0.0, "launcher": 0.0}
+    assert trace.per_role(1, 100.0, 102.0)["launcher"] is None  # the trainer is the root: no launcher
+    assert trace.per_role(9, 100.0, 102.0)["trainer"] is None  # never sampled
 
 
 def test_configurations_put_none_first_and_name_intervals():

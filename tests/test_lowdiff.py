@@ -37,6 +37,7 @@ from conftest import (
 
 from ckptrun.config import RESUME_ENV
 from ckptrun.restore.export import export
+from ckptrun.restore.recovery import READ_AHEAD_RECORDS, diff_states, find
 from ckptrun.storage.store import Store, diff_name, full_name, rank_files
 from ckptrun.strategies.lowdiff.model import LowDiffCosts, optimal_fb
 from ckptrun.strategies.lowdiff.policy import DEFAULT_B, DEFAULT_F, RECORD_OPEN_S, FullEveryBatch
@@ -248,6 +249,22 @@ def test_damaged_record_mid_chain_at_resume_falls_back_exactly(restarts, long_ch
     assert "checksum mismatch" in proc.stderr
     assert [p.name.rsplit("-", 1)[0] for p in (ckpt / "damaged").iterdir() if p.name.startswith(bad)] == [bad]
     assert_training_state(load(tmp_path / "final.pt"), gpt_truth("adamw", STEPS))
+
+
+def test_long_chain_replays_exactly_through_reused_read_buffers(long_chain, gpt_truth, tmp_path):
+    """Step 14 from full 0 replays five diff records; the four before the last are read into
+    READ_AHEAD_RECORDS + 1 buffers used in turn (one read into again once its record was
+    replayed: no page faults of a fresh buffer), and the restore is still bit-exact."""
+    store = Store(long_chain)
+    plan = find(store, STEPS)
+    assert [(m.first_step, m.step) for m in plan.diffs] == [(1, 3), (4, 6), (7, 9), (10, 12), (13, 14)]
+    # Every step's first gradient kept alive: fresh buffers could not be freed and their addresses
+    # reused, so the records before the last would sit in four buffers; reused ones are three.
+    kept = [step["grads"][0] for step in diff_states(store, plan, 0)]
+    buffers = {g.untyped_storage().data_ptr() for g in kept
+               if g.untyped_storage().nbytes() > g.nbytes}  # (the last record's are private copies)
+    assert len(kept) == STEPS and len(buffers) == READ_AHEAD_RECORDS + 1 < len(plan.diffs) - 1
+    assert_training_state(exported(long_chain, STEPS, tmp_path), gpt_truth("adamw", STEPS))
 
 
 # ---- crash matrix -----------------------------------------------------------------------------

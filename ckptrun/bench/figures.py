@@ -3,7 +3,9 @@
 
 Step time and stall are averaged over the timed steps: all but the first `warmup` steps of the
 run (one-time costs such as first-touch of staging memory are left out of every configuration
-alike). Bytes and write bandwidth count the checkpoints of those same steps.
+alike). Bytes and write bandwidth count the checkpoints of those same steps, and so does the CPU
+time per process role (`proccpu`): the trainer's, the engine's, the launcher's, from the first
+timed step's start to the last one's end.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from typing import Any
 
 from ..errors import CkptrunError
 from ..launcher.console.metrics_feed import MetricsTailer
+from .proccpu import CpuTrace
 from .procmem import Memory
 
 # Per-run figures, in report order (the summary's `median_step_s` is the median of `step_s`).
-FIGURES = ("step_s", "stall_ms_per_step", "layer_wait_ms_per_step", "bytes_per_step", "write_MBps", "effective_MBps",
+FIGURES = ("step_s", "compute_s", "stall_ms_per_step", "layer_wait_ms_per_step", "trainer_cpu_ms_per_step",
+           "engine_cpu_ms_per_step", "launcher_cpu_ms_per_step", "bytes_per_step", "write_MBps", "effective_MBps",
            "peak_rss_MB", "peak_MB", "staging_MB", "page_cache_MB", "committed", "recovery_s", "setup_s", "restore_s")
 
 
@@ -43,6 +47,14 @@ class RunFigures:
     layer_wait_ms_per_step: float | None = None
     page_cache_MB: float | None = None  # the machine's page-cache growth during the run (bench/procmem.py)
     io_engine: str | None = None  # the engine's file writer that ran (native, python); None: not a ckptrun run
+    # The script's forward, backward and gradient clipping per step (the work before optimizer.step(),
+    # ckptrun's gradient hooks included): how much a background copy or the engine slows compute
+    compute_s: float | None = None
+    # CPU time (user + system) per timed step of each process role (bench/proccpu.py); launcher: None
+    # when the bench started the trainer itself (no launcher)
+    trainer_cpu_ms_per_step: float | None = None
+    engine_cpu_ms_per_step: float | None = None
+    launcher_cpu_ms_per_step: float | None = None
     # Effective checkpoint throughput (DataStates-LLM's headline): checkpoint bytes written per second the
     # trainer was blocked for them; None: nothing written, or no measurable blocking
     effective_MBps: float | None = field(init=False, default=None)
@@ -61,6 +73,7 @@ class Attempt:
 
     start_step: int
     params: int
+    pid: int | None = None  # the process that trained
     steps: list[dict] = field(default_factory=list)
     saves: list[dict] = field(default_factory=list)
     recovery: dict | None = None  # the script's `recovery` event (the references' resume), if any
@@ -82,7 +95,7 @@ def attempts(path: Path) -> list[Attempt]:
     out: list[Attempt] = []
     for e in events:
         if e["event"] == "start":
-            out.append(Attempt(e["start_step"], e["params"]))
+            out.append(Attempt(e["start_step"], e["params"], e.get("pid")))
         elif e["event"] == "step":
             out[-1].steps.append(e)
         elif e["event"] == "save":
@@ -106,17 +119,26 @@ def _memory(mem: Memory) -> dict[str, float]:
             "page_cache_MB": mem.page_cache_MB}
 
 
-def reference_figures(timing: Attempt, warmup: int, mem: Memory) -> RunFigures:
+def _compute_and_cpu(timed: list[dict], trainer_pid: int | None, cpu: CpuTrace) -> dict[str, float | None]:
+    """The timed steps' mean forward+backward time and each role's CPU ms per step."""
+    start, end = timed[0]["t"] - timed[0]["wall_s"], timed[-1]["t"]
+    roles = cpu.per_role(trainer_pid, start, end) if trainer_pid is not None else {}
+    return {"compute_s": fmean(s["compute_s"] for s in timed),
+            **{f"{role}_cpu_ms_per_step": None if roles.get(role) is None else 1e3 * roles[role] / len(timed)
+               for role in ("trainer", "engine", "launcher")}}
+
+
+def reference_figures(timing: Attempt, warmup: int, mem: Memory, cpu: CpuTrace) -> RunFigures:
     """`none` and the references: everything is in the script's timing file."""
     timed, first, last = timing.window(warmup)
     nbytes, mbps = _io([(s["step"], s["bytes"], s["write_s"]) for s in timing.saves], first, last)
     return RunFigures(step_s=fmean(s["wall_s"] for s in timed),
                       stall_ms_per_step=1e3 * fmean(s["stall_s"] for s in timed),
                       bytes_per_step=nbytes / len(timed), write_MBps=mbps, committed=len(timing.saves),
-                      **_memory(mem))
+                      **_memory(mem), **_compute_and_cpu(timed, timing.pid, cpu))
 
 
-def ckptrun_figures(timing: Attempt, metrics_dir: Path, warmup: int, mem: Memory) -> RunFigures:
+def ckptrun_figures(timing: Attempt, metrics_dir: Path, warmup: int, mem: Memory, cpu: CpuTrace) -> RunFigures:
     """ckptrun runs: step time from the script, stall from the worker (per cause, summed), bytes
     and write time from the engine's `write` events, commits from its `commit` events (up to the
     last timed step: the restarted worker's own are not counted), the writer from `io_engine`."""
@@ -132,6 +154,7 @@ def ckptrun_figures(timing: Attempt, metrics_dir: Path, warmup: int, mem: Memory
     return RunFigures(step_s=fmean(s["wall_s"] for s in timed),
                       stall_ms_per_step=1e3 * fmean(stall[s["step"]] for s in timed),
                       bytes_per_step=nbytes / len(timed), write_MBps=mbps, **_memory(mem),
+                      **_compute_and_cpu(timed, timing.pid, cpu),
                       io_engine=next((str(e["engine"]) for e in events if e.get("type") == "io_engine"), None),
                       committed=sum(1 for e in events if e.get("type") == "commit" and e["step"] <= last),
                       layer_wait_ms_per_step=(1e3 * fmean(steps[s["step"]].get("layer_wait", 0.0) for s in timed)

@@ -18,6 +18,9 @@ Three figures, all peaks of a sum over those processes:
 Page cache is the machine's file-backed cache (/proc/meminfo Cached less Shmem: the staging
 slots are shared memory, not checkpoint files): its peak during the run less its value at the
 start, what buffered checkpoint writes leave behind. It counts every process of the machine.
+
+The same samples record each process's CPU time (`proccpu.CpuTrace`, the launcher included),
+so one walk of the process tree serves both.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 import psutil
 
 from ..ipc.staging import shm_root
+from .proccpu import CpuTrace
 
 MB = 2**20
 
@@ -82,7 +86,8 @@ class Memory:
 
 
 class PeakMemory:
-    """Samples in a thread until `stop()`, which returns the `Memory` peaks."""
+    """Samples in a thread until `stop()`, which returns the `Memory` peaks; `cpu` holds the CPU
+    times sampled alongside."""
 
     def __init__(self, pid: int, *, include_root: bool, interval_s: float = 0.1) -> None:
         self.root = psutil.Process(pid)
@@ -90,6 +95,7 @@ class PeakMemory:
         self.shm = shm_root()
         self.rss = self.held = self.staging = 0
         self.cache_start = self.cache_peak = file_cache_bytes()
+        self.cpu = CpuTrace(pid)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckptrun-bench-memory", daemon=True)
 
@@ -102,10 +108,11 @@ class PeakMemory:
         self._thread.join()
         return Memory(self.rss / MB, self.held / MB, self.staging / MB, (self.cache_peak - self.cache_start) / MB)
 
-    def processes(self) -> list[psutil.Process]:
-        """The counted processes now (see the module docstring)."""
+    def processes(self, *, root: bool = False) -> list[psutil.Process]:
+        """The counted processes now (see the module docstring); `root`: the root too, counted
+        or not."""
         try:
-            procs = ([self.root] if self.include_root else []) + self.root.children(recursive=True)
+            procs = ([self.root] if self.include_root or root else []) + self.root.children(recursive=True)
         except psutil.Error:
             return []
         out = []
@@ -118,10 +125,15 @@ class PeakMemory:
         return out
 
     def sample(self) -> tuple[int, int, int]:
-        """(RSS, memory held, staging) bytes of the counted processes now (gone ones count 0)."""
+        """(RSS, memory held, staging) bytes of the counted processes now (gone ones count 0);
+        records their CPU times and the root's in `cpu`."""
         rss = own = 0
         shared: dict[tuple[str, str], int] = {}
-        for p in self.processes():
+        procs = self.processes(root=True)
+        self.cpu.record(procs)
+        for p in procs:
+            if p.pid == self.root.pid and not self.include_root:
+                continue
             resident = resident_bytes(p.pid)
             if resident is None:
                 continue

@@ -34,13 +34,18 @@ def _mid(row: dict[str, Any], key: str, fmt: str, scale: float = 1.0) -> str:
 FIGURE_COLUMNS = (("step ms", 0, "median_step_s", ".1f", 1e3), ("overhead", 0, "overhead_ratio", ".2f", 1.0),
                   ("stall ms/step", 1, "stall_ms_per_step", ".1f", 1.0),
                   ("of it layer wait", 8, "layer_wait_ms_per_step", ".1f", 1.0),
+                  ("fwd+bwd ms", 8, "compute_s", ".1f", 1e3), ("fwd+bwd ratio", 2, "compute_ratio", ".2f", 1.0),
+                  ("trainer CPU ms", 3, "trainer_cpu_ms_per_step", ".1f", 1.0),
+                  ("engine CPU ms", 3, "engine_cpu_ms_per_step", ".1f", 1.0),
+                  ("launcher CPU ms", 10, "launcher_cpu_ms_per_step", ".1f", 1.0),
                   ("MB/step", 3, "bytes_per_step", ".1f", 1e-6), ("write MB/s", 4, "write_MBps", ".0f", 1.0),
                   ("effective MB/s", 7, "effective_MBps", ".0f", 1.0), ("memory MB", 5, "peak_MB", ".0f", 1.0),
                   ("staging MB", 9, "staging_MB", ".0f", 1.0), ("page cache MB", 10, "page_cache_MB", ".0f", 1.0),
                   ("commits", 6, "committed", ".0f", 1.0), ("recovery s", 2, "recovery_s", ".2f", 1.0),
                   ("of it restart s", 11, "setup_s", ".2f", 1.0), ("of it restore s", 11, "restore_s", ".2f", 1.0))
 # the figures whose spread over the repetitions the second table shows
-RANGED = ("step ms", "overhead", "stall ms/step", "MB/step", "write MB/s", "recovery s")
+RANGED = ("step ms", "overhead", "stall ms/step", "fwd+bwd ratio", "MB/step", "write MB/s", "recovery s")
+RATIO_COLUMNS = ("overhead", "fwd+bwd ratio")  # shown with an x
 HINT = "--wide shows them, --json FILE keeps every run's figures"
 
 
@@ -57,8 +62,8 @@ def tables(rows: list[dict[str, Any]], title: str, width: int | None) -> list[Re
             failed.append(f"{r['name']} failed: {r['errors'][0].splitlines()[0]}")
             cells.append([r["name"], _num(r["every"], "d"), "-", "failed", *["-"] * (len(columns) - 4)])
             continue
-        figs = {h: _mid(r, key, fmt, scale) for h, _, key, fmt, scale in FIGURE_COLUMNS}
-        figs["overhead"] += "x" if r["overhead_ratio"] is not None else ""
+        figs = {h: _mid(r, key, fmt, scale) + ("x" if h in RATIO_COLUMNS and r[key] is not None else "")
+                for h, _, key, fmt, scale in FIGURE_COLUMNS}
         cells.append([r["name"], _num(r["every"], "d"), ",".join(r["io_engines"]) or "-", figs["step ms"],
                       figs["overhead"], r["against"] or "-", *(figs[h] for h, *_ in FIGURE_COLUMNS[2:])])
         ranges.append([r["name"], *(_spread(r, key, fmt, scale) for h, _, key, fmt, scale in FIGURE_COLUMNS

@@ -21,6 +21,7 @@ from ..errors import CkptrunError
 from . import figures
 from .figures import RunFigures
 from .plan import Configuration, Launch, Workload, launch
+from .proccpu import CpuTrace
 from .procmem import Memory, PeakMemory
 
 LOG_TAIL_LINES = 15
@@ -58,8 +59,9 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _execute(spec: Launch, log: Path, cwd: Path, timeout_s: float, *, include_root: bool) -> Memory:
-    """Run to completion with the output in `log`; returns its memory peaks."""
+def _execute(spec: Launch, log: Path, cwd: Path, timeout_s: float, *, include_root: bool
+             ) -> tuple[Memory, CpuTrace]:
+    """Run to completion with the output in `log`; returns its memory peaks and CPU times."""
     with log.open("w") as out:
         proc = subprocess.Popen(spec.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
                                 env=spec.env)
@@ -78,15 +80,15 @@ def _execute(spec: Launch, log: Path, cwd: Path, timeout_s: float, *, include_ro
         lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
         what = f"timed out after {timeout_s:.0f} s" if rc is None else f"exited with code {rc}"
         raise RunFailed(f"{' '.join(spec.argv[:6])} ... {what}; log {log}:\n" + "\n".join(lines))
-    return mem
+    return mem, sampler.cpu
 
 
 def _ckptrun_run(cfg: Configuration, work: Workload, run_dir: Path, steps: int, warmup: int,
                  timeout_s: float) -> tuple[RunFigures, int]:
     spec = launch(cfg, work, run_dir, steps)
-    mem = _execute(spec, run_dir / "log.txt", run_dir, timeout_s, include_root=False)
+    mem, cpu = _execute(spec, run_dir / "log.txt", run_dir, timeout_s, include_root=False)
     first = figures.attempts(run_dir / "timing.jsonl")[0]
-    result = figures.ckptrun_figures(first, run_dir / "metrics", warmup, mem)
+    result = figures.ckptrun_figures(first, run_dir / "metrics", warmup, mem, cpu)
     if spec.crash_step is not None:
         result.recovery_s, result.setup_s, result.restore_s = figures.ckptrun_recovery(run_dir / "metrics")
     return result, first.params
@@ -94,9 +96,10 @@ def _ckptrun_run(cfg: Configuration, work: Workload, run_dir: Path, steps: int, 
 
 def _script_run(cfg: Configuration, work: Workload, run_dir: Path, steps: int, warmup: int,
                 timeout_s: float) -> tuple[RunFigures, int]:
-    mem = _execute(launch(cfg, work, run_dir, steps), run_dir / "log.txt", run_dir, timeout_s, include_root=True)
+    mem, cpu = _execute(launch(cfg, work, run_dir, steps), run_dir / "log.txt", run_dir, timeout_s,
+                        include_root=True)
     first = figures.attempts(run_dir / "timing.jsonl")[0]
-    result = figures.reference_figures(first, warmup, mem)
+    result = figures.reference_figures(first, warmup, mem, cpu)
     last = max((s["step"] for s in first.saves), default=None)
     if last is not None:
         _execute(launch(cfg, work, run_dir, last + 1, recovery=True), run_dir / "log-recovery.txt", run_dir,

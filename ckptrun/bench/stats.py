@@ -4,9 +4,10 @@ overhead ratio against the `none` baseline of the same invocation.
 `overhead_ratio` = a configuration's `median_step_s` / its reference's `median_step_s`: `none`'s,
 or for a strategy that changes training `none+VALUE`'s (the same training without checkpointing,
 see `plan.matching_baseline`); its min and max use the configuration's min and max step time
-over the same denominator. Each row names its reference (`against`). Figures that a run
-does not have (no bytes written, nothing to recover) are left out of the median; a figure no
-run has is None.
+over the same denominator. `compute_ratio` is the same for the forward+backward time (`compute_s`)
+against the same reference's: how much the checkpointing slowed compute itself. Each row names
+its reference (`against`). Figures that a run does not have (no bytes written, nothing to
+recover) are left out of the median; a figure no run has is None.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from .runner import Outcome
 
 STEP = "median_step_s"
 RATIO = "overhead_ratio"
+COMPUTE_RATIO = "compute_ratio"
+# (ratio key, the figure it divides by the reference's)
+RATIOS = ((RATIO, STEP), (COMPUTE_RATIO, "compute_s"))
 # Summary keys, in report order.
-KEYS = (STEP, RATIO, *(f for f in FIGURES if f != "step_s"))
+KEYS = (STEP, RATIO, COMPUTE_RATIO, *(f for f in FIGURES if f != "step_s"))
 
 
 def _key(figure: str) -> str:
@@ -52,10 +56,12 @@ def summarize(configs: list[Configuration], outcomes: dict[str, list[Outcome]]) 
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
-    steps = {r["name"]: r[STEP] for r in rows}
+    by_name = {r["name"]: r for r in rows}
     for r in rows:
-        base = steps.get(r["against"] or BASELINE)
-        for where in (r, r["min"], r["max"]):
-            where[RATIO] = where[STEP] / base if base and where[STEP] is not None else None
+        ref = by_name.get(r["against"] or BASELINE, {})
+        for ratio, figure in RATIOS:
+            base = ref.get(figure)
+            for where in (r, r["min"], r["max"]):
+                where[ratio] = where[figure] / base if base and where[figure] is not None else None
         r["min"] = {k: r["min"][k] for k in KEYS}
         r["max"] = {k: r["max"][k] for k in KEYS}

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from ..errors import CorruptCheckpoint, StepNotAvailable, UsageError
 from ..log import log
+from ..storage.layout import ReadBuffer
 from ..storage.schema import DiffStep, SavedOptimizer, StateSkeleton, problem, short
 from ..storage.sharding import Sharded, choose
 from ..storage.store import Manifest, Store
@@ -26,6 +27,9 @@ from ..storage.tree import ORPHANS, REMOTE, TENSOR, orphans_key, shards_of, unfl
 from ..storage.writeonce import remote_refs
 
 READ_AHEAD_BYTES = 256 << 20  # diff records read and checked ahead of replay (memory bound)
+# ... and at most this many records: reading faster than replay gains nothing from more, and each
+# record ahead is one more read buffer whose pages are faulted in before it can be reused
+READ_AHEAD_RECORDS = 2
 CHECK_AHEAD_BYTES = 1 << 30  # diff records checked before a resume starts and kept for its replay
 
 
@@ -332,13 +336,15 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(out)
 
 
-def read_state(store: Store, m: Manifest, rank: int, *, private: bool = True) -> dict:
+def read_state(store: Store, m: Manifest, rank: int, *, private: bool = True, into: ReadBuffer | None = None
+               ) -> dict:
     """The nested state of `rank` in record `m`, with the replicated tensors other ranks wrote
     (storage/writeonce.py) read from their parts. Tensors are private copies, or with `private`
     False views of buffers read for this call alone (a diff record replay only reads: a copy would
-    cost as much as the read; state kept or saved needs its own storage)."""
+    cost as much as the read; state kept or saved needs its own storage), the rank's own data read
+    into `into` (`Store.read_rank`)."""
     try:
-        index, tensors = store.read_rank(m, rank)
+        index, tensors = store.read_rank(m, rank, into=into)
         refs = remote_refs(index["skeleton"])
         remote = {}
         for owner in sorted({o for o, _ in refs}):
@@ -394,30 +400,53 @@ def _checked_ahead(store: Store, plan: Plan, rank: int, hold_bytes: int) -> dict
 def diff_states(store: Store, plan: Plan, rank: int, *, last: dict | None = None,
                 held: dict[str, dict] | None = None) -> Iterator[dict]:
     """The recorded steps base+1..plan.step in order; the next records are read, checked and
-    decoded in a thread while the current one is replayed, up to READ_AHEAD_BYTES ahead (at
-    least one record). `last`: the last diff record's state, if the caller read it already;
-    `held`: records read already, by name (handed over, then dropped)."""
+    decoded in a thread while the current one is replayed, up to READ_AHEAD_RECORDS and
+    READ_AHEAD_BYTES ahead (at least one record). `last`: the last diff record's state, if the
+    caller read it already; `held`: records read already, by name (handed over, then dropped).
+
+    The records between are read into a few buffers used in turn (one per record ahead, one
+    replayed): a record's buffer is read into again once its steps are replayed. Fresh buffers
+    would fault in every page of every record (half the read time). Nothing replay does keeps a
+    gradient past its step (the optimizer reads it; training itself accumulates into the same
+    gradient tensors step after step), so the reuse is safe."""
     per_record = max(1, max((m.bytes // m.world_size for m in plan.diffs), default=1))
-    q: Queue = Queue(maxsize=max(1, READ_AHEAD_BYTES // per_record))
+    ahead = max(1, min(READ_AHEAD_RECORDS, READ_AHEAD_BYTES // per_record))
+    q: Queue = Queue(maxsize=ahead)
+    free: Queue = Queue()
+    for _ in range(ahead + 1):
+        free.put(ReadBuffer())
     held = held if held is not None else {}
+
+    def read(m: Manifest) -> tuple[dict, ReadBuffer | None]:
+        """A record's state and the buffer it was read into (to hand back once replayed)."""
+        if m is plan.diffs[-1]:  # its post-step state finishes the restored state: its own storage
+            return (last if last is not None else read_state(store, m, rank)), None
+        if m.name in held:
+            return held.pop(m.name), None
+        buf = free.get()
+        return read_state(store, m, rank, private=False, into=buf), buf
 
     def reader() -> None:
         try:
             for m in plan.diffs:
-                final = m is plan.diffs[-1]  # its post-step state finishes the restored state
-                q.put(last if last is not None and final else held.pop(m.name, None)
-                      or read_state(store, m, rank, private=final))
+                q.put(read(m))
         except BaseException as e:  # handed to the consumer, which re-raises it
-            q.put(e)
-        q.put(None)
+            q.put((e, None))
+        q.put((None, None))
 
     threading.Thread(target=reader, name="ckptrun-diff-reader", daemon=True).start()
-    while (item := q.get()) is not None:
+    while True:
+        item, buf = q.get()
+        if item is None:
+            return
         if isinstance(item, BaseException):
             raise item
         for s in sorted(item["steps"], key=int):
             if int(s) <= plan.step:
                 yield item["steps"][s]
+        del item
+        if buf is not None:
+            free.put(buf)
 
 
 def finish_state(state: dict, last: dict) -> dict:

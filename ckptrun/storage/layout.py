@@ -90,3 +90,22 @@ def view(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """A typed, shaped view of `spec`'s bytes inside a flat uint8 `buffer` (no copy)."""
     raw = buffer[spec.offset : spec.offset + spec.nbytes]
     return raw.view(dtype_from_name(spec.dtype)).view(spec.shape)
+
+
+class ReadBuffer:
+    """A data file's read buffer kept from one read to the next (`Store.read_rank`'s `into`): a
+    reader going through record after record reuses pages already faulted in instead of
+    faulting in a fresh buffer's every page each time. It grows to the largest read, sized by
+    the reads themselves (validated sizes), never by a number a manifest claims."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of the buffer, for a read that overwrites them; views of an earlier take must
+        no longer be in use."""
+        import torch
+
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffer[:nbytes]

@@ -23,7 +23,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 from pydantic import ValidationError
@@ -45,6 +45,9 @@ from .schema import (
     problem,
     rank_files,
 )
+
+if TYPE_CHECKING:
+    from .layout import ReadBuffer
 
 __all__ = ["FORMAT", "MANIFEST", "MARKER", "Manifest", "Store", "checksum", "diff_name", "full_name", "rank_files"]
 
@@ -380,15 +383,18 @@ class Store:
                                     f"{index['data_nbytes']} (truncated or replaced)")
         return index, fd, 0
 
-    def read_rank(self, m: Manifest, rank: int, *, verify: bool = True) -> tuple[dict, dict]:
-        """(index, tensors) of one rank of a committed record; raises CorruptCheckpoint."""
+    def read_rank(self, m: Manifest, rank: int, *, verify: bool = True, into: ReadBuffer | None = None
+                  ) -> tuple[dict, dict]:
+        """(index, tensors) of one rank of a committed record; raises CorruptCheckpoint. The
+        tensors are views of one buffer: `into`'s (reused, see ReadBuffer), or a new one."""
         import torch
 
         from .layout import TensorSpec, view
 
         name = m.name
         index, fd, base = self.open_rank(m, rank)
-        buf = torch.empty(index["data_nbytes"], dtype=torch.uint8)
+        nbytes = index["data_nbytes"]
+        buf = into.take(nbytes) if into is not None else torch.empty(nbytes, dtype=torch.uint8)
         try:
             raw = memoryview(buf.numpy()) if len(buf) else memoryview(b"")
             done = 0
