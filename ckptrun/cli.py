@@ -147,8 +147,10 @@ def run(
                                               "file system); a resume takes the newest step of --dir and it.")]
     = "",
     durable_every: Annotated[str, typer.Option(help="Copy the newest committed step to --durable once it is this "
-                                                    "many steps past the last copied one; auto: as soon as the "
-                                                    "previous copy is up (follows the upload bandwidth).")]
+                                                    "many steps past the last copied one; auto: Daly's interval "
+                                                    "for the measured upload time against --mtbf / 0.5 (the "
+                                                    "failures that lose --dir), never more often than the "
+                                                    "uploads drain.")]
     = "auto",
     durable_keep: Annotated[int, typer.Option(help="Full checkpoints retained on --durable (0 keeps all); one "
                                                    "goes only after a newer one is committed there.")] = 2,

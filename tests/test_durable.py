@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -41,6 +42,7 @@ from ckptrun.storage.tiers import open_tier
 from ckptrun.storage.tiers.dirtier import DirTier
 from ckptrun.storage.tiers.parts import record_parts
 from ckptrun.strategies import REGISTRY
+from ckptrun.tuning.intervals import daly_interval
 
 
 @pytest.fixture(scope="session")
@@ -447,3 +449,31 @@ def test_ls_shows_each_steps_tiers(tmp_path, monkeypatch):
         assert proc.returncode == 0 and said in line and f"listing {ckpts} alone" in line, proc.stderr
         assert "step-00000002" in proc.stdout and "tiers" not in proc.stdout
     assert error_line(cli(tmp_path, "ls", "--dir", ckpts, "--durable", str(remote))).startswith("ckptrun")
+
+
+def test_auto_interval_follows_bandwidth_and_failure_rate(tmp_path):
+    """--durable-every auto: as soon as the last upload is done until the bandwidth and the step
+    time are measured, then Daly's interval for an upload against the failures that lose --dir
+    (--mtbf / LOSS_SHARE), never more often than the uploads drain; an explicit value wins."""
+    store = _local_steps(tmp_path / "ckpts", steps=(1,))
+    metrics = tmp_path / "metrics"
+    d = _drain(store, str(tmp_path / "remote"), 0, metrics)
+    d.round()
+    assert d.tier.committed() == [full_name(1)] and d.upload_Bps
+    _local_steps(store.root, steps=(3, 4))
+    d.round()  # uploads take far longer than these steps: not due yet
+    assert d.tier.committed() == [full_name(1)]
+    d.every = 2
+    d.round()
+    assert d.tier.committed() == [full_name(1), full_name(4)]
+    # 1 s a step and 1 MB a step, as measured:
+    ms = [dataclasses.replace(m, committed_at=float(m.step), bytes=1 << 20, rank_bytes=[1 << 20])
+          for m in store.manifests()]
+    d.upload_Bps, d.mtbf_s = 1 << 20, 3600.0  # 1 s an upload, a failure losing --dir every 2 h
+    assert d.auto_every(ms) == round(daly_interval(1.0, 3600 / drain.LOSS_SHARE)) > 100
+    d.upload_Bps, d.mtbf_s = 1 << 14, 30.0  # 64 s an upload: the drain's bound
+    assert d.auto_every(ms) == 64
+    d.log.flush()
+    said = [e for e in map(json.loads, (metrics / "engine-0.jsonl").read_text().splitlines())
+            if e["type"] == "durable_interval"]
+    assert [e["reason"].split()[0] for e in said[-2:]] == ["Daly's", "as"], said

@@ -4,12 +4,12 @@ Every rank's engine runs one, in a thread (the trainer never waits on it), and u
 rank's part of a step only: the files its node holds, so no engine reads another node's files
 and the upload bandwidth grows with the nodes. Global rank 0's engine leads. Each round it takes
 the newest committed step once it is `--durable-every` steps past the newest remote one (auto,
-when unset: as soon as the previous upload is done, so the interval follows the measured upload
-bandwidth) with every record it depends on that the tier lacks, and for each, oldest first,
-uploads its own part; the other engines see rank 0's part of a record without a commit object
-in the tier's listing and upload theirs. Once the listing shows every rank's part, the leader
-uploads the commit object, last: a kill at any moment leaves the previous remote step
-restorable. The listing is the coordination because it is what every node sees and what a
+when unset: the tiers' interval model on the measured upload bandwidth, step time and failure
+rate, see `auto_every`) with every record it depends on that the tier lacks, and for each,
+oldest first, uploads its own part; the other engines see rank 0's part of a record without a
+commit object in the tier's listing and upload theirs. Once the listing shows every rank's
+part, the leader uploads the commit object, last: a kill at any moment leaves the previous
+remote step restorable. The listing is the coordination because it is what every node sees and what a
 reader will find; the job's c10d store is the workers', made again at each rendezvous round,
 which the engines outlive. A part that is not up PART_WAIT_S (or twice the leader's own upload
 time) after the last one came is uploaded by the leader itself where --dir is shared, else the
@@ -38,10 +38,14 @@ from ..storage.store import Store, retained
 from ..storage.tiers import Tier, open_tier
 from ..storage.tiers.base import MANIFEST, UploadFault
 from ..storage.tiers.parts import Part, record_parts
+from ..tuning.intervals import tier_interval_steps
+from ..worker.decisions import DEFAULT_MTBF_S
 
 POLL_S = 0.1  # the leader's rounds (a local check) and its polls of the listing for parts
 FOLLOW_POLL_S = 1.0  # the other engines' polls of the listing (one LIST request each)
 PART_WAIT_S = 30.0
+LOSS_SHARE = 0.5  # --durable-every auto: the share of failures that lose --dir (a node-local disk with its machine)
+TIMED_COMMITS = 8  # auto: the step time is measured over this many newest commits
 BACKOFF_MAX_S = 30.0
 
 
@@ -54,9 +58,11 @@ class Drain:
     engine's global rank now (0 leads)."""
 
     def __init__(self, store: Store, tier: Tier, every: int, keep: int, log: EventLog,
-                 fault: Callable[[int], UploadFault], rank: int = 0) -> None:
+                 fault: Callable[[int], UploadFault], rank: int = 0, mtbf_s: float = DEFAULT_MTBF_S) -> None:
         self.store, self.tier, self.every, self.keep, self.log, self.fault = store, tier, every, keep, log, fault
-        self.rank = rank
+        self.rank, self.mtbf_s = rank, mtbf_s
+        self.upload_Bps: float | None = None  # measured by the last round (all ranks' bytes / its time)
+        self._auto: int | None = None  # the interval auto chose last
         self.remote: dict[str, Manifest] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckptrun-durable", daemon=True)
@@ -110,7 +116,8 @@ class Drain:
         if not ms:
             return
         newest, last = ms[-1], self.newest_remote()
-        if newest.step <= last or (not final and self.every and last >= 0 and newest.step < last + self.every):
+        every = self.every or self.auto_every(ms)
+        if newest.step <= last or (not final and last >= 0 and newest.step < last + every):
             return
         local = {m.name: m for m in ms}
         need, todo = [newest.name], []
@@ -135,11 +142,29 @@ class Drain:
         finally:
             self.busy = frozenset()
         took = time.time() - t0
+        if nbytes and took > 0:
+            self.upload_Bps = nbytes / took
         newest_now = self.store.manifests(warn=False)
         self.log.emit(type="durable", step=newest.step, record=newest.name, bytes=nbytes, upload_s=took,
                       lag_steps=(newest_now[-1].step if newest_now else newest.step) - newest.step,
                       lag_s=time.time() - (newest.committed_at or t0))
         self._tidy()
+
+    def auto_every(self, ms: list[Manifest]) -> int:
+        """--durable-every auto: `tier_interval_steps` for an upload of the newest step at the
+        measured bandwidth, the step time of the newest commits and the MTBF of the failures
+        that lose --dir (--mtbf / LOSS_SHARE); 1 (as soon as the last upload is done) until both
+        are measured. A change is a `durable_interval` event."""
+        timed = [m for m in ms[-TIMED_COMMITS:] if m.committed_at]
+        if self.upload_Bps is None or len(timed) < 2 or timed[-1].committed_at <= timed[0].committed_at:
+            return 1
+        step_s = (timed[-1].committed_at - timed[0].committed_at) / (timed[-1].step - timed[0].step)
+        upload_s = max(ms[-1].bytes / self.upload_Bps, 1e-3)
+        every, why = tier_interval_steps(upload_s, step_s, self.mtbf_s / LOSS_SHARE)
+        if every != self._auto:
+            self._auto = every
+            self.log.emit(type="durable_interval", every=every, reason=why, upload_s=upload_s, step_s=step_s)
+        return every
 
     def _upload(self, m: Manifest, final: bool) -> int:
         """Record `m`: rank 0's part from here, the others' from their engines, then the commit
@@ -270,4 +295,5 @@ def from_config(store: Store, log: EventLog, fault: Callable[[int], UploadFault]
     if cfg is None or not cfg.durable:
         return None
     tier = open_tier(cfg.durable, cfg.durable_endpoint or None)
-    return Drain(store, tier, cfg.durable_every, cfg.durable_keep, log, fault, rank).start()
+    return Drain(store, tier, cfg.durable_every, cfg.durable_keep, log, fault, rank,
+                 cfg.mtbf or DEFAULT_MTBF_S).start()
