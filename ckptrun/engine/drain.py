@@ -41,8 +41,9 @@ from ..storage.tiers.parts import Part, record_parts
 from ..tuning.intervals import tier_interval_steps
 from ..worker.decisions import DEFAULT_MTBF_S
 
-POLL_S = 0.1  # the leader's rounds (a local check) and its polls of the listing for parts
+POLL_S = 0.1  # the leader's rounds (a local check first)
 FOLLOW_POLL_S = 1.0  # the other engines' polls of the listing (one LIST request each)
+PARTS_POLL_S = 0.25  # the leader's polls of the listing while it waits for the other ranks' parts
 PART_WAIT_S = 30.0
 LOSS_SHARE = 0.5  # --durable-every auto: the share of failures that lose --dir (a node-local disk with its machine)
 TIMED_COMMITS = 8  # auto: the step time is measured over this many newest commits
@@ -205,7 +206,7 @@ class Drain:
                 seen, since = up, time.monotonic()
             elif time.monotonic() - since > wait_s:
                 break
-            if self._stop.wait(POLL_S) and not final:
+            if self._stop.wait(PARTS_POLL_S) and not final:
                 raise _Stopping
         try:
             with record_parts(self.store, m, missing) as (parts, _):
@@ -218,10 +219,12 @@ class Drain:
     def _follow(self) -> None:
         """Upload this rank's part of every record the leader has begun and it has committed."""
         records, _ = self.tier.listing()
-        local = {m.name: m for m in self.store.manifests(warn=False)}
-        for name, files in sorted(records.items()):
-            up, m = self.tier.ranks_up(files), local.get(name)
-            if MANIFEST in files or 0 not in up or self.rank in up or m is None or self.rank >= m.world_size:
+        begun = sorted(name for name, files in records.items() if MANIFEST not in files
+                       and 0 in (up := self.tier.ranks_up(files)) and self.rank not in up)
+        local = {m.name: m for m in self.store.manifests(warn=False)} if begun else {}
+        for name in begun:
+            m = local.get(name)
+            if m is None or self.rank >= m.world_size:
                 continue
             with record_parts(self.store, m, [self.rank]) as (parts, _):
                 self._put_part(m, self.rank, parts[0], self.fault(m.step))
@@ -263,10 +266,9 @@ class Drain:
         failed round's step may then go). A hold that keeps what --keep would remove is said
         once, as a `durable_hold` event and a warning."""
         busy = self.busy
-        ms = self.store.manifests(warn=False)
-        kept = retained(ms, keep) if ms and keep > 0 else None
-        held = frozenset(m.name for m in ms if kept is not None and m.name in busy and m.name not in kept
-                         and m.layout != "region")
+        ms = self.store.manifests(warn=False) if busy and keep > 0 else []
+        kept = retained(ms, keep) if ms else set()
+        held = frozenset(m.name for m in ms if m.name in busy and m.name not in kept and m.layout != "region")
         removed = self.store.prune(keep, protect=busy)
         if held and held != self._held:
             self.log.emit(type="durable_hold", records=sorted(held), keep=keep)
