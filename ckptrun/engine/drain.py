@@ -64,6 +64,7 @@ class Drain:
         self.rank, self.mtbf_s = rank, mtbf_s
         self.upload_Bps: float | None = None  # measured by the last round (all ranks' bytes / its time)
         self._auto: int | None = None  # the interval auto chose last
+        self._part_s = 0.0  # how long the last part this engine uploaded took
         self.remote: dict[str, Manifest] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckptrun-durable", daemon=True)
@@ -187,7 +188,7 @@ class Drain:
         """Upload rank `rank`'s part of `m` (a `durable_part` event); returns the seconds taken."""
         t0 = time.time()
         self.tier.put_part(m.name, part, fault)
-        took = time.time() - t0
+        took = self._part_s = time.time() - t0
         self.log.emit(type="durable_part", rank=rank, by=self.rank, step=m.step, record=m.name,
                       bytes=m.rank_bytes[rank] if m.rank_bytes else None, upload_s=took)
         return took
@@ -216,8 +217,9 @@ class Drain:
             raise RuntimeError(f"{m.name}: rank {missing[0]}'s part did not reach {self.tier.url} in "
                                f"{wait_s:.0f} s, and {self.store.root} cannot give it ({e})") from None
 
-    def _follow(self) -> None:
-        """Upload this rank's part of every record the leader has begun and it has committed."""
+    def _follow(self) -> dict[str, dict[str, int]]:
+        """Upload this rank's part of every record the leader has begun and it has committed;
+        returns the listing it acted on."""
         records, _ = self.tier.listing()
         begun = sorted(name for name, files in records.items() if MANIFEST not in files
                        and 0 in (up := self.tier.ranks_up(files)) and self.rank not in up)
@@ -228,16 +230,21 @@ class Drain:
                 continue
             with record_parts(self.store, m, [self.rank]) as (parts, _):
                 self._put_part(m, self.rank, parts[0], self.fault(m.step))
+        return records
 
     def _follow_to_the_end(self) -> None:
         """At close (not leading): follow until the tier has committed this engine's newest
-        step, or until nothing has come for PART_WAIT_S (the leader gone, or failing)."""
-        deadline = time.monotonic() + PART_WAIT_S
-        while time.monotonic() < deadline:
-            self._follow()
+        step, or until the listing has not changed for PART_WAIT_S (or twice this engine's
+        last part's upload time): the leader gone, or failing."""
+        wait_s, seen, since = max(PART_WAIT_S, 2 * self._part_s), None, time.monotonic()
+        while time.monotonic() - since < wait_s:
+            records = self._follow()
             ms = self.store.manifests(warn=False)
-            if not ms or ms[-1].name in self.tier.committed():
+            if not ms or MANIFEST in records.get(ms[-1].name, {}):
                 return
+            listed = {(name, f, size) for name, files in records.items() for f, size in files.items()}
+            if listed != seen:
+                seen, since = listed, time.monotonic()
             time.sleep(FOLLOW_POLL_S)
 
     def _tidy(self) -> None:
