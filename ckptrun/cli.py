@@ -531,6 +531,9 @@ def tune(
                                                     "`ckptrun --recipe`.")] = None,
     json_file: Annotated[Path | None, typer.Option("--json", help="Write every measurement, setting and "
                                                                    "prediction to this JSON file.")] = None,
+    upload_mbps: Annotated[float, typer.Option(min=0, help="Upload bandwidth to a --durable store in MB/s "
+                                                           "(tune measures none): shows the remote tier's "
+                                                           "--durable-every auto for it.")] = 0.0,
     repeat_budget: Annotated[str, typer.Option(help="Time for measuring again, in rounds interleaved with the "
                                                     "baseline, the strategies whose slowdown against no "
                                                     "checkpointing is within the noise of the baseline's steps "
@@ -562,7 +565,7 @@ def tune(
                       profile_steps=profile_steps, mtbf_s=mtbf_s, mtbf_source=source, max_overhead=budget,
                       ckpt_dir=dir, progress=lambda line: err.print(f"tune: {line}", markup=False, soft_wrap=True),
                       repeat_budget_s=repeat_s)
-    print_report(out, result)
+    print_report(out, result, upload_mbps * 1e6)
     if json_file:
         json_file.write_text(json.dumps(to_json(result), indent=2) + "\n")
     if write:

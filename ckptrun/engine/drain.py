@@ -38,14 +38,13 @@ from ..storage.store import Store, retained
 from ..storage.tiers import Tier, open_tier
 from ..storage.tiers.base import MANIFEST, UploadFault
 from ..storage.tiers.parts import Part, record_parts
-from ..tuning.intervals import tier_interval_steps
+from ..tuning.intervals import durable_every
 from ..worker.decisions import DEFAULT_MTBF_S
 
 POLL_S = 0.1  # the leader's rounds (a local check first)
 FOLLOW_POLL_S = 1.0  # the other engines' polls of the listing (one LIST request each)
 PARTS_POLL_S = 0.25  # the leader's polls of the listing while it waits for the other ranks' parts
 PART_WAIT_S = 30.0
-LOSS_SHARE = 0.5  # --durable-every auto: the share of failures that lose --dir (a node-local disk with its machine)
 TIMED_COMMITS = 8  # auto: the step time is measured over this many newest commits
 BACKOFF_MAX_S = 30.0
 
@@ -153,16 +152,16 @@ class Drain:
         self._tidy()
 
     def auto_every(self, ms: list[Manifest]) -> int:
-        """--durable-every auto: `tier_interval_steps` for an upload of the newest step at the
-        measured bandwidth, the step time of the newest commits and the MTBF of the failures
-        that lose --dir (--mtbf / LOSS_SHARE); 1 (as soon as the last upload is done) until both
-        are measured. A change is a `durable_interval` event."""
+        """--durable-every auto: `intervals.durable_every` for an upload of the newest step at
+        the measured bandwidth, the step time of the newest commits and --mtbf; 1 (as soon as
+        the last upload is done) until both are measured. A change is a `durable_interval`
+        event."""
         timed = [m for m in ms[-TIMED_COMMITS:] if m.committed_at]
         if self.upload_Bps is None or len(timed) < 2 or timed[-1].committed_at <= timed[0].committed_at:
             return 1
         step_s = (timed[-1].committed_at - timed[0].committed_at) / (timed[-1].step - timed[0].step)
         upload_s = max(ms[-1].bytes / self.upload_Bps, 1e-3)
-        every, why = tier_interval_steps(upload_s, step_s, self.mtbf_s / LOSS_SHARE)
+        every, why = durable_every(upload_s, step_s, self.mtbf_s)
         if every != self._auto:
             self._auto = every
             self.log.emit(type="durable_interval", every=every, reason=why, upload_s=upload_s, step_s=step_s)

@@ -19,6 +19,7 @@ __all__ = [
     "daly_interval",
     "checkfreq_min_interval_steps",
     "tier_interval_steps",
+    "durable_every",
     "expected_lost_work_s",
     "expected_waste",
 ]
@@ -79,6 +80,15 @@ def tier_interval_steps(copy_s: float, step_s: float, mtbf_s: float) -> tuple[in
     if bound >= daly:
         return bound, f"as often as the copies drain: one takes {copy_s:.3f} s, a step {step_s:.3f} s"
     return daly, f"Daly's interval for a {copy_s:.3f} s copy and a {mtbf_s:.0f} s MTBF of the tier below"
+
+
+DIR_LOSS_SHARE = 0.5  # the share of failures that lose --dir (a node-local disk goes with its machine)
+
+
+def durable_every(upload_s: float, step_s: float, mtbf_s: float) -> tuple[int, str]:
+    """(steps, why) of `--durable-every auto`: `tier_interval_steps` for an upload of `upload_s`
+    against the failures that lose --dir (mean time between them: mtbf_s / DIR_LOSS_SHARE)."""
+    return tier_interval_steps(upload_s, step_s, mtbf_s / DIR_LOSS_SHARE)
 
 
 def expected_lost_work_s(interval_s: float) -> float:
