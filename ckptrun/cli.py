@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
-from .errors import CkptrunError, UsageError
+from .errors import CkptrunError, CorruptCheckpoint, UsageError
 from .strategies import DEFAULT
 
 if TYPE_CHECKING:
@@ -146,8 +147,10 @@ def run(
                                               "file system); a resume takes the newest step of --dir and it.")]
     = "",
     durable_every: Annotated[str, typer.Option(help="Copy the newest committed step to --durable once it is this "
-                                                    "many steps past the last copied one; auto: as soon as the "
-                                                    "previous copy is up (follows the upload bandwidth).")]
+                                                    "many steps past the last copied one; auto: Daly's interval "
+                                                    "for the measured upload time against --mtbf / 0.5 (the "
+                                                    "failures that lose --dir), never more often than the "
+                                                    "uploads drain.")]
     = "auto",
     durable_keep: Annotated[int, typer.Option(help="Full checkpoints retained on --durable (0 keeps all); one "
                                                    "goes only after a newer one is committed there.")] = 2,
@@ -319,26 +322,64 @@ def ls(dir: ReadDir = "ckpts",
        wide: Annotated[bool, typer.Option("--wide", help="Every column, however narrow the terminal (by "
                                                          "default the less important ones are left out "
                                                          "where they do not fit).")] = False,
-       endpoint: Endpoint = "") -> None:
+       endpoint: Endpoint = "",
+       durable: Annotated[str, typer.Option("--durable", help="Also list this remote tier (s3://BUCKET/PREFIX "
+                                                             "or a path), with a tiers column saying where each "
+                                                             "step is (default: the URL the run's --dir records)."
+                                            )] = "") -> None:
     """List committed steps, and the step a live run's engines hold in memory (kind `memory`:
     survives a worker crash, not a machine loss; lowdiff+)."""
     from .storage.tiers.mirror import reading
 
-    with reading(dir, endpoint or None) as store:
-        _ls(store, as_json, wide)
+    with reading(dir, endpoint or None) as store, _remote_tier(dir, durable, endpoint) as remote:
+        _ls(store, as_json, wide, remote)
 
 
-def _ls(store: Store, as_json: bool, wide: bool) -> None:
+@contextlib.contextmanager
+def _remote_tier(dir: str, durable: str, endpoint: str) -> Iterator[Store | None]:
+    """The remote tier `ls` lists beside --dir: --durable, else the one --dir records (None if
+    neither; a recorded one that cannot be read is said in one line and left out)."""
+    from .storage.tiers import is_remote
+    from .storage.tiers.mirror import reading
+    from .storage.tiers.recorded import recorded
+
+    given = bool(durable)
+    if not given and not is_remote(dir):
+        try:
+            durable, endpoint = recorded(Path(dir)) or ("", endpoint)
+        except CorruptCheckpoint as e:
+            err.print(f"ckptrun: warning: {e}; listing {dir} alone")
+    with contextlib.ExitStack() as stack:
+        remote = None
+        try:
+            remote = stack.enter_context(reading(durable, endpoint or None)) if durable else None
+        except CkptrunError as e:
+            if given:
+                raise
+            err.print(f"ckptrun: warning: {durable}, which {dir} records, not read ({e}); listing {dir} alone")
+        yield remote
+
+
+def _ls(store: Store, as_json: bool, wide: bool, remote: Store | None = None) -> None:
     from .storage import memory_status
     from .widthfit import Col, fit_table, left_out_line
 
+    ms = store.manifests()
+    tiers = {m.name: ["local"] for m in ms}
+    if remote is not None:  # (a step in both is listed from --dir; its format is the same there)
+        there = remote.manifests()
+        ms += [m for m in there if m.name not in tiers]
+        for m in there:
+            tiers.setdefault(m.name, []).append("remote")
+        ms.sort(key=lambda m: (m.step, m.kind != "full"))
     rows = [{"step": m.step, "kind": m.kind, "record": m.name, "bytes": m.bytes, "ranks": m.world_size,
              "rank_bytes": m.rank_bytes or None,
              "depends_on": m.depends_on, "first_step": m.first_step, "layout": m.layout,
              # the two completions: the snapshot complete in host memory (the trainer could go on),
              # and persisted (committed: durable on every rank), as wall-clock times
-             "snapshot_done_at": _time_or_none(m.meta.get("snapshot_done_at")), "persisted_at": m.committed_at}
-            for m in store.manifests()]
+             "snapshot_done_at": _time_or_none(m.meta.get("snapshot_done_at")), "persisted_at": m.committed_at,
+             **({"tiers": tiers[m.name]} if remote is not None else {})}
+            for m in ms]
     held = memory_status.live(store.root)
     if held:
         step = min(h["step"] for h in held)
@@ -357,6 +398,9 @@ def _ls(store: Store, as_json: bool, wide: bool) -> None:
               ", ".join(r["depends_on"]) or "-", r["layout"]] for r in rows]
     if all(r["ranks"] <= 1 for r in rows):  # bytes per rank would repeat bytes
         columns, cells = columns[:5] + columns[6:], [c[:5] + c[6:] for c in cells]
+    if remote is not None:
+        columns += (Col("tiers", 1, justify="left"),)
+        cells = [[*c, "+".join(r.get("tiers", ["memory"]))] for c, r in zip(cells, rows, strict=True)]
     table, left_out = fit_table(columns, cells, None if wide else out.width)
     out.print(table)
     if left_out:
@@ -497,6 +541,9 @@ def tune(
                                                     "`ckptrun --recipe`.")] = None,
     json_file: Annotated[Path | None, typer.Option("--json", help="Write every measurement, setting and "
                                                                    "prediction to this JSON file.")] = None,
+    upload_mbps: Annotated[float, typer.Option(min=0, help="Upload bandwidth to a --durable store in MB/s "
+                                                           "(tune measures none): shows the remote tier's "
+                                                           "--durable-every auto for it.")] = 0.0,
     repeat_budget: Annotated[str, typer.Option(help="Time for measuring again, in rounds interleaved with the "
                                                     "baseline, the strategies whose slowdown against no "
                                                     "checkpointing is within the noise of the baseline's steps "
@@ -528,7 +575,7 @@ def tune(
                       profile_steps=profile_steps, mtbf_s=mtbf_s, mtbf_source=source, max_overhead=budget,
                       ckpt_dir=dir, progress=lambda line: err.print(f"tune: {line}", markup=False, soft_wrap=True),
                       repeat_budget_s=repeat_s)
-    print_report(out, result)
+    print_report(out, result, upload_mbps * 1e6)
     if json_file:
         json_file.write_text(json.dumps(to_json(result), indent=2) + "\n")
     if write:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,11 +32,19 @@ from conftest import (
 )
 from s3server import moto_server
 
+from ckptrun.engine import drain
+from ckptrun.engine.drain import Drain
+from ckptrun.ipc.events import EventLog
 from ckptrun.launcher.console.metrics_feed import MetricsState
+from ckptrun.storage.fsutil import _no_fault
 from ckptrun.storage.store import Store, full_name
 from ckptrun.storage.tiers import open_tier
+from ckptrun.storage.tiers.dirtier import DirTier
 from ckptrun.storage.tiers.parts import record_parts
 from ckptrun.strategies import REGISTRY
+from ckptrun.tuning.intervals import DIR_LOSS_SHARE, daly_interval
+from ckptrun.tuning.profile import Costs
+from ckptrun.tuning.report import durable_line
 
 
 @pytest.fixture(scope="session")
@@ -103,7 +114,7 @@ def test_killed_run_resumes_from_the_store_without_its_dir(s3, example_truth, tm
 def test_engine_killed_while_uploading(at, s3, tmp_path):
     """An engine dying at each point of an upload (inside a multipart upload, before the commit
     object, after it) leaves the previous remote step restorable; the next start sweeps."""
-    store = _two_local_steps(tmp_path / "ckpts")
+    store = _local_steps(tmp_path / "ckpts")
     url = f"s3://{s3.bucket()}/run"
     child = subprocess.run([sys.executable, "-c", UPLOADER, str(store.root), url, at], capture_output=True,
                            text=True, timeout=120)
@@ -120,26 +131,37 @@ def test_engine_killed_while_uploading(at, s3, tmp_path):
     assert tier.listing()[0].keys() == set(tier.committed()), tier.listing()
 
 
-def _two_local_steps(root: Path) -> Store:
-    """--dir with two committed full steps: a small one and one whose data goes up in parts."""
+def _weights(step: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s tensor at `step` in `_local_steps` (step 2's big enough to go up in parts)."""
+    return torch.randn(9 << 18 if step == 2 else 1024, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _local_steps(root: Path, steps: tuple[int, ...] = (1, 2), world_size: int = 1) -> Store:
+    """--dir with committed full steps of `world_size` ranks."""
     store = Store(root)
     store.ensure_writable()
-    for step, n in ((1, 1024), (2, 9 << 18)):  # step 2: two parts
-        state = {"models": {"model": {"w": torch.randn(n, generator=torch.Generator().manual_seed(step))}},
-                 "optimizers": {"optimizer": {"state": {0: {"step": torch.tensor(float(step))}},
-                                              "param_groups": [{"lr": 0.1, "params": [0]}]}}, "step": step}
-        skeleton, data, specs = pack(state)
-        store.write_rank(full_name(step), 0, memoryview(data), specs, skeleton, {"step": step})
-        assert store.try_commit(full_name(step), kind="full", step=step, first_step=step, world_size=1)
+    for step in steps:
+        for rank in range(world_size):
+            state = {"models": {"model": {"w": _weights(step, rank)}},
+                     "optimizers": {"optimizer": {"state": {0: {"step": torch.tensor(float(step))}},
+                                                  "param_groups": [{"lr": 0.1, "params": [0]}]}}, "step": step}
+            skeleton, data, specs = pack(state)
+            store.write_rank(full_name(step), rank, memoryview(data), specs, skeleton, {"step": step})
+        assert store.try_commit(full_name(step), kind="full", step=step, first_step=step, world_size=world_size)
     return store
 
 
 # The engine's upload of step 1, then of step 2 killed (os._exit) at the given point.
 UPLOADER = """
 import os, sys
+from ckptrun.engine import drain
+from ckptrun.engine.drain import Drain
+from ckptrun.ipc.events import EventLog
 from ckptrun.launcher.console.metrics_feed import MetricsState
+from ckptrun.storage.fsutil import _no_fault
 from ckptrun.storage.store import Store, full_name
 from ckptrun.storage.tiers import open_tier
+from ckptrun.storage.tiers.dirtier import DirTier
 from ckptrun.storage.tiers.parts import record_parts
 store, tier, at = Store(sys.argv[1]), open_tier(sys.argv[2]), sys.argv[3]
 for m in store.manifests():
@@ -188,7 +210,7 @@ def test_unusable_store_is_one_line_at_start(case, s3, tmp_path):
 def test_crafted_listings_are_refused(s3, tmp_path):
     """Keys outside the record/file pattern (`..`), sizes out of range and a commit object
     naming missing data are refused as a crafted directory's are."""
-    store = _two_local_steps(tmp_path / "ckpts")
+    store = _local_steps(tmp_path / "ckpts")
     bucket = s3.bucket()
     url = f"s3://{bucket}/run"
     tier = open_tier(url)
@@ -242,7 +264,7 @@ def test_s3_url_without_the_extra_names_it(tmp_path):
 def test_plain_path_tier_is_a_checkpoint_directory(tmp_path):
     """--durable on a plain path goes through the same code and leaves what --dir holds: `verify`
     reads it as a directory; its sweep removes a torn record and a killed writer's temporary."""
-    store = _two_local_steps(tmp_path / "ckpts")
+    store = _local_steps(tmp_path / "ckpts")
     tier = open_tier(str(tmp_path / "remote"))
     tier.probe()
     for m in store.manifests():
@@ -258,8 +280,213 @@ def test_plain_path_tier_is_a_checkpoint_directory(tmp_path):
     assert tier.committed() == ["step-00000001", "step-00000002"]
 
 
-def test_local_retention_keeps_what_the_drain_copies(tmp_path):
-    """--keep spares the records an upload under way reads (`Drain.busy`), and only those."""
-    store = _two_local_steps(tmp_path / "ckpts")
-    assert store.prune(1, protect=frozenset({"step-00000001"})) == []
-    assert store.prune(1) == ["step-00000001"]
+class _SlowTier(DirTier):
+    """A plain-path tier whose uploads wait for `go`: a slow store."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.go, self.waiting = threading.Event(), threading.Event()
+
+    def put(self, key, src, fault=_no_fault) -> None:
+        self.waiting.set()
+        assert self.go.wait(60)
+        super().put(key, src, fault)
+
+
+def test_local_retention_holds_a_step_until_the_tier_has_it(tmp_path):
+    """--keep spares the records an upload under way reads, says so once (a `durable_hold`
+    event), and removes them once the tier has them."""
+    store = _local_steps(tmp_path / "ckpts", steps=(1,))
+    tier = _SlowTier(tmp_path / "remote")
+    tier.probe()
+    metrics = tmp_path / "metrics"
+    d = Drain(store, tier, 0, 0, EventLog(str(metrics), "engine-0"), lambda step: _no_fault)
+    upload = threading.Thread(target=d.round)
+    upload.start()
+    assert tier.waiting.wait(60)
+    _local_steps(store.root, steps=(3, 4))  # committed meanwhile: --keep 1 keeps step 4 only
+    assert d.retain_local(1) == [full_name(3)] and d.retain_local(1) == []
+    assert store.is_committed(full_name(1))
+    d.log.flush()
+    holds = [e for e in map(json.loads, (metrics / "engine-0.jsonl").read_text().splitlines())
+             if e["type"] == "durable_hold"]
+    assert [h["records"] for h in holds] == [[full_name(1)]], holds
+    tier.go.set()
+    upload.join(timeout=60)
+    assert tier.committed() == [full_name(1)]
+    assert d.retain_local(1) == [full_name(1)]
+
+
+# ---- several ranks: each engine uploads its own rank's part, rank 0's commit object last ----
+
+def _drain(store: Store, url: str, rank: int, metrics: Path) -> Drain:
+    """One engine's drain (not started: the test runs its rounds), its events in `metrics`;
+    the tier probed, as at the start of a run."""
+    tier = open_tier(url)
+    tier.probe()
+    return Drain(store, tier, 0, 0, EventLog(str(metrics), f"engine-{rank}"), lambda step: _no_fault, rank)
+
+
+def _parts_by(metrics: Path, rank: int) -> list[tuple[str, int, int]]:
+    """(record, rank of the part, engine's rank) of every part engine `rank` uploaded."""
+    lines = (metrics / f"engine-{rank}.jsonl").read_text().splitlines()
+    return [(e["record"], e["rank"], e["by"]) for e in map(json.loads, lines) if e["type"] == "durable_part"]
+
+
+def _node_local(tmp_path: Path) -> tuple[Store, Store]:
+    """Two nodes' --dir, each holding the committed manifests and only its own rank's files."""
+    node0 = _local_steps(tmp_path / "node0", world_size=2)
+    shutil.copytree(node0.root, tmp_path / "node1")
+    for node, other in ((0, 1), (1, 0)):
+        for f in (tmp_path / f"node{node}").glob(f"step-*/rank-{other:05d}.*"):
+            f.unlink()
+    return node0, Store(tmp_path / "node1")
+
+
+def test_each_engine_uploads_its_own_ranks_part(tmp_path):
+    """Node-local --dir on two nodes: each engine uploads the part its node holds; the leader
+    (rank 0) uploads the commit object only once the tier lists every rank's part, then
+    removes what a dead attempt left uncommitted."""
+    node0, node1 = _node_local(tmp_path)
+    url, metrics = str(tmp_path / "remote"), tmp_path / "metrics"
+    leader, follower = _drain(node0, url, 0, metrics), _drain(node1, url, 1, metrics)
+    tier = open_tier(url)
+    with record_parts(node1, node1.manifests()[0], [1]) as (parts, _):  # a dead attempt's, never committed
+        tier.put_part(full_name(1), parts[0])
+    lead = threading.Thread(target=leader.round)
+    lead.start()
+    deadline = time.monotonic() + 60
+    while tier.ranks_up(tier.listing()[0].get(full_name(2), {})) != {0}:
+        assert time.monotonic() < deadline and lead.is_alive(), tier.listing()
+        time.sleep(0.05)
+    time.sleep(0.3)  # the leader polls the listing meanwhile
+    assert tier.committed() == [] and lead.is_alive(), "committed without rank 1's part"
+    assert _parts_by(metrics, 0) == [(full_name(2), 0, 0)]
+    follower.round()
+    lead.join(timeout=60)
+    assert tier.committed() == [full_name(2)] and tier.listing()[0].keys() == {full_name(2)}
+    assert _parts_by(metrics, 1) == [(full_name(2), 1, 1)]
+    checked = verify(tmp_path, url)
+    assert checked.returncode == 0, checked.stdout
+    for rank in (0, 1):  # each rank's own state, from the node that held it
+        state, _ = restore(tmp_path, url, 2, rank)
+        assert torch.equal(state["model"]["w"], _weights(2, rank))
+
+
+def test_a_missing_part_is_uploaded_by_the_leader_where_it_can(tmp_path, monkeypatch):
+    """A rank whose engine never uploads: on a shared --dir the leader uploads its part itself;
+    on a node-local one the round fails and no commit object names the missing part."""
+    monkeypatch.setattr(drain, "PART_WAIT_S", 0.3)
+    shared = _local_steps(tmp_path / "shared", world_size=2)
+    url, metrics = str(tmp_path / "remote"), tmp_path / "metrics"
+    _drain(shared, url, 0, metrics).round()
+    assert open_tier(url).committed() == [full_name(2)]
+    assert _parts_by(metrics, 0) == [(full_name(2), 0, 0), (full_name(2), 1, 0)]
+    node0, _ = _node_local(tmp_path / "local")
+    url = str(tmp_path / "remote-local")
+    with pytest.raises(RuntimeError, match="rank 1's part did not reach"):
+        _drain(node0, url, 0, tmp_path / "metrics-local").round()
+    assert open_tier(url).committed() == []
+
+
+def test_two_ranks_each_upload_their_own_part(s3, tmp_path):
+    """A run of two ranks: each engine uploads only its own rank's parts, every remote step
+    holds both, and each rank's state restores from the URL as the script saved it."""
+    url = f"s3://{s3.bucket()}/run"
+    ok(ckptrun(tmp_path, "--nproc-per-node", "2", "--strategy", "checkfreq", "--dir", tmp_path / "ckpts",
+               "--durable", url, "--metrics-dir", tmp_path / "metrics", EXAMPLE, *TINY, "--save-at", STEPS,
+               "--save-path", tmp_path / "own-{rank}.pt"))
+    metrics = tmp_path / "metrics"
+    parts = {rank: _parts_by(metrics, rank) for rank in (0, 1)}
+    for rank, uploaded in parts.items():
+        assert uploaded and {(r, by) for _, r, by in uploaded} == {(rank, rank)}, parts
+    committed = open_tier(url).committed()
+    assert committed and set(committed) <= {name for name, _, _ in parts[1]}, (committed, parts)
+    for rank in (0, 1):
+        state, _ = restore(tmp_path, url, "latest", rank)
+        assert state["step"] == STEPS
+        assert_training_state(state, load(tmp_path / f"own-{rank}.pt"))
+
+
+def test_ls_shows_each_steps_tiers(tmp_path, monkeypatch):
+    """`ls --dir` lists the remote tier the run's --dir records (or `--durable`) beside it, with
+    each step's tiers, readable at 80 columns; a recorded tier that cannot be read, or a crafted
+    record of one, is one line and --dir is listed alone."""
+    from rich.console import Console
+
+    from ckptrun import cli as entry
+    from ckptrun.storage.tiers.recorded import NAME, record
+
+    ckpts = _local_steps(tmp_path / "ckpts").root
+    remote = tmp_path / "remote"
+    tier = open_tier(str(remote))
+    tier.probe()
+    for store in (Store(ckpts), _local_steps(tmp_path / "later", steps=(3,))):
+        m = store.manifests()[-1]
+        with record_parts(store, m) as (parts, manifest):
+            tier.publish_record(m.name, parts, manifest)
+
+    def listed(*args: str) -> dict[int, list[str] | None]:
+        proc = cli(tmp_path, "ls", "--dir", ckpts, "--json", *args)
+        assert proc.returncode == 0, proc.stderr
+        return {r["step"]: r.get("tiers") for r in json.loads(proc.stdout)}
+
+    both = {1: ["local"], 2: ["local", "remote"], 3: ["remote"]}
+    assert listed() == {1: None, 2: None} and listed("--durable", str(remote)) == both
+    record(ckpts, str(remote), "")
+    assert listed() == both
+    console = Console(file=io.StringIO(), width=80)
+    monkeypatch.setattr(entry, "out", console)
+    assert entry.main(["ls", "--dir", str(ckpts)]) == 0
+    lines = console.file.getvalue().splitlines()
+    assert all(len(ln) <= 80 for ln in lines) and "tiers" in lines[1], lines
+    assert any(" local+remote" in ln and "step-00000002" in ln for ln in lines), lines
+    monkeypatch.undo()
+    shutil.rmtree(remote)
+    for crafted, said in ((None, "not read"), ('{"url": 3}', "not a record of a --durable URL")):
+        if crafted:
+            (ckpts / NAME).write_text(crafted)
+        proc = cli(tmp_path, "ls", "--dir", ckpts)
+        line = " ".join(proc.stderr.split())
+        assert proc.returncode == 0 and said in line and f"listing {ckpts} alone" in line, proc.stderr
+        assert "step-00000002" in proc.stdout and "tiers" not in proc.stdout
+    assert error_line(cli(tmp_path, "ls", "--dir", ckpts, "--durable", str(remote))).startswith("ckptrun")
+
+
+def test_auto_interval_follows_bandwidth_and_failure_rate(tmp_path):
+    """--durable-every auto: as soon as the last upload is done until the bandwidth and the step
+    time are measured, then Daly's interval for an upload against the failures that lose --dir
+    (--mtbf / DIR_LOSS_SHARE), never more often than the uploads drain; an explicit value
+    wins."""
+    store = _local_steps(tmp_path / "ckpts", steps=(1,))
+    metrics = tmp_path / "metrics"
+    d = _drain(store, str(tmp_path / "remote"), 0, metrics)
+    d.round()
+    assert d.tier.committed() == [full_name(1)] and d.upload_Bps
+    _local_steps(store.root, steps=(3, 4))
+    d.round()  # uploads take far longer than these steps: not due yet
+    assert d.tier.committed() == [full_name(1)]
+    d.every = 2
+    d.round()
+    assert d.tier.committed() == [full_name(1), full_name(4)]
+    # 1 s a step and 1 MB a step, as measured:
+    ms = [dataclasses.replace(m, committed_at=float(m.step), bytes=1 << 20, rank_bytes=[1 << 20])
+          for m in store.manifests()]
+    d.upload_Bps, d.mtbf_s = 1 << 20, 3600.0  # 1 s an upload, a failure losing --dir every 2 h
+    assert d.auto_every(ms) == round(daly_interval(1.0, 3600 / DIR_LOSS_SHARE)) > 100
+    d.upload_Bps, d.mtbf_s = 1 << 14, 30.0  # 64 s an upload: the drain's bound
+    assert d.auto_every(ms) == 64
+    d.log.flush()
+    said = [e for e in map(json.loads, (metrics / "engine-0.jsonl").read_text().splitlines())
+            if e["type"] == "durable_interval"]
+    assert [e["reason"].split()[0] for e in said[-2:]] == ["Daly's", "as"], said
+
+
+def test_tune_shows_the_remote_tiers_level():
+    """`ckptrun tune --upload-mbps`: the interval auto would take for a full checkpoint uploaded
+    at that bandwidth, with why (Daly's interval, or the uploads' drain bound)."""
+    costs = Costs(step_s=1.0, optim_s=0.1, ckpt_bytes=100_000_000, diff_bytes=0, write_Bps=1e9, load_s=1.0,
+                  replay_s=0.0, record_s=0.0, free_bytes=10**12, write_s_by_inflight={})
+    line = durable_line(costs, 3600.0, 100e6)  # 1 s an upload
+    assert f"--durable-every {round(daly_interval(1.0, 3600 / DIR_LOSS_SHARE))} (Daly's" in line, line
+    assert "--durable-every 100 (as often as the copies drain" in durable_line(costs, 20.0, 1e6), line

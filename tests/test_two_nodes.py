@@ -56,9 +56,11 @@ class Node:
     addr: str
     other_addr: str  # a second address of its own (a replacement node that sorts elsewhere)
 
-    def start(self, cwd: Path, host: str, strategy: str, *, addr: str | None = None) -> subprocess.Popen:
-        """Its launcher (`ckptrun run`, node rank `rank`), under a host name of its own, as a node
-        has. The rendezvous ranks nodes by their address (`--local-addr`, default `self.addr`)."""
+    def start(self, cwd: Path, host: str, strategy: str, *, addr: str | None = None,
+              extra: tuple[str, ...] = ()) -> subprocess.Popen:
+        """Its launcher (`ckptrun run`, node rank `rank`, with the flags `extra`), under a host
+        name of its own, as a node has. The rendezvous ranks nodes by their address
+        (`--local-addr`, default `self.addr`)."""
         argv = ["ip", "netns", "exec", self.netns, "unshare", "--uts", "sh", "-c",
                 f'hostname node{self.rank} && exec "$@"', "sh",
                 sys.executable, "-m", "ckptrun", "run", "--nnodes", "2", "--nproc-per-node", "1",
@@ -66,7 +68,7 @@ class Node:
                 "--rdzv-id", "two-nodes", "--rdzv-conf", f"{RDZV_CONF},is_host={str(self.rank == 0).lower()}",
                 "--local-addr", addr or self.addr, "--max-restarts", "1", "--no-dashboard", "--dir", "ckpts",
                 "--keep", "0", "--metrics-dir", f"metrics-node{self.rank}", "--strategy", strategy,
-                *REGISTRY[strategy].short_run_flags, EXAMPLE,
+                *REGISTRY[strategy].short_run_flags, *extra, EXAMPLE,
                 *map(str, ARGS)]
         env = {**clean_env(None), "GLOO_SOCKET_IFNAME": self.link, "OMP_NUM_THREADS": "1"}
         with open(cwd / f"node{self.rank}.log", "ab") as out:

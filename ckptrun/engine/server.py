@@ -82,7 +82,7 @@ class Engine:
         self.io_engine: str | None = None  # the file writer running (storage/iowriter.py)
         self.holds_memory = False  # a handler said it holds a step in memory (memory_status)
         self.stopping = threading.Event()
-        self.drain: drain.Drain | None = None  # --durable: global rank 0 copies committed steps there
+        self.drain: drain.Drain | None = None  # --durable: copies this rank's part of committed steps there
         self.log.emit(type="engine", local_rank=local_rank, pid=os.getpid())
 
     # ---- plumbing ----------------------------------------------------------------------
@@ -157,8 +157,10 @@ class Engine:
         self.rank, self.world_size, self.keep = msg.rank, msg.world_size, msg.keep
         self.store = Store(msg.dir)
         self.fault = Fault.parse(msg.fault) if msg.fault else None
-        if self.rank == 0 and self.drain is None:
-            self.drain = drain.from_config(self.store, self.log, self._upload_fault)
+        if self.drain is None:
+            self.drain = drain.from_config(self.store, self.log, self._upload_fault, self.rank)
+        else:  # the worker may have come back as another rank
+            self.drain.rank = self.rank
         self._enospc_left = self.fault.times if self.fault and self.fault.target == "enospc" else 0
         if self.pool is None:
             self.pool = ThreadPoolExecutor(max(1, msg.writers), thread_name_prefix="writer")
@@ -383,7 +385,7 @@ class Engine:
                                snapshot_time=spec.meta.get("snapshot_time"))
             if todo and self.keep >= 0:
                 try:
-                    self.store.prune(self.keep, protect=self.drain.busy if self.drain else frozenset())
+                    self.drain.retain_local(self.keep) if self.drain else self.store.prune(self.keep)
                 except OSError as e:  # retention failing never fails a commit; it runs again next time
                     self.log.emit(type="save_error", rank=self.rank, step=-1, record="", error=f"prune: {e}")
 

@@ -1,6 +1,7 @@
-"""--durable at the start of a run: the tier is usable (else one line, exit 2), and a resume
-takes the newest step of any tier: one the durable tier has and --dir lacks is copied into
---dir first (in parallel), where the workers resume from it as from any committed step."""
+"""--durable at the start of a run: the tier is usable (else one line, exit 2) and noted in --dir
+(for `ls`), and a resume takes the newest step of any tier: one the durable tier has and --dir
+lacks is copied into --dir first (in parallel), where the workers resume from it as from any
+committed step."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from ..log import log
 from ..storage.store import Store
 from ..storage.tiers import Tier, open_tier
 from ..storage.tiers.mirror import mirror
+from ..storage.tiers.recorded import record
 
 
 def prepare(cfg: RunConfig, store: Store) -> None:
@@ -22,6 +24,7 @@ def prepare(cfg: RunConfig, store: Store) -> None:
         raise UsageError("--durable-every and --durable-keep must be 0 (auto / keep all) or more")
     tier = open_tier(cfg.durable, cfg.durable_endpoint or None)
     tier.probe()
+    record(store.root, cfg.durable, cfg.durable_endpoint)
     if cfg.resume:
         pull_newer(tier, store)
     elif tier.committed():

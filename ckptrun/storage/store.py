@@ -364,11 +364,13 @@ class Store:
                                     f"{len(present)} rank index file(s)")
         self._ranks_ok.add((m.name, m.world_size))
 
-    def open_rank(self, m: Manifest, rank: int) -> tuple[dict, int, int]:
+    def open_rank(self, m: Manifest, rank: int, *, every_rank_here: bool = True) -> tuple[dict, int, int]:
         """(index, open data file, offset of the data in it) of one rank of committed record `m`
         after every check that does not read tensor bytes: restore and verify both start here, so
-        they cannot disagree. Tensor offsets in the index are relative to that offset."""
-        self._check_ranks(m)
+        they cannot disagree. Tensor offsets in the index are relative to that offset. Without
+        `every_rank_here`, the other ranks' parts may be elsewhere (a node-local --dir)."""
+        if every_rank_here:
+            self._check_ranks(m)
         index = self.read_index(m.name, rank, m)
         if m.layout == "region":
             fd, base = self.regions.open_data(m, rank, index["data_nbytes"])

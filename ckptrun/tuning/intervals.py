@@ -18,6 +18,8 @@ __all__ = [
     "young_interval",
     "daly_interval",
     "checkfreq_min_interval_steps",
+    "tier_interval_steps",
+    "durable_every",
     "expected_lost_work_s",
     "expected_waste",
 ]
@@ -66,6 +68,27 @@ def checkfreq_min_interval_steps(persist_s: float, step_s: float) -> int:
     t = check_positive("step_s", step_s)
     # The tiny slack keeps 0.3/0.1 = 2.9999999999999996 -> 3 and 0.6/0.2 from becoming 4.
     return max(1, math.ceil(p / t - 1e-9))
+
+
+def tier_interval_steps(copy_s: float, step_s: float, mtbf_s: float) -> tuple[int, str]:
+    """(steps, why) between copies to a tier written beside training (the trainer never waits
+    on it; a copy costs at most its duration): Daly's interval for a copy of `copy_s` against the
+    failures that lose the tier below (mean time between them `mtbf_s`), never more often than
+    the copies drain (CheckFreq's bound)."""
+    daly = max(1, round(daly_interval(copy_s, mtbf_s) / check_positive("step_s", step_s)))
+    bound = checkfreq_min_interval_steps(copy_s, step_s)
+    if bound >= daly:
+        return bound, f"as often as the copies drain: one takes {copy_s:.3f} s, a step {step_s:.3f} s"
+    return daly, f"Daly's interval for a {copy_s:.3f} s copy and a {mtbf_s:.0f} s MTBF of the tier below"
+
+
+DIR_LOSS_SHARE = 0.5  # the share of failures that lose --dir (a node-local disk goes with its machine)
+
+
+def durable_every(upload_s: float, step_s: float, mtbf_s: float) -> tuple[int, str]:
+    """(steps, why) of `--durable-every auto`: `tier_interval_steps` for an upload of `upload_s`
+    against the failures that lose --dir (mean time between them: mtbf_s / DIR_LOSS_SHARE)."""
+    return tier_interval_steps(upload_s, step_s, mtbf_s / DIR_LOSS_SHARE)
 
 
 def expected_lost_work_s(interval_s: float) -> float:

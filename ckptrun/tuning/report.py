@@ -13,11 +13,12 @@ from rich.console import Console
 from rich.table import Table
 
 from .durations import format_duration
+from .intervals import durable_every
 from .plan import settings_flags
-from .profile import StrategyCosts
+from .profile import Costs, StrategyCosts
 from .tune import TuneResult
 
-__all__ = ["print_report", "to_json", "write_recipe"]
+__all__ = ["durable_line", "print_report", "to_json", "write_recipe"]
 
 WIDE = 140
 
@@ -45,8 +46,18 @@ def _slowdown(sc: StrategyCosts | None) -> str:
     return f"{sd.median_s * 1e3:.1f} ms {spread}"
 
 
-def print_report(console: Console, result: TuneResult) -> None:
-    """The per-strategy table, the model answers and the one-line recommendation."""
+def durable_line(costs: Costs, mtbf_s: float, upload_Bps: float) -> str:
+    """The remote tier's level: `--durable-every auto`'s interval for a full checkpoint uploaded
+    at `upload_Bps` (tune measures no upload; the user gives the bandwidth)."""
+    upload_s = max(costs.ckpt_bytes / upload_Bps, 1e-3)
+    every, why = durable_every(upload_s, costs.step_s, mtbf_s)
+    return (f"remote tier (--durable) at {upload_Bps / 1e6:.1f} MB/s: an upload takes {format_duration(upload_s)}; "
+            f"--durable-every {every} ({why})")
+
+
+def print_report(console: Console, result: TuneResult, upload_Bps: float = 0.0) -> None:
+    """The per-strategy table, the model answers, the remote tier's level (given `upload_Bps`)
+    and the one-line recommendation."""
     prof, plan = result.profile, result.plan
     if not console.is_terminal and console.width < WIDE:  # a log or a pipe: do not squeeze the table
         console = Console(file=console.file, width=WIDE, highlight=False)
@@ -73,6 +84,8 @@ def print_report(console: Console, result: TuneResult) -> None:
     console.print(table)
     for line in plan.notes:  # each registered strategy's tuning model
         say(line)
+    if upload_Bps:
+        say(durable_line(prof.costs, plan.mtbf_s, upload_Bps))
     say(f"recommendation: {plan.reason}")
 
 

@@ -100,15 +100,26 @@ class Tier(ABC):
         """Write record `name`: every rank's part (data before index: the index makes a part
         count), `pool_map` running the parts (a thread pool's map uploads them in parallel),
         then the commit object, last. A failure anywhere leaves no commit object."""
-        def upload(part: list[tuple[str, Source]]) -> None:
-            for file, src in part:
-                self.put(f"{name}/{file}", src, fault)
-                fault("part")
+        list(pool_map(lambda part: self.put_part(name, part, fault), parts))
+        self.publish_commit(name, manifest, fault)
 
-        list(pool_map(upload, parts))
+    def put_part(self, name: str, part: list[tuple[str, Source]], fault: UploadFault = _no_fault) -> None:
+        """Upload one rank's part of record `name`, in order (data before index)."""
+        for file, src in part:
+            self.put(f"{name}/{file}", src, fault)
+            fault("part")
+
+    def publish_commit(self, name: str, manifest: bytes, fault: UploadFault = _no_fault) -> None:
+        """The commit object of `name`: only once every rank's part is up (the caller knows)."""
         fault("commit")
         self.put(f"{name}/{MANIFEST}", Source.of_bytes(manifest, checksum(manifest), f"{name}: manifest"))
         fault("committed")
+
+    @staticmethod
+    def ranks_up(files: dict[str, int]) -> set[int]:
+        """The ranks whose part is complete among a record's listed `files`: its index (a rank
+        file, or an index, which goes up after the data)."""
+        return {int(f[5:10]) for f in files if f.endswith((".json", ".ckpt")) and f != MANIFEST}
 
     def remove_record(self, name: str, files: list[str]) -> None:
         """Unpublish `name`: its commit object first, so no reader ever sees a half-deleted record."""

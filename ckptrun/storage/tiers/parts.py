@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from .. import rankfile
 from ..schema import Manifest, rank_files
@@ -23,13 +23,15 @@ Part = list[tuple[str, Source]]
 
 
 @contextlib.contextmanager
-def record_parts(store: Store, m: Manifest) -> Iterator[tuple[list[Part], bytes]]:
-    """(each rank's objects, the commit object's bytes) of committed record `m`; every file it
-    reads stays open until the block ends (retention may unlink it meanwhile)."""
+def record_parts(store: Store, m: Manifest, ranks: Iterable[int] | None = None
+                 ) -> Iterator[tuple[list[Part], bytes]]:
+    """(the objects of each of `ranks` (all when None), the commit object's bytes) of committed
+    record `m` (with `ranks`, --dir may hold only theirs); every file it reads stays open until
+    the block ends (retention may unlink it meanwhile)."""
     with contextlib.ExitStack() as stack:
         parts: list[Part] = []
-        for r in range(m.world_size):
-            index, fd, base = store.open_rank(m, r)
+        for r in range(m.world_size) if ranks is None else ranks:
+            index, fd, base = store.open_rank(m, r, every_rank_here=ranks is None)
             stack.callback(os.close, fd)
             spans = [Span(s["offset"], s["nbytes"], s["xxh3"]) for s in index["tensors"].values()]
             what = f"{m.name}: rank {r}"
