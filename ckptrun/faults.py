@@ -23,7 +23,7 @@ ENV = "CKPTRUN_FAULT"
 
 @dataclass(frozen=True)
 class Fault:
-    target: str  # "kill" (worker), "kill-engine" or "enospc" (engine writes fail)
+    target: str  # "kill" (worker), "kill-engine", "enospc" (engine writes fail) or "corrupt-replica"
     step: int
     phase: str  # "compute" or "write"
     rank: int | None = None
@@ -34,7 +34,7 @@ class Fault:
     @classmethod
     def parse(cls, text: str) -> Fault:
         parts = text.split(":")
-        if parts[0] not in ("kill", "kill-engine", "enospc"):
+        if parts[0] not in ("kill", "kill-engine", "enospc", "corrupt-replica"):
             raise ValueError(f"{ENV}={text!r}: expected kill:step=N[:phase=compute|write][:rank=R] "
                              "or enospc:step=N:at=FILE.POINT[:times=T]")
         opts = dict(p.split("=", 1) for p in parts[1:])
