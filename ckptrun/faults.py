@@ -38,7 +38,7 @@ class Fault:
             raise ValueError(f"{ENV}={text!r}: expected kill:step=N[:phase=compute|write][:rank=R] "
                              "or enospc:step=N:at=FILE.POINT[:times=T]")
         opts = dict(p.split("=", 1) for p in parts[1:])
-        phase = opts.get("phase", "compute" if parts[0] == "kill" else "write")
+        phase = opts.get("phase", {"kill": "compute", "corrupt-replica": "memory"}.get(parts[0], "write"))
         rank = int(opts["rank"]) if "rank" in opts else None
         return cls(parts[0], int(opts["step"]), phase, rank, opts.get("at", "").replace(".", ":", 1),
                    int(opts.get("times", 1)), text)

@@ -3,10 +3,15 @@ and the refusals at start. The two-node runs are in tests/test_two_nodes.py."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import EXAMPLE, TINY, cli, error_line, pack
 
 from ckptrun.errors import CorruptCheckpoint, UsageError
@@ -113,3 +118,63 @@ def test_refused_at_start(tmp_path):
                               EXAMPLE, *TINY))
     assert "multiple of 4 nodes" in line
     assert not (tmp_path / "ckpts").exists()  # refused before anything starts
+
+
+# One engine's replicator, as the engine drives it: join each round ("-" ships nothing), offer
+# each committed record, then (rank 0, first round) wait for the test's word that its partner is
+# gone and offer once more.
+PEER = """
+import os, sys, time
+from ckptrun.engine.replicate import Replicator
+from ckptrun.ipc.events import EventLog
+from ckptrun.storage.store import Store
+root, rank, port, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+rep = Replicator(EventLog(os.path.join(root, "..", "metrics"), f"engine-{rank}-{os.getpid()}"))
+for i, spec in enumerate(rounds):
+    prefix, _, offers = spec.partition("=")
+    rep.join({"addr": "127.0.0.1", "port": port, "prefix": prefix, "replicas": 2, "jump": 1, "local": 1},
+             rank, 2, Store(root), None)
+    for name in filter(None, offers.split(",")):
+        rep.offer(name)
+        while rep._offered is not None:
+            time.sleep(0.05)
+    time.sleep(1)
+    if rank == 0 and i == 0:
+        while not os.path.exists(os.path.join(root, "..", "gone")):
+            time.sleep(0.05)
+        rep.offer(offers.split(",")[-1])
+        time.sleep(1)
+rep.close()
+"""
+
+
+def _events(tmp_path: Path, kind: str) -> list[dict]:
+    lines = [line for f in sorted((tmp_path / "metrics").glob("*.jsonl")) for line in f.read_text().splitlines()]
+    return [e for e in map(json.loads, lines) if e["type"] == kind]
+
+
+def test_engines_ship_hold_and_give_back_over_gloo(tmp_path):
+    """Two engines on loopback: each holds the other's newest step; one that dies is dropped
+    with one line; its replacement, whose --dir lost its part, gets it back in the next round."""
+    store = _steps(tmp_path / "ckpts", [1, 2])
+    names = f"{full_name(1)},{full_name(2)}"
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+
+    def peer(rank: int, *rounds: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", PEER, store.root, str(rank), str(master.port), *rounds],
+                                stderr=subprocess.PIPE, text=True)
+
+    first, second = peer(0, f"r1={names}", "r2="), peer(1, f"r1={names}")
+    assert second.wait(120) == 0, second.stderr.read()
+    for f in rank_files(1):
+        (store.root / full_name(2) / f).unlink()
+    (tmp_path / "gone").touch()
+    third = peer(1, "r2=")
+    assert (first.wait(120), third.wait(120)) == (0, 0)
+    said = first.stderr.read()
+    assert said.count("replicas to rank 1 stopped") == 1, said
+    held = sorted((e["rank"], e["owner"], e["step"]) for e in _events(tmp_path, "replica_held"))
+    assert held == [(0, 1, 1), (0, 1, 2), (1, 0, 1), (1, 0, 2)]
+    restored = _events(tmp_path, "replica_restored")
+    assert [(e["rank"], e["step"], e["holder"]) for e in restored] == [(1, 2, 0)], third.stderr.read()
+    assert newest_good(Store(store.root)).step == 2

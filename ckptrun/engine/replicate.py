@@ -29,12 +29,12 @@ from ..errors import CkptrunError, CorruptCheckpoint
 from ..faults import Fault
 from ..ipc.events import EventLog
 from ..log import log
-from ..storage.schema import MAX_FILE_BYTES, MAX_METADATA_BYTES
+from ..storage.schema import MAX_FILE_BYTES, MAX_METADATA_BYTES, rank_files
 from ..storage.store import Store
 from ..storage.tiers.group import ReplicationGroup
 from ..storage.tiers.memtier import MemoryTier
 from ..storage.tiers.mirror import fill
-from ..storage.tiers.parts import rank_part
+from ..storage.tiers.parts import index_spans, rank_part
 
 SHIP, FETCH = 1, 2  # gloo tags: a new copy for a partner; a copy sent back to its owner
 FORM_TIMEOUT_S = 60.0  # the round's engines meeting (all of them start their worker after rendezvous)
@@ -300,10 +300,11 @@ class Replicator:
         if fault is None or fault.target != "corrupt-replica" or step < fault.step:
             return
         name = self.held.owners[owner][0]
-        key = f"{name}/rank-{owner:05d}.data"
-        data = bytearray(self.held.objects[key])
-        data[len(data) // 2] ^= 1
-        self.held.objects[key] = bytes(data)
+        data_file, index_file = rank_files(owner)
+        span = max(index_spans(json.loads(self.held.objects[f"{name}/{index_file}"])), key=lambda s: s.nbytes)
+        data = bytearray(self.held.objects[f"{name}/{data_file}"])
+        data[span.offset + span.nbytes // 2] ^= 1  # inside a tensor (not the alignment padding)
+        self.held.objects[f"{name}/{data_file}"] = bytes(data)
 
     def close(self) -> None:
         with self._wake:
@@ -313,8 +314,6 @@ class Replicator:
 
 
 def _files(owner: int, blobs: list[bytes]) -> dict[str, bytes]:
-    from ..storage.schema import rank_files
-
     if len(blobs) != 2:
         raise CorruptCheckpoint(f"rank {owner}'s copy has {len(blobs)} files, not a data file and an index")
     return dict(zip(rank_files(owner), blobs, strict=True))
