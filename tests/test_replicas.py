@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from conftest import EXAMPLE, TINY, cli, error_line, pack
 
 from ckptrun.errors import CorruptCheckpoint, UsageError
 from ckptrun.restore.recovery import newest_good
-from ckptrun.storage.schema import rank_files
+from ckptrun.storage.schema import Manifest, rank_files
 from ckptrun.storage.store import Store, full_name
 from ckptrun.storage.tiers.group import ReplicationGroup
 from ckptrun.storage.tiers.memtier import MemoryTier
@@ -57,12 +58,12 @@ def _steps(root: Path, steps: list[int]) -> Store:
     return store
 
 
-def _hold(tier: MemoryTier, store: Store, step: int, owner: int = 1) -> None:
+def _hold(tier: MemoryTier, store: Store, step: int, owner: int = 1) -> Manifest | None:
     """What a partner's engine does with `owner`'s shipped part of `step` (the bytes as sent)."""
     m = store.manifest(full_name(step))
     with record_parts(store, m) as (parts, manifest):
         files = {f: b"".join(src.chunks(1 << 20)) for f, src in parts[owner]}
-    tier.hold(owner, manifest, files)
+    return tier.hold(owner, manifest, files)
 
 
 def test_a_lost_part_comes_back_from_a_partner(tmp_path):
@@ -73,6 +74,7 @@ def test_a_lost_part_comes_back_from_a_partner(tmp_path):
     _hold(tier, store, 1)
     _hold(tier, store, 2)
     assert tier.owners == {1: (full_name(2), 2)} and not any(k.startswith(full_name(1)) for k in tier.objects)
+    assert _hold(tier, store, 1) is None and tier.owners == {1: (full_name(2), 2)}  # late: the newest stays
     kept = {f: (store.root / full_name(2) / f).read_bytes() for f in rank_files(1)}
     for step in (1, 2):
         for f in rank_files(1):
@@ -120,29 +122,31 @@ def test_refused_at_start(tmp_path):
     assert not (tmp_path / "ckpts").exists()  # refused before anything starts
 
 
-# One engine's replicator, as the engine drives it: join each round ("-" ships nothing), offer
-# each committed record, then (rank 0, first round) wait for the test's word that its partner is
-# gone and offer once more.
+# One engine's replicator, as the engine drives it: each round (PREFIX=RECORD,...) joined and its
+# committed records offered; then THEN: "-" closes, "hang" waits to be killed, a record name
+# awaits the test's word that the partner is gone, then is offered.
 PEER = """
 import os, sys, time
 from ckptrun.engine.replicate import Replicator
 from ckptrun.ipc.events import EventLog
+from ckptrun.storage.schema import record_step
 from ckptrun.storage.store import Store
-root, rank, port, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+root, rank, port, then, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:]
 rep = Replicator(EventLog(os.path.join(root, "..", "metrics"), f"engine-{rank}-{os.getpid()}"))
 for i, spec in enumerate(rounds):
     prefix, _, offers = spec.partition("=")
     rep.join({"addr": "127.0.0.1", "port": port, "prefix": prefix, "replicas": 2, "jump": 1, "local": 1},
              rank, 2, Store(root), None)
     for name in filter(None, offers.split(",")):
-        rep.offer(name)
+        rep.offer(name, record_step(name))
         while rep._offered is not None:
             time.sleep(0.05)
-    time.sleep(1)
-    if rank == 0 and i == 0:
+    if i == 0 and then == "hang":
+        time.sleep(600)
+    if i == 0 and then != "-":
         while not os.path.exists(os.path.join(root, "..", "gone")):
             time.sleep(0.05)
-        rep.offer(offers.split(",")[-1])
+        rep.offer(then, record_step(then))
         time.sleep(1)
 rep.close()
 """
@@ -154,22 +158,28 @@ def _events(tmp_path: Path, kind: str) -> list[dict]:
 
 
 def test_engines_ship_hold_and_give_back_over_gloo(tmp_path):
-    """Two engines on loopback: each holds the other's newest step; one that dies is dropped
+    """Two engines on loopback: each holds the other's newest step; one that is killed is dropped
     with one line; its replacement, whose --dir lost its part, gets it back in the next round."""
-    store = _steps(tmp_path / "ckpts", [1, 2])
+    store = _steps(tmp_path / "ckpts", [1, 2, 3])
     names = f"{full_name(1)},{full_name(2)}"
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
 
-    def peer(rank: int, *rounds: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-c", PEER, store.root, str(rank), str(master.port), *rounds],
+    def peer(rank: int, late: str, *rounds: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", PEER, store.root, str(rank), str(master.port), late, *rounds],
                                 stderr=subprocess.PIPE, text=True)
 
-    first, second = peer(0, f"r1={names}", "r2="), peer(1, f"r1={names}")
-    assert second.wait(120) == 0, second.stderr.read()
-    for f in rank_files(1):
-        (store.root / full_name(2) / f).unlink()
+    first, second = peer(0, full_name(3), f"r1={names}", "r2="), peer(1, "hang", f"r1={names}")
+    deadline = time.monotonic() + 120
+    while len(_events(tmp_path, "replica_held")) < 4:
+        assert time.monotonic() < deadline and second.poll() is None, second.stderr.read()
+        time.sleep(0.1)
+    second.kill()  # its node dies
+    second.wait()
+    for step in (2, 3):  # with its disk (step 3: written, never shipped)
+        for f in rank_files(1):
+            (store.root / full_name(step) / f).unlink()
     (tmp_path / "gone").touch()
-    third = peer(1, "r2=")
+    third = peer(1, "-", "r2=")
     assert (first.wait(120), third.wait(120)) == (0, 0)
     said = first.stderr.read()
     assert said.count("replicas to rank 1 stopped") == 1, said

@@ -125,6 +125,7 @@ class Replicator:
         self.fault: Fault | None = None
         self._lock = threading.Lock()  # the round and the held copies
         self._offered: str | None = None  # the newest committed record not shipped yet
+        self._newest = -1  # the step of the newest record offered
         self._wake = threading.Condition()
         self._closing = False
         threading.Thread(target=self._ship_loop, name="ckptrun-replicas", daemon=True).start()
@@ -215,7 +216,7 @@ class Replicator:
         manifest, *files = got[1]
         try:
             m = tier.hold(r.rank, manifest, _files(r.rank, files))
-            copied = fill(tier, self.store, m.name)
+            copied = fill(tier, self.store, m.name) if m is not None else []
         except CorruptCheckpoint as e:
             log.warning(f"rank {r.rank}: the copy rank {holder} held is damaged ({_short(e)}); resuming "
                         "from --dir")
@@ -228,11 +229,13 @@ class Replicator:
                       bytes=sum(len(f) for f in files), seconds=took)
 
     # ---- shipping and holding ----------------------------------------------------------
-    def offer(self, record: str) -> None:
-        """A record this rank wrote has committed: ship it (only the newest waits)."""
+    def offer(self, record: str, step: int) -> None:
+        """A record of `step` this rank wrote has committed: ship it, if no newer step has been
+        (records commit out of step order when one's parts are late; only the newest waits)."""
         with self._wake:
-            self._offered = record
-            self._wake.notify()
+            if step > self._newest:
+                self._offered, self._newest = record, step
+                self._wake.notify()
 
     def _ship_loop(self) -> None:
         while True:
@@ -261,24 +264,29 @@ class Replicator:
             try:
                 r.send(p, SHIP, r.rank, [manifest, *blobs])
             except RuntimeError as e:
-                r.live.discard(p)
-                log.warning(f"rank {r.rank}: replicas to rank {p} stopped ({_short(e)}); its steps stay in --dir "
-                            "only, until the next rendezvous round")
-                self.log.emit(type="replica_error", rank=r.rank, partner=p, error=_short(e))
-                continue
+                self._drop(r, p, e)
         self.log.emit(type="replica_sent", rank=r.rank, step=m.step, bytes=sum(map(len, blobs)),
                       partners=sorted(r.live), seconds=time.time() - t0)
 
+    def _drop(self, r: Round, p: int, e: BaseException) -> None:
+        """Partner `p` is dead or stalled: no more copies go to it this round (said once)."""
+        if p in r.live and self.round is r:
+            r.live.discard(p)
+            log.warning(f"rank {r.rank}: replicas to rank {p} stopped ({_short(e)}); its steps stay in --dir "
+                        "only, until the next rendezvous round")
+            self.log.emit(type="replica_error", rank=r.rank, partner=p, error=_short(e))
+
     def _recv_loop(self, r: Round, src: int) -> None:
-        """Hold each copy `src` ships, until it says STOP or its connection breaks."""
+        """Hold each copy `src` ships, until it says STOP (it left the round) or its connection
+        breaks (it died: no more copies go to it either)."""
         while True:
             try:
                 got = r.recv(src, SHIP)
             except (RuntimeError, ValueError, KeyError, TypeError, CorruptCheckpoint) as e:
-                if self.round is r:
-                    self.log.emit(type="replica_error", rank=r.rank, partner=src, error=_short(e))
+                self._drop(r, src, e)
                 return
             if got is None:
+                r.live.discard(src)
                 return
             owner, (manifest, *files) = got
             try:
@@ -286,6 +294,8 @@ class Replicator:
                     raise CorruptCheckpoint(f"rank {src} sent a copy of rank {owner}")
                 with self._lock:
                     m = self.held.hold(owner, manifest, _files(owner, files))
+                    if m is None:
+                        continue
                     self._corrupt_if_asked(owner, m.step)
             except CorruptCheckpoint as e:
                 log.warning(f"rank {r.rank}: refused rank {src}'s copy ({_short(e)}); keeping the one held")

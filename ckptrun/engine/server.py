@@ -336,7 +336,7 @@ class Engine:
         """`record` is committed for the whole run: logged (by global rank 0) and the worker told."""
         self.committed_step = max(self.committed_step or 0, step)
         if self.replicator is not None:
-            self.replicator.offer(record)
+            self.replicator.offer(record, step)
         if self.rank == 0:
             self.log.emit(type="commit", step=step, bytes=nbytes, kind=kind, ranks=self.world_size,
                           lag_s=time.time() - (snapshot_time or time.time()))
@@ -452,7 +452,7 @@ class Engine:
         for spec in sorted(done, key=lambda spec: spec.step):
             self.send(Committed(step=spec.step, record=spec.record))
             if self.replicator is not None:
-                self.replicator.offer(spec.record)
+                self.replicator.offer(spec.record, spec.step)
 
     def commit_loop(self) -> None:
         """Retry pending commits that wait on other ranks' files or on a back-off (rank 0), or

@@ -52,10 +52,14 @@ class MemoryTier(Tier):
     def sweep_partial(self) -> int:
         return 0  # `put` stores an object whole or not at all
 
-    def hold(self, owner: int, manifest: bytes, files: dict[str, bytes]) -> Manifest:
+    def hold(self, owner: int, manifest: bytes, files: dict[str, bytes]) -> Manifest | None:
         """Check and keep rank `owner`'s part (`files`) of the record `manifest` commits, in place
-        of the one held for it before; CorruptCheckpoint (nothing kept) if any check fails."""
+        of the one held for it before, unless that one is of the same step or a newer one (then
+        None); CorruptCheckpoint (nothing kept) if any check fails."""
         m = parse_manifest(manifest, f"rank {owner}'s copy")
+        old = self.owners.get(owner)
+        if old is not None and old[1] >= m.step:
+            return None
         index_file, data_file = rank_files(owner)[1], rank_files(owner)[0]
         if set(files) != {index_file, data_file} or str(owner) not in m.index_checksums:
             raise CorruptCheckpoint(f"{m.name}: rank {owner}'s copy holds {sorted(files)}")
@@ -68,10 +72,9 @@ class MemoryTier(Tier):
             raise CorruptCheckpoint(f"{what}: its index is not a rank index") from None
         part = [(data_file, Source.of_buffer(files[data_file], spans, what)),
                 (index_file, Source.of_bytes(raw, m.index_checksums[str(owner)], f"{what} index"))]
-        old = self.owners.get(owner)
         self.publish_record(m.name, [part], manifest)
         self.owners[owner] = (m.name, m.step)
-        if old is not None and old[0] != m.name:
+        if old is not None:
             self.drop(owner, old[0])
         return m
 
