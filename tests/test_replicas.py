@@ -122,8 +122,8 @@ def test_refused_at_start(tmp_path):
     assert not (tmp_path / "ckpts").exists()  # refused before anything starts
 
 
-# One engine's replicator, as the engine drives it: each round (PREFIX=RECORD,...) joined and its
-# committed records offered; then THEN: "-" closes, "hang" waits to be killed, a record name
+# One engine's replicator, as the engine drives it: each round (PREFIX[@RANK]=RECORD,...) joined,
+# as RANK if given, and its committed records offered; then THEN: "-" closes, "hang" waits to be killed, a record name
 # awaits the test's word that the partner is gone, then is offered.
 PEER = """
 import os, sys, time
@@ -134,9 +134,10 @@ from ckptrun.storage.store import Store
 root, rank, port, then, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:]
 rep = Replicator(EventLog(os.path.join(root, "..", "metrics"), f"engine-{rank}-{os.getpid()}"))
 for i, spec in enumerate(rounds):
-    prefix, _, offers = spec.partition("=")
+    head, _, offers = spec.partition("=")
+    prefix, _, as_rank = head.partition("@")
     rep.join({"addr": "127.0.0.1", "port": port, "prefix": prefix, "replicas": 2, "jump": 1, "local": 1},
-             rank, 2, Store(root), None)
+             int(as_rank or rank), 2, Store(root), None)
     for name in filter(None, offers.split(",")):
         rep.offer(name, record_step(name))
         while rep._offered is not None:
@@ -157,18 +158,22 @@ def _events(tmp_path: Path, kind: str) -> list[dict]:
     return [e for e in map(json.loads, lines) if e["type"] == kind]
 
 
-def test_engines_ship_hold_and_give_back_over_gloo(tmp_path):
+@pytest.mark.parametrize("swap", [False, True], ids=["same-ranks", "ranks-swap"])
+def test_engines_ship_hold_and_give_back_over_gloo(swap, tmp_path):
     """Two engines on loopback: each holds the other's newest step; one that is killed is dropped
-    with one line; its replacement, whose --dir lost its part, gets it back in the next round."""
+    with one line; in the next round the rank whose --dir lost its part gets it back: the
+    replacement from the survivor, or the survivor from itself where the rendezvous gave it the
+    dead node's rank."""
     store = _steps(tmp_path / "ckpts", [1, 2, 3])
     names = f"{full_name(1)},{full_name(2)}"
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
 
-    def peer(rank: int, late: str, *rounds: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-c", PEER, store.root, str(rank), str(master.port), late, *rounds],
+    def peer(rank: int, then: str, *rounds: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", PEER, store.root, str(rank), str(master.port), then, *rounds],
                                 stderr=subprocess.PIPE, text=True)
 
-    first, second = peer(0, full_name(3), f"r1={names}", "r2="), peer(1, "hang", f"r1={names}")
+    first = peer(0, full_name(3), f"r1={names}", "r2@1=" if swap else "r2=")
+    second = peer(1, "hang", f"r1={names}")
     deadline = time.monotonic() + 120
     while len(_events(tmp_path, "replica_held")) < 4:
         assert time.monotonic() < deadline and second.poll() is None, second.stderr.read()
@@ -179,12 +184,12 @@ def test_engines_ship_hold_and_give_back_over_gloo(tmp_path):
         for f in rank_files(1):
             (store.root / full_name(step) / f).unlink()
     (tmp_path / "gone").touch()
-    third = peer(1, "-", "r2=")
-    assert (first.wait(120), third.wait(120)) == (0, 0)
-    said = first.stderr.read()
+    third = peer(1, "-", "r2@0=" if swap else "r2=")
+    assert (first.wait(120), third.wait(120)) == (0, 0), first.stderr.read() + third.stderr.read()
+    said = first.stderr.read() + third.stderr.read()
     assert said.count("replicas to rank 1 stopped") == 1, said
     held = sorted((e["rank"], e["owner"], e["step"]) for e in _events(tmp_path, "replica_held"))
     assert held == [(0, 1, 1), (0, 1, 2), (1, 0, 1), (1, 0, 2)]
     restored = _events(tmp_path, "replica_restored")
-    assert [(e["rank"], e["step"], e["holder"]) for e in restored] == [(1, 2, 0)], third.stderr.read()
+    assert [(e["rank"], e["step"], e["holder"]) for e in restored] == [(1, 2, 1 if swap else 0)], said
     assert newest_good(Store(store.root)).step == 2

@@ -164,7 +164,7 @@ class Replicator:
             old, self.round = self.round, None
         if old is None:
             return
-        for p in old.live:
+        for p in sorted(old.live):
             with contextlib.suppress(RuntimeError):
                 old.stop(p)
         old.close()
@@ -176,6 +176,8 @@ class Replicator:
         r.store.set(f"held/{r.rank}", json.dumps(held))
         offers = [(step, name, p) for p in r.partners
                   for o, (name, step) in json.loads(r.store.get(f"held/{p}")).items() if int(o) == r.rank]
+        if r.rank in self.held.owners:  # the rendezvous gave this node the rank whose copy it held
+            offers.append((self.held.owners[r.rank][1], self.held.owners[r.rank][0], r.rank))
         want = self._wanted(r.rank, max(offers, default=None))
         r.store.set(f"want/{r.rank}", json.dumps(want))
         senders = []
@@ -189,7 +191,7 @@ class Replicator:
                 t.start()
                 senders.append(t)
         if want:
-            self._take_back(r, want["holder"])
+            self._take_back(r, want["holder"], want["record"])
         for t in senders:
             t.join(SEND_TIMEOUT_S)
 
@@ -207,26 +209,33 @@ class Replicator:
             return {}
         return {"holder": holder, "record": name}
 
-    def _take_back(self, r: Round, holder: int) -> None:
+    def _take_back(self, r: Round, holder: int, name: str) -> None:
+        """Complete record `name` in --dir with this rank's part from `holder`'s memory (this
+        engine's own, where the rendezvous gave it the rank whose copy it held), checked."""
         t0 = time.time()
-        got = r.recv(holder, FETCH, SEND_TIMEOUT_S)
-        if got is None or got[0] != r.rank:
-            raise CorruptCheckpoint(f"rank {holder} sent no copy of rank {r.rank}")
-        tier = MemoryTier(f"rank {holder}'s memory")
-        manifest, *files = got[1]
         try:
-            m = tier.hold(r.rank, manifest, _files(r.rank, files))
-            copied = fill(tier, self.store, m.name) if m is not None else []
+            tier = self.held if holder == r.rank else self._received(r, holder)
+            copied = fill(tier, self.store, name)
         except CorruptCheckpoint as e:
             log.warning(f"rank {r.rank}: the copy rank {holder} held is damaged ({_short(e)}); resuming "
                         "from --dir")
             self.log.emit(type="replica_error", rank=r.rank, error=_short(e))
             return
-        took = time.time() - t0
-        log.info(f"rank {r.rank}: step {m.step} taken back from rank {holder}'s memory in {took:.2f} s "
+        took, step = time.time() - t0, tier.owners[r.rank][1]
+        log.info(f"rank {r.rank}: step {step} taken back from rank {holder}'s memory in {took:.2f} s "
                  f"({', '.join(copied)})")
-        self.log.emit(type="replica_restored", rank=r.rank, step=m.step, holder=holder, files=copied,
-                      bytes=sum(len(f) for f in files), seconds=took)
+        self.log.emit(type="replica_restored", rank=r.rank, step=step, holder=holder, files=copied,
+                      bytes=sum(len(tier.objects[f"{name}/{f}"]) for f in copied), seconds=took)
+
+    def _received(self, r: Round, holder: int) -> MemoryTier:
+        """The copy of this rank's part `holder` sends back, checked on receipt."""
+        got = r.recv(holder, FETCH, SEND_TIMEOUT_S)
+        if got is None or got[0] != r.rank:
+            raise CorruptCheckpoint(f"rank {holder} sent no copy of rank {r.rank}")
+        tier = MemoryTier(f"rank {holder}'s memory")
+        manifest, *files = got[1]
+        tier.hold(r.rank, manifest, _files(r.rank, files))
+        return tier
 
     # ---- shipping and holding ----------------------------------------------------------
     def offer(self, record: str, step: int) -> None:
