@@ -117,8 +117,8 @@ def _bytes_tensor(b: bytes) -> Any:
 class Replicator:
     """This engine's side of the replicated memory tier (see the module docstring)."""
 
-    def __init__(self, log_: EventLog) -> None:
-        self.log = log_
+    def __init__(self, events: EventLog) -> None:
+        self.log = events
         self.held = MemoryTier("partner memory")
         self.round: Round | None = None
         self.store: Store | None = None
@@ -140,6 +140,8 @@ class Replicator:
         if self.round is not None and self.round.key == spec["prefix"] and self.round.rank == rank:
             return  # the same round (a worker restarted alone)
         self._end_round()
+        with self._wake:
+            self._newest = -1  # new partners may hold nothing yet: the next commit goes, whatever its step
         try:
             r = Round(spec, rank, world_size)
         except (CkptrunError, RuntimeError, ValueError) as e:
