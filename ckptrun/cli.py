@@ -157,6 +157,14 @@ def run(
     durable_endpoint: Annotated[str, typer.Option(help="URL of an S3-compatible service for --durable "
                                                        "(default: the client's standard chain, e.g. "
                                                        "AWS_ENDPOINT_URL).")] = "",
+    replicas: Annotated[int, typer.Option(help="Copies of each committed step: 1 (--dir only) or K: also in "
+                                               "the memory of K-1 partner ranks' engines on other nodes; a "
+                                               "replaced node takes its ranks' parts back from them when its "
+                                               "--dir lacks them. A strategy whose records a rank's part "
+                                               "cannot restore alone is refused, naming those that can.")] = 1,
+    replica_jump: Annotated[int, typer.Option(help="--replicas: a rank's copies go to every J-th node after its "
+                                                   "own (1: the next nodes); nodes must be a multiple of "
+                                                   "replicas x jump.")] = 1,
     resume: Annotated[bool, typer.Option(help="Resume from the latest committed step in --dir.")] = True,
     on_save_error: Annotated[str, typer.Option(help="warn: report a failed save and train on; fail: stop.")]
     = "warn",
@@ -261,7 +269,8 @@ def run(
                     mtbf=mtbf_s, max_steps=max_steps, on_restart=on_restart, dist_env=dist_env,
                     every_given=every_given, durable=durable, durable_keep=durable_keep,
                     durable_every=0 if durable_every == "auto" else int(durable_every),
-                    durable_endpoint=durable_endpoint, options={**options, **({"mtbf": mtbf_s} if mtbf_s else {})})
+                    durable_endpoint=durable_endpoint, replicas=replicas, replica_jump=replica_jump,
+                    options={**options, **({"mtbf": mtbf_s} if mtbf_s else {})})
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf,
                          local_addr, master_addr, master_port, max_restarts, standalone,
                          term_timeout=_duration("--term-timeout", term_timeout))

@@ -59,6 +59,10 @@ class RunConfig:
     durable_every: int = 0
     durable_keep: int = 2
     durable_endpoint: str = ""  # --durable-endpoint: an S3-compatible service's URL
+    # --replicas K: each step also in the memory of K-1 partners' engines on other nodes (1: none);
+    # --replica-jump J: a rank's group spans every J-th node (ckptrun/storage/tiers/group.py)
+    replicas: int = 1
+    replica_jump: int = 1
     options: dict = field(default_factory=dict)  # strategy-specific settings
     dist_env: bool = True  # --no-dist-env: the script sees none of torchrun's variables (one process)
     launcher_env: dict = field(default_factory=dict)  # --no-dist-env: those variables as the launcher had them

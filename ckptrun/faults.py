@@ -23,7 +23,7 @@ ENV = "CKPTRUN_FAULT"
 
 @dataclass(frozen=True)
 class Fault:
-    target: str  # "kill" (worker), "kill-engine" or "enospc" (engine writes fail)
+    target: str  # "kill" (worker), "kill-engine", "enospc" (engine writes fail) or "corrupt-replica"
     step: int
     phase: str  # "compute" or "write"
     rank: int | None = None
@@ -34,11 +34,11 @@ class Fault:
     @classmethod
     def parse(cls, text: str) -> Fault:
         parts = text.split(":")
-        if parts[0] not in ("kill", "kill-engine", "enospc"):
+        if parts[0] not in ("kill", "kill-engine", "enospc", "corrupt-replica"):
             raise ValueError(f"{ENV}={text!r}: expected kill:step=N[:phase=compute|write][:rank=R] "
                              "or enospc:step=N:at=FILE.POINT[:times=T]")
         opts = dict(p.split("=", 1) for p in parts[1:])
-        phase = opts.get("phase", "compute" if parts[0] == "kill" else "write")
+        phase = opts.get("phase", {"kill": "compute", "corrupt-replica": "memory"}.get(parts[0], "write"))
         rank = int(opts["rank"]) if "rank" in opts else None
         return cls(parts[0], int(opts["step"]), phase, rank, opts.get("at", "").replace(".", ":", 1),
                    int(opts.get("times", 1)), text)

@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,10 +56,10 @@ class Node:
     addr: str
     other_addr: str  # a second address of its own (a replacement node that sorts elsewhere)
 
-    def start(self, cwd: Path, host: str, strategy: str, *, addr: str | None = None,
-              extra: tuple[str, ...] = ()) -> subprocess.Popen:
-        """Its launcher (`ckptrun run`, node rank `rank`, with the flags `extra`), under a host
-        name of its own, as a node has. The rendezvous ranks nodes by their address
+    def start(self, cwd: Path, host: str, strategy: str, *, addr: str | None = None, extra: tuple[str, ...] = (),
+              fault: str | None = None) -> subprocess.Popen:
+        """Its launcher (`ckptrun run`, node rank `rank`, with `extra` flags and `fault`), under a
+        host name of its own, as a node has. The rendezvous ranks nodes by their address
         (`--local-addr`, default `self.addr`)."""
         argv = ["ip", "netns", "exec", self.netns, "unshare", "--uts", "sh", "-c",
                 f'hostname node{self.rank} && exec "$@"', "sh",
@@ -70,7 +70,7 @@ class Node:
                 "--keep", "0", "--metrics-dir", f"metrics-node{self.rank}", "--strategy", strategy,
                 *REGISTRY[strategy].short_run_flags, *extra, EXAMPLE,
                 *map(str, ARGS)]
-        env = {**clean_env(None), "GLOO_SOCKET_IFNAME": self.link, "OMP_NUM_THREADS": "1"}
+        env = {**clean_env(fault), "GLOO_SOCKET_IFNAME": self.link, "OMP_NUM_THREADS": "1"}
         with open(cwd / f"node{self.rank}.log", "ab") as out:
             return subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -223,3 +223,88 @@ def test_node_killed_and_restarted_resumes_exactly(nodes, tmp_path, strategy, sw
     back = max(e["t"] for e in resumed) - t_kill
     print(f"two nodes, {strategy}: uninterrupted run {t_plain:.1f} s, whole test {t_all:.1f} s; killed with step "
           f"{at_kill} committed, resumed at {resumed[0]['resume_step']}, {back:.1f} s after the kill")
+
+
+REPLICAS = ("--replicas", "2")
+REPLICATED = 5  # node 1 is killed once node 0's engine holds its part of this step or a later one
+
+
+def _held(cwd: Path, owner: int) -> list[int]:
+    """The steps of `owner`'s copies node 0's engine has held, in order."""
+    lines = (cwd / "metrics-node0" / "engine-0.jsonl").read_text().splitlines()
+    return [e["step"] for e in map(json.loads, lines) if e.get("type") == "replica_held" and e["owner"] == owner]
+
+
+def _lose_node1(cwd: Path, head: Node, other: Node, strategy: str, *, fault: str | None = None,
+                lost: Callable[[int], bool]) -> tuple[int, float]:
+    """A run with --replicas 2 in which node 1's whole tree is killed once node 0 holds a copy
+    of step REPLICATED or later, node 1's part of the steps `lost(step)` picks is deleted (its
+    disk lost) and node 1 starts again. Returns (newest step node 0 held, when node 1 was killed)."""
+    cwd.mkdir()
+    procs = [head.start(cwd, head.addr, strategy, extra=REPLICAS, fault=fault),
+             other.start(cwd, head.addr, strategy, extra=REPLICAS)]
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not (cwd / "metrics-node0" / "engine-0.jsonl").exists() or max(_held(cwd, 1), default=-1) < REPLICATED:
+        assert time.monotonic() < deadline and procs[1].poll() is None, _logs(cwd)
+        time.sleep(0.05)
+    other.kill()
+    t_kill = time.time()
+    assert procs[1].wait(timeout=30) == -signal.SIGKILL
+    time.sleep(1)  # rank 0's engine commits nothing more: rank 1's writer is gone
+    held = max(_held(cwd, 1))
+    assert held < STOP and not (cwd / "own-0.pt").exists(), "the node was killed after the run ended"
+    for part in (cwd / "ckpts").glob("step-*/rank-00001.*"):
+        if lost(int(part.parent.name.removeprefix("step-"))):
+            part.unlink()
+    procs[1] = other.start(cwd, head.addr, strategy, extra=REPLICAS)
+    assert _finish(procs, cwd) == [0, 0], _logs(cwd)
+    return held, t_kill
+
+
+def _resumed_at(cwd: Path, nodes: tuple[Node, Node], after: float) -> int:
+    """The one step both ranks resumed from after time `after` (each started once since)."""
+    resumed = [e for node in nodes for e in _runs(cwd, node) if e["t"] > after]
+    assert len(resumed) == 2 and len({e["resume_step"] for e in resumed}) == 1, resumed
+    return resumed[0]["resume_step"]
+
+
+# Each strategy whose records a rank's part restores alone (the registry's `replicas`); the
+# default strategy by default, the others under --full.
+REPLICABLE = [pytest.param(s, marks=() if s == RunConfig.strategy else FULL)
+              for s, e in REGISTRY.items() if e.replicas]
+
+
+@pytest.mark.parametrize("strategy", REPLICABLE)
+def test_lost_node_takes_its_part_back_from_partner_memory(strategy, nodes, tmp_path):
+    """--replicas 2: node 1 is killed and its part of every step on disk is lost; started again,
+    its engine takes the newest step node 0's engine held back into --dir before its worker
+    starts, both ranks resume from it, and the final states equal an uninterrupted run's bit for
+    bit. Then a copy gone bad in node 0's memory is refused with one line and the resume falls
+    through to the newest step whose parts are on disk."""
+    head, other = nodes
+    plain = tmp_path / "uninterrupted"
+    plain.mkdir()
+    procs = [head.start(plain, head.addr, strategy, extra=REPLICAS),
+             other.start(plain, head.addr, strategy, extra=REPLICAS)]
+    assert _finish(procs, plain) == [0, 0], _logs(plain)
+    assert _held(plain, 1), "node 0 held no copy of rank 1's part"
+
+    held, t_kill = _lose_node1(tmp_path / "lost", head, other, strategy, lost=lambda step: True)
+    lost = tmp_path / "lost"
+    back = [json.loads(line) for line in (lost / "metrics-node1" / "engine-0.jsonl").read_text().splitlines()]
+    restored = [e for e in back if e.get("type") == "replica_restored"]
+    assert [(e["step"], e["holder"]) for e in restored] == [(held, 0)], _logs(lost)
+    assert _resumed_at(lost, nodes, t_kill) == held
+    for rank in (0, 1):
+        assert_training_state(load(lost / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
+
+    bad = tmp_path / "bad-copy"
+    _, t_kill = _lose_node1(bad, head, other, strategy, fault=f"corrupt-replica:step={REPLICATED}:rank=0",
+                          lost=lambda step: step >= REPLICATED)
+    log1 = (bad / "node1.log").read_text()
+    assert log1.count("the copy rank 0 held is damaged") == 1, _logs(bad)
+    assert _resumed_at(bad, nodes, t_kill) == REPLICATED - 1
+    for rank in (0, 1):
+        assert_training_state(load(bad / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
+    print(f"two nodes, {strategy}, --replicas 2: rank 1 took step {restored[0]['step']} back from rank 0's memory "
+          f"in {restored[0]['seconds']:.2f} s ({restored[0]['bytes']} bytes)")

@@ -83,6 +83,7 @@ class Engine:
         self.holds_memory = False  # a handler said it holds a step in memory (memory_status)
         self.stopping = threading.Event()
         self.drain: drain.Drain | None = None  # --durable: copies this rank's part of committed steps there
+        self.replicator = None  # --replicas > 1: this rank's copies in partners' memory (engine/replicate.py)
         self.log.emit(type="engine", local_rank=local_rank, pid=os.getpid())
 
     # ---- plumbing ----------------------------------------------------------------------
@@ -171,11 +172,22 @@ class Engine:
         if self.strategy != msg.strategy:  # a restarted worker keeps what the handler holds
             self.strategy, self.handler = msg.strategy, engine_handler(msg.engine_handler, ServerContext(self))
             self.handler.restart()  # what an earlier engine (a replaced node's) left uncommitted goes too
+        if msg.replication is not None:
+            self._replicate(msg)
         newest = max((s.nbytes for s in self.slots.values()), default=0)
         for i in [i for i, s in self.slots.items() if s.nbytes < newest]:
             self.slots.pop(i).close()
         self.reply(msg, pid=os.getpid(), slots=self._slot_list(sorted(self.slots)),
                    committed_step=self.committed_step)
+
+    def _replicate(self, msg: Hello) -> None:
+        """Meet the partners' engines of this rendezvous round (before the worker is answered: a
+        replaced node's parts come back first). torch is imported only here, only with --replicas."""
+        from .replicate import Replicator
+
+        if self.replicator is None:
+            self.replicator = Replicator(self.log)
+        self.replicator.join(msg.replication, msg.rank, msg.world_size, self.store, self.fault)
 
     def _give_up_handler(self) -> None:
         """The worker came back as another rank: the handler's state is its old rank's, which the
@@ -325,6 +337,8 @@ class Engine:
     def committed(self, step: int, record: str, *, nbytes: int, kind: str, snapshot_time: float | None) -> None:
         """`record` is committed for the whole run: logged (by global rank 0) and the worker told."""
         self.committed_step = max(self.committed_step or 0, step)
+        if self.replicator is not None:
+            self.replicator.offer(record, step)
         if self.rank == 0:
             self.log.emit(type="commit", step=step, bytes=nbytes, kind=kind, ranks=self.world_size,
                           lag_s=time.time() - (snapshot_time or time.time()))
@@ -439,6 +453,8 @@ class Engine:
                 del self.pending[name]
         for spec in sorted(done, key=lambda spec: spec.step):
             self.send(Committed(step=spec.step, record=spec.record))
+            if self.replicator is not None:
+                self.replicator.offer(spec.record, spec.step)
 
     def commit_loop(self) -> None:
         """Retry pending commits that wait on other ranks' files or on a back-off (rank 0), or
@@ -471,6 +487,8 @@ class Engine:
             self.settle(timeout=COMMIT_BACKOFF_S * 2 ** COMMIT_TRIES)
         if self.drain is not None:
             self.drain.close()
+        if self.replicator is not None:
+            self.replicator.close()
         for s in self.slots.values():
             s.close()
         if self.pool:

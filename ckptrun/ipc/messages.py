@@ -67,6 +67,9 @@ class Hello(Message):
     io_threads: int
     fault: str | None = None
     io_engine: str = "auto"  # the engine's file writer: auto | native | python (storage/iowriter.py)
+    # --replicas > 1: the attempt's job store (addr, port, prefix), replicas, jump and local ranks
+    # per node (engine/replicate.py); None: no copies in partners' memory
+    replication: dict | None = None
 
 
 @dataclass(kw_only=True)

@@ -23,6 +23,7 @@ from ..memory_budget import Budget
 from ..storage.dirlock import DirLock, lock_name
 from ..storage.leftovers import new_tag, remove_staging, run_name, sweep_stale
 from ..storage.store import Store
+from . import replicas
 
 
 @dataclass
@@ -168,6 +169,7 @@ def run(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str]
     output = output or OutputOptions()
     if not cfg.dist_env:
         _one_process(opts)
+    replicas.check(cfg, opts.nnodes)
     lock = preflight(cfg, script, per_host_lock=opts.nnodes != "1")
     try:
         return _launch(cfg, opts, script, script_args, str(lock.engines_path), output, metrics_file)

@@ -52,6 +52,10 @@ class Entry:
     # the flag that cannot be honoured and what to give instead. Called by the launcher before
     # anything starts. None: the strategy checkpoints at `ctx.due` steps, which --every sets.
     explicit_every: str | None = None
+    # --replicas K > 1: its committed records are record folders that a rank's part alone restores
+    # (no chain of records, no engine-held replica or region of its own), so a partner's copy of
+    # a rank's part of the newest one brings a replaced node back. One that does not is refused.
+    replicas: bool = False
 
     def load(self):
         return _attr(self.trainer)
@@ -73,10 +77,11 @@ def _attr(path: str):
 BUILTIN: dict[str, Entry] = {
     "sync": Entry("ckptrun.strategies.sync:Sync",
                   "blocking write on the training path (the torch.save baseline)", sharded=True, write_once=True,
+                  replicas=True,
                   intervals="one: a checkpoint captured and written every N steps."),
     "checkfreq": Entry("ckptrun.strategies.checkfreq:CheckFreq",
                        "snapshot to host overlapped with the next forward/backward; persist in the engine",
-                       sharded=True, write_once=True,
+                       sharded=True, write_once=True, replicas=True,
                        intervals="one: a snapshot every N steps, persisted in the background."),
     "lowdiff": Entry("ckptrun.strategies.lowdiff.trainer:LowDiff",
                      "every step's gradient as a batched differential checkpoint; full every F; exact replay",

@@ -41,9 +41,21 @@ def _server_or_client() -> dist.TCPStore:
                          multi_tenant=host, timeout=timedelta(minutes=10))
 
 
+def _prefix(restart_count: int) -> str:
+    return f"ckptrun/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{attempt(restart_count)}"
+
+
 def job_store(restart_count: int, namespace: str = "") -> dist.PrefixStore:
     """A client of the job's TCPStore, keyed per run and attempt (and `namespace`)."""
     import torch.distributed as dist
 
-    prefix = f"ckptrun/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{attempt(restart_count)}"
+    prefix = _prefix(restart_count)
     return dist.PrefixStore(f"{prefix}/{namespace}" if namespace else prefix, _server_or_client())
+
+
+def endpoint(restart_count: int) -> dict:
+    """Where another process of this node (the engine) finds this attempt's store: its address,
+    port and key prefix. The store is up once this returns (rank 0 hosts it without the agent's)."""
+    _server_or_client()
+    return {"addr": os.environ["MASTER_ADDR"], "port": int(os.environ["MASTER_PORT"]),
+            "prefix": _prefix(restart_count)}

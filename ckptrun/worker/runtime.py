@@ -18,6 +18,7 @@ from ckptrun/worker/patches.py) and passes each to the parts that save and load 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +32,7 @@ from ..ipc.client import EngineClient
 from ..ipc.messages import Bye, Hello, Message
 from ..restore import replay
 from ..strategies import REGISTRY, checkpoints_every_optimizer, names_where
-from . import decisions, sharded
+from . import decisions, jobstore, sharded
 from .capture import Capture
 from .context import WorkerContext
 from .ddp_buckets import DDP_BUCKETS, BucketLayout
@@ -73,12 +74,20 @@ class Runtime(StepHooks):
             rank=rank, world_size=world_size, restart_count=restart_count, dir=cfg.dir, keep=cfg.keep,
             strategy=cfg.strategy, engine_handler=entry.engine_handler, writers=cfg.writers,
             io_threads=cfg.io_threads,
-            fault=self.fault.text if self.fault else None, io_engine=cfg.io_engine))
+            fault=self.fault.text if self.fault else None, io_engine=cfg.io_engine,
+            replication=self._replication(restart_count)))
         self.engine_pid = hello["pid"]
         self.staging.start(hello["slots"])
         strategy = entry.load()
         self.staging.min_slots = strategy.min_slots
         self.strategy = strategy(WorkerContext(self))
+
+    def _replication(self, restart_count: int) -> dict | None:
+        """What the engine needs to meet its partners' engines (--replicas > 1), else None."""
+        if self.cfg.replicas <= 1:
+            return None
+        return {**jobstore.endpoint(restart_count), "replicas": self.cfg.replicas, "jump": self.cfg.replica_jump,
+                "local": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
 
     def _on_event(self, msg: Message) -> None:
         """An event from the engine (its receiver thread): the hand-off's, then the strategy's."""

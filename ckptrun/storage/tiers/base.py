@@ -87,10 +87,7 @@ class Tier(ABC):
         if MANIFEST not in sizes:
             raise CorruptCheckpoint(f"{name}: no commit object in {self.url}")
         self.get(f"{name}/{MANIFEST}", dest, sizes[MANIFEST])
-        try:
-            m = Manifest.from_json(json.loads(dest.read_bytes()))
-        except (ValueError, RecursionError):
-            raise CorruptCheckpoint(f"{name}: manifest is not valid JSON") from None
+        m = parse_manifest(dest.read_bytes(), name)
         if m.name != name:
             raise CorruptCheckpoint(f"{name}: manifest names another record ({m.name})")
         return m
@@ -135,3 +132,10 @@ class Tier(ABC):
             self.remove_record(name, list(records[name]))
         return aborted, torn
 
+
+def parse_manifest(raw: bytes, what: str) -> Manifest:
+    """The checked manifest in the bytes of a commit object (`what` names it in errors)."""
+    try:
+        return Manifest.from_json(json.loads(raw))
+    except (ValueError, RecursionError):
+        raise CorruptCheckpoint(f"{what}: manifest is not valid JSON") from None

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ...errors import CkptrunError
+from ...errors import CkptrunError, CorruptCheckpoint
 from ...log import log
 from ..fsutil import fsync_dir
 from ..store import Store
@@ -46,14 +46,7 @@ def mirror(tier: Tier, dest: Path, names: Iterable[str] | None = None, *, data: 
                            f"{free:,} free", exit_code=2)
 
     def fetch(item: tuple[str, str, int]) -> None:
-        name, file, size = item
-        path = dest / name / file
-        tmp = path.with_name(f".{file}.part-{os.getpid()}")
-        try:
-            tier.get(f"{name}/{file}", tmp, size)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        _fetch(tier, dest, *item)
 
     with ThreadPoolExecutor(WORKERS) as pool:
         for name in todo:
@@ -65,6 +58,37 @@ def mirror(tier: Tier, dest: Path, names: Iterable[str] | None = None, *, data: 
     for name in todo:
         fsync_dir(dest / name)
     return chosen
+
+
+def _fetch(tier: Tier, dest: Path, name: str, file: str, size: int) -> None:
+    """Copy one object into `dest/name/file`, under a hidden name until it is whole."""
+    path = dest / name / file
+    tmp = path.with_name(f".{file}.part-{os.getpid()}")
+    try:
+        tier.get(f"{name}/{file}", tmp, size)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def fill(tier: Tier, store: Store, name: str) -> list[str]:
+    """Copy into record `name`, committed in `store`, the rank parts it lacks that `tier` holds
+    (its manifest, which pins their checksums, is left as it is), then check the record through
+    `Store`; a part that fails is removed again. Returns the files copied; CorruptCheckpoint
+    (nothing left behind) when the record still does not verify."""
+    m = store.manifest(name)
+    present = set(store.ranks_present(name))
+    files = {f: size for f, size in tier.listing()[0].get(name, {}).items()
+             if f != MANIFEST and int(f[5:10]) not in present}
+    for file, size in files.items():
+        _fetch(tier, store.root, name, file, size)
+    fsync_dir(store.root / name)
+    problems = store.verify_record(m, {x.name for x in store.manifests(warn=False)})
+    if problems:
+        for file in files:
+            (store.root / name / file).unlink(missing_ok=True)
+        raise CorruptCheckpoint(problems[0])
+    return sorted(files)
 
 
 @contextlib.contextmanager

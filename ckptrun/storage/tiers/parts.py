@@ -29,19 +29,29 @@ def record_parts(store: Store, m: Manifest, ranks: Iterable[int] | None = None
     record `m` (with `ranks`, --dir may hold only theirs); every file it reads stays open until
     the block ends (retention may unlink it meanwhile)."""
     with contextlib.ExitStack() as stack:
-        parts: list[Part] = []
-        for r in range(m.world_size) if ranks is None else ranks:
-            index, fd, base = store.open_rank(m, r, every_rank_here=ranks is None)
-            stack.callback(os.close, fd)
-            spans = [Span(s["offset"], s["nbytes"], s["xxh3"]) for s in index["tensors"].values()]
-            what = f"{m.name}: rank {r}"
-            if m.layout == "file":
-                parts.append([(rankfile.file_name(r), Source.of_fd(fd, 0, os.fstat(fd).st_size, spans, what))])
-                continue
-            raw = (store.regions.copy(m, r).index_raw if m.layout == "region"
-                   else store._read_metadata(m.name, rank_files(r)[1], f"rank {r} index"))
-            parts.append([(rank_files(r)[0], Source.of_fd(fd, base, index["data_nbytes"], spans, what)),
-                          (rank_files(r)[1], Source.of_bytes(raw, m.index_checksums[str(r)], f"{what} index"))])
+        parts = [rank_part(store, m, r, stack, every_rank_here=ranks is None)
+                 for r in (range(m.world_size) if ranks is None else ranks)]
         remote = dataclasses.replace(m, layout="records") if m.layout == "region" else m
         yield parts, json.dumps(remote.to_json(), indent=1).encode()
 
+
+def rank_part(store: Store, m: Manifest, r: int, stack: contextlib.ExitStack, *,
+              every_rank_here: bool = True) -> Part:
+    """Rank `r`'s objects of committed record `m`, checked by `Store.open_rank` (which, with
+    `every_rank_here` False, lets --dir hold only some ranks' parts); the data file stays open
+    until `stack` closes."""
+    index, fd, base = store.open_rank(m, r, every_rank_here=every_rank_here)
+    stack.callback(os.close, fd)
+    spans = index_spans(index)
+    what = f"{m.name}: rank {r}"
+    if m.layout == "file":
+        return [(rankfile.file_name(r), Source.of_fd(fd, 0, os.fstat(fd).st_size, spans, what))]
+    raw = (store.regions.copy(m, r).index_raw if m.layout == "region"
+           else store._read_metadata(m.name, rank_files(r)[1], f"rank {r} index"))
+    return [(rank_files(r)[0], Source.of_fd(fd, base, index["data_nbytes"], spans, what)),
+            (rank_files(r)[1], Source.of_bytes(raw, m.index_checksums[str(r)], f"{what} index"))]
+
+
+def index_spans(index: dict) -> list[Span]:
+    """The checksummed byte ranges of a rank's data that its index names, one per tensor."""
+    return [Span(s["offset"], s["nbytes"], s["xxh3"]) for s in index["tensors"].values()]

@@ -39,7 +39,11 @@ class Source:
 
     @classmethod
     def of_bytes(cls, data: bytes, xxh3: str, what: str) -> Source:
-        return cls(lambda off, n: data[off : off + n], len(data), [Span(0, len(data), xxh3)], what)
+        return cls.of_buffer(data, [Span(0, len(data), xxh3)], what)
+
+    @classmethod
+    def of_buffer(cls, data: bytes, spans: list[Span], what: str) -> Source:
+        return cls(lambda off, n: data[off : off + n], len(data), sorted(spans, key=lambda s: s.offset), what)
 
     @classmethod
     def of_fd(cls, fd: int, base: int, nbytes: int, spans: list[Span], what: str) -> Source:

@@ -1,0 +1,344 @@
+"""--replicas K: each committed step's part of this rank is copied into the memory of its
+partners' engines on other nodes, and a replaced node's engine takes its part back from them.
+
+Transport: point-to-point `torch.distributed` gloo among the engine processes, in a process group
+of their own (never the script's), made again at each rendezvous round from the addresses the
+round's c10d job store holds. gloo was chosen over a home-made socket protocol and over RPC:
+it is in every torch build, moves large byte buffers without pickling, has per-operation
+timeouts, and its rendezvous through the c10d store is the job's own; NCCL would need a GPU
+and cannot run in a torch-free engine's host memory.
+
+Shipping runs on a thread of its own after a step commits, so the trainer never waits on it; a
+partner that is dead or stalls past SEND_TIMEOUT_S is dropped for the rest of the round, said in
+one line, and the step stays in --dir as before. Received parts are checked before they are
+held (`MemoryTier.hold`). A new round starts with an exchange through the job store: every engine
+says which copies it holds, and one whose --dir lacks its part of the newest step its partners
+hold asks one of them for it before its worker resumes (`mirror.fill` then `Store` check it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from ..errors import CkptrunError, CorruptCheckpoint
+from ..faults import Fault
+from ..ipc.events import EventLog
+from ..log import log
+from ..storage.schema import MAX_FILE_BYTES, MAX_METADATA_BYTES, rank_files
+from ..storage.store import Store
+from ..storage.tiers.group import ReplicationGroup
+from ..storage.tiers.memtier import MemoryTier
+from ..storage.tiers.mirror import fill
+from ..storage.tiers.parts import index_spans, rank_part
+
+SHIP, FETCH = 1, 2  # gloo tags: a new copy for a partner; a copy sent back to its owner
+FORM_TIMEOUT_S = 60.0  # the round's engines meeting (all of them start their worker after rendezvous)
+SEND_TIMEOUT_S = 30.0  # one copy to one partner; past it the partner counts as stalled
+STOP = -1  # a header that ends the partner's receiving thread (a new round begins)
+MAX_META = 1 << 16
+
+
+class Round:
+    """One rendezvous round's process group and who this rank exchanges copies with."""
+
+    def __init__(self, spec: dict, rank: int, world_size: int) -> None:
+        import torch.distributed as dist
+
+        self.key, self.rank = spec["prefix"], rank
+        self.group = ReplicationGroup(world_size // spec["local"], spec["local"], spec["replicas"], spec["jump"])
+        self.partners = self.group.partners(rank)
+        tcp = dist.TCPStore(spec["addr"], spec["port"], is_master=False,
+                            timeout=timedelta(seconds=FORM_TIMEOUT_S))
+        self.store = dist.PrefixStore(f"{spec['prefix']}/replicas", tcp)
+        self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timedelta(seconds=FORM_TIMEOUT_S))
+        self.live = set(self.partners)  # partners not (yet) found dead or stalled
+        self.threads: list[threading.Thread] = []  # receiving partners' copies
+
+    def send(self, dst: int, tag: int, owner: int, blobs: list[bytes]) -> None:
+        """Send one copy (owner rank, then the manifest and files as `blobs`: [manifest, *files])."""
+        import torch
+
+        meta = json.dumps({"owner": owner, "sizes": [len(b) for b in blobs]}).encode()
+        for t in [torch.tensor([len(meta)], dtype=torch.int64), *(_bytes_tensor(b) for b in [meta, *blobs] if b)]:
+            self.pg.send([t], dst, tag).wait(timedelta(seconds=SEND_TIMEOUT_S))
+
+    def stop(self, dst: int) -> None:
+        import torch
+
+        self.pg.send([torch.tensor([STOP], dtype=torch.int64)], dst, SHIP).wait(timedelta(seconds=2))
+
+    def close(self) -> None:
+        """End the group: receives still waiting (a partner that never said STOP) fail now, and
+        their threads end, rather than abort the process at exit."""
+        with contextlib.suppress(RuntimeError):
+            self.pg.abort()
+        for t in self.threads:
+            t.join(timeout=5)
+
+    def recv(self, src: int, tag: int, timeout: float | None = None) -> tuple[int, list[bytes]] | None:
+        """(owner, [manifest, *files]) of the next copy from `src`; None: it said STOP."""
+        import torch
+
+        wait = timedelta(seconds=timeout) if timeout else timedelta(days=365)
+        head = torch.empty(1, dtype=torch.int64)
+        self.pg.recv([head], src, tag).wait(wait)
+        if int(head) == STOP:
+            return None
+        if not 0 < int(head) <= MAX_META:
+            raise CorruptCheckpoint(f"rank {src} sent a copy header of {int(head)} bytes")
+        meta = json.loads(self._recv_bytes(src, tag, int(head), wait))
+        sizes = meta["sizes"]
+        if not (isinstance(meta["owner"], int) and len(sizes) == 3 and 0 < sizes[0] <= MAX_METADATA_BYTES
+                and all(isinstance(n, int) and 0 <= n <= MAX_FILE_BYTES for n in sizes)):
+            raise CorruptCheckpoint(f"rank {src} sent a copy header out of range ({meta})")
+        return meta["owner"], [self._recv_bytes(src, tag, n, wait) for n in sizes]
+
+    def _recv_bytes(self, src: int, tag: int, n: int, wait: timedelta) -> bytes:
+        import torch
+
+        if n == 0:
+            return b""
+        buf = torch.empty(n, dtype=torch.uint8)
+        self.pg.recv([buf], src, tag).wait(wait)
+        return buf.numpy().tobytes()
+
+
+def _bytes_tensor(b: bytes) -> Any:
+    import torch
+
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
+
+
+class Replicator:
+    """This engine's side of the replicated memory tier (see the module docstring)."""
+
+    def __init__(self, events: EventLog) -> None:
+        self.log = events
+        self.held = MemoryTier("partner memory")
+        self.round: Round | None = None
+        self.store: Store | None = None
+        self.fault: Fault | None = None
+        self._lock = threading.Lock()  # the round and the held copies
+        self._offered: str | None = None  # the newest committed record not shipped yet
+        self._newest = -1  # the step of the newest record offered
+        self._wake = threading.Condition()
+        self._closing = False
+        threading.Thread(target=self._ship_loop, name="ckptrun-replicas", daemon=True).start()
+
+    # ---- rounds ------------------------------------------------------------------------
+    def join(self, spec: dict, rank: int, world_size: int, store: Store, fault: Fault | None) -> None:
+        """A worker's Hello in round `spec` (the job store's address and prefix, K, J, local
+        ranks per node): make the round's group with every other engine, exchange copies a
+        replaced node lacks, then receive partners' new copies. Never raises: replication off
+        for the round is said in one line."""
+        self.store, self.fault = store, fault
+        if self.round is not None and self.round.key == spec["prefix"] and self.round.rank == rank:
+            return  # the same round (a worker restarted alone)
+        self._end_round()
+        with self._wake:
+            self._newest = -1  # new partners may hold nothing yet: the next commit goes, whatever its step
+        try:
+            r = Round(spec, rank, world_size)
+        except (CkptrunError, RuntimeError, ValueError) as e:
+            log.warning(f"rank {rank}: replicas off for this round: the engines did not meet ({_short(e)})")
+            self.log.emit(type="replica_error", rank=rank, error=_short(e))
+            return
+        try:
+            self._exchange(r)
+        except (RuntimeError, ValueError, CorruptCheckpoint, OSError) as e:
+            log.warning(f"rank {rank}: copies not exchanged this round ({_short(e)}); resuming from --dir")
+            self.log.emit(type="replica_error", rank=rank, error=_short(e))
+        with self._lock:
+            self.round = r
+        for p in r.partners:
+            t = threading.Thread(target=self._recv_loop, args=(r, p), name=f"ckptrun-replicas-from-{p}", daemon=True)
+            r.threads.append(t)
+            t.start()
+
+    def _end_round(self) -> None:
+        """Tell the old round's partners to stop receiving (best effort: they may be dead)."""
+        with self._lock:
+            old, self.round = self.round, None
+        if old is None:
+            return
+        for p in sorted(old.live):
+            with contextlib.suppress(RuntimeError):
+                old.stop(p)
+        old.close()
+
+    def _exchange(self, r: Round) -> None:
+        """Through the job store: what each engine holds, what each owner wants back; then the
+        wanted copies go back point to point (sends on threads, so no pair waits on the other)."""
+        held = {str(o): list(v) for o, v in self.held.owners.items() if o in r.partners}
+        r.store.set(f"held/{r.rank}", json.dumps(held))
+        offers = [(step, name, p) for p in r.partners
+                  for o, (name, step) in json.loads(r.store.get(f"held/{p}")).items() if int(o) == r.rank]
+        if r.rank in self.held.owners:  # the rendezvous gave this node the rank whose copy it held
+            offers.append((self.held.owners[r.rank][1], self.held.owners[r.rank][0], r.rank))
+        want = self._wanted(r.rank, max(offers, default=None))
+        r.store.set(f"want/{r.rank}", json.dumps(want))
+        senders = []
+        for p in r.partners:
+            asked = json.loads(r.store.get(f"want/{p}"))
+            with self._lock:
+                part = self.held.part(p) if asked.get("holder") == r.rank else None
+            if part is not None:
+                manifest, files = part
+                t = threading.Thread(target=r.send, args=(p, FETCH, p, [manifest, *files.values()]), daemon=True)
+                t.start()
+                senders.append(t)
+        if want:
+            self._take_back(r, want["holder"], want["record"])
+        for t in senders:
+            t.join(SEND_TIMEOUT_S)
+
+    def _wanted(self, rank: int, offer: tuple[int, str, int] | None) -> dict:
+        """{holder, record} to ask for, if the newest copy partners hold is missing from --dir."""
+        if offer is None:
+            return {}
+        step, name, holder = offer
+        store = self.store
+        if store.is_committed(name) and rank in store.ranks_present(name):
+            return {}
+        if not store.is_committed(name):
+            log.warning(f"rank {rank}: rank {holder} holds step {step}, but {store.root} has no record of it "
+                        "to complete; resuming from --dir")
+            return {}
+        return {"holder": holder, "record": name}
+
+    def _take_back(self, r: Round, holder: int, name: str) -> None:
+        """Complete record `name` in --dir with this rank's part from `holder`'s memory (this
+        engine's own, where the rendezvous gave it the rank whose copy it held), checked."""
+        t0 = time.time()
+        try:
+            tier = self.held if holder == r.rank else self._received(r, holder)
+            copied = fill(tier, self.store, name)
+        except CorruptCheckpoint as e:
+            log.warning(f"rank {r.rank}: the copy rank {holder} held is damaged ({_short(e)}); resuming "
+                        "from --dir")
+            self.log.emit(type="replica_error", rank=r.rank, error=_short(e))
+            return
+        took, step = time.time() - t0, tier.owners[r.rank][1]
+        log.info(f"rank {r.rank}: step {step} taken back from rank {holder}'s memory in {took:.2f} s "
+                 f"({', '.join(copied)})")
+        self.log.emit(type="replica_restored", rank=r.rank, step=step, holder=holder, files=copied,
+                      bytes=sum(len(tier.objects[f"{name}/{f}"]) for f in copied), seconds=took)
+
+    def _received(self, r: Round, holder: int) -> MemoryTier:
+        """The copy of this rank's part `holder` sends back, checked on receipt."""
+        got = r.recv(holder, FETCH, SEND_TIMEOUT_S)
+        if got is None or got[0] != r.rank:
+            raise CorruptCheckpoint(f"rank {holder} sent no copy of rank {r.rank}")
+        tier = MemoryTier(f"rank {holder}'s memory")
+        manifest, *files = got[1]
+        tier.hold(r.rank, manifest, _files(r.rank, files))
+        return tier
+
+    # ---- shipping and holding ----------------------------------------------------------
+    def offer(self, record: str, step: int) -> None:
+        """A record of `step` this rank wrote has committed: ship it, if no newer step has been
+        (records commit out of step order when one's parts are late; only the newest waits)."""
+        with self._wake:
+            if step > self._newest:
+                self._offered, self._newest = record, step
+                self._wake.notify()
+
+    def _ship_loop(self) -> None:
+        while True:
+            with self._wake:
+                while self._offered is None and not self._closing:
+                    self._wake.wait()
+                if self._closing:
+                    return
+                name, self._offered = self._offered, None
+            with self._lock:
+                r = self.round
+            if r is not None and r.live:
+                self._ship(r, name)
+
+    def _ship(self, r: Round, name: str) -> None:
+        t0 = time.time()
+        try:
+            m = self.store.manifest(name)
+            with contextlib.ExitStack() as stack:
+                blobs = [b"".join(src.chunks(8 << 20)) for _, src in rank_part(self.store, m, r.rank, stack)]
+        except (CorruptCheckpoint, OSError) as e:  # pruned meanwhile: a newer one comes
+            self.log.emit(type="replica_error", rank=r.rank, error=f"{name}: {_short(e)}")
+            return
+        manifest = json.dumps(m.to_json(), indent=1).encode()
+        for p in sorted(r.live):
+            try:
+                r.send(p, SHIP, r.rank, [manifest, *blobs])
+            except RuntimeError as e:
+                self._drop(r, p, e)
+        self.log.emit(type="replica_sent", rank=r.rank, step=m.step, bytes=sum(map(len, blobs)),
+                      partners=sorted(r.live), seconds=time.time() - t0)
+
+    def _drop(self, r: Round, p: int, e: BaseException) -> None:
+        """Partner `p` is dead or stalled: no more copies go to it this round (said once)."""
+        if p in r.live and self.round is r:
+            r.live.discard(p)
+            log.warning(f"rank {r.rank}: replicas to rank {p} stopped ({_short(e)}); its steps stay in --dir "
+                        "only, until the next rendezvous round")
+            self.log.emit(type="replica_error", rank=r.rank, partner=p, error=_short(e))
+
+    def _recv_loop(self, r: Round, src: int) -> None:
+        """Hold each copy `src` ships, until it says STOP (it left the round) or its connection
+        breaks (it died: no more copies go to it either)."""
+        while True:
+            try:
+                got = r.recv(src, SHIP)
+            except (RuntimeError, ValueError, KeyError, TypeError, CorruptCheckpoint) as e:
+                self._drop(r, src, e)
+                return
+            if got is None:
+                r.live.discard(src)
+                return
+            owner, (manifest, *files) = got
+            try:
+                if owner != src:
+                    raise CorruptCheckpoint(f"rank {src} sent a copy of rank {owner}")
+                with self._lock:
+                    m = self.held.hold(owner, manifest, _files(owner, files))
+                    if m is None:
+                        continue
+                    self._corrupt_if_asked(owner, m.step)
+            except CorruptCheckpoint as e:
+                log.warning(f"rank {r.rank}: refused rank {src}'s copy ({_short(e)}); keeping the one held")
+                self.log.emit(type="replica_error", rank=r.rank, partner=src, error=_short(e))
+                continue
+            self.log.emit(type="replica_held", rank=r.rank, owner=owner, step=m.step, bytes=sum(map(len, files)))
+
+    def _corrupt_if_asked(self, owner: int, step: int) -> None:
+        """The injected fault `corrupt-replica:step=N` (tests): a bit flips in the held copy of
+        step N or later after its checks, as memory going bad would."""
+        fault = self.fault
+        if fault is None or fault.target != "corrupt-replica" or step < fault.step:
+            return
+        name = self.held.owners[owner][0]
+        data_file, index_file = rank_files(owner)
+        span = max(index_spans(json.loads(self.held.objects[f"{name}/{index_file}"])), key=lambda s: s.nbytes)
+        data = bytearray(self.held.objects[f"{name}/{data_file}"])
+        data[span.offset + span.nbytes // 2] ^= 1  # inside a tensor (not the alignment padding)
+        self.held.objects[f"{name}/{data_file}"] = bytes(data)
+
+    def close(self) -> None:
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        self._end_round()
+
+
+def _files(owner: int, blobs: list[bytes]) -> dict[str, bytes]:
+    if len(blobs) != 2:
+        raise CorruptCheckpoint(f"rank {owner}'s copy has {len(blobs)} files, not a data file and an index")
+    return dict(zip(rank_files(owner), blobs, strict=True))
+
+
+def _short(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__

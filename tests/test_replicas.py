@@ -1,0 +1,195 @@
+"""--replicas: who holds whose copy, the memory tier's checks, taking a lost part back into --dir,
+and the refusals at start. The two-node runs are in tests/test_two_nodes.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import EXAMPLE, TINY, cli, error_line, pack
+
+from ckptrun.errors import CorruptCheckpoint, UsageError
+from ckptrun.restore.recovery import newest_good
+from ckptrun.storage.schema import Manifest, rank_files
+from ckptrun.storage.store import Store, full_name
+from ckptrun.storage.tiers.group import ReplicationGroup
+from ckptrun.storage.tiers.memtier import MemoryTier
+from ckptrun.storage.tiers.mirror import fill
+from ckptrun.storage.tiers.parts import record_parts
+from ckptrun.strategies import REGISTRY, names_where
+
+
+def test_groups_are_cliques_across_nodes():
+    two = ReplicationGroup(nnodes=2, local=1, replicas=2)
+    assert (two.partners(0), two.partners(1)) == ([1], [0])
+    # 4 nodes of 2 ranks, K=2, J=2: nodes {0, 2} and {1, 3}; a rank's copies keep its local rank
+    g = ReplicationGroup(nnodes=4, local=2, replicas=2, jump=2)
+    assert [g.partners(r) for r in range(8)] == [[4], [5], [6], [7], [0], [1], [2], [3]]
+    three = ReplicationGroup(nnodes=6, local=1, replicas=3)
+    assert [three.partners(r) for r in range(6)] == [[1, 2], [0, 2], [0, 1], [4, 5], [3, 5], [3, 4]]
+    for r in range(6):  # symmetric, never on its own node: each engine holds exactly K-1 copies
+        assert all(r in three.partners(p) and three.node(p) != three.node(r) for p in three.partners(r))
+    with pytest.raises(UsageError, match="multiple of 4 nodes"):
+        ReplicationGroup(nnodes=6, local=1, replicas=2, jump=2)
+    with pytest.raises(UsageError, match="at least 1"):
+        ReplicationGroup(nnodes=2, local=1, replicas=0)
+
+
+def _steps(root: Path, steps: list[int]) -> Store:
+    """--dir with full records of two ranks at `steps`."""
+    store = Store(root)
+    store.ensure_writable()
+    for step in steps:
+        for rank in (0, 1):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            state = {"models": {"model": {"w": torch.randn(3000, generator=g)}}, "step": step,
+                     "optimizers": {"optimizer": {"state": {0: {"step": torch.tensor(float(step))}},
+                                                  "param_groups": [{"lr": 0.1, "params": [0]}]}}}
+            skeleton, data, specs = pack(state)
+            store.write_rank(full_name(step), rank, memoryview(data), specs, skeleton, {"step": step})
+        assert store.try_commit(full_name(step), kind="full", step=step, first_step=step, world_size=2)
+    return store
+
+
+def _hold(tier: MemoryTier, store: Store, step: int, owner: int = 1) -> Manifest | None:
+    """What a partner's engine does with `owner`'s shipped part of `step` (the bytes as sent)."""
+    m = store.manifest(full_name(step))
+    with record_parts(store, m) as (parts, manifest):
+        files = {f: b"".join(src.chunks(1 << 20)) for f, src in parts[owner]}
+    return tier.hold(owner, manifest, files)
+
+
+def test_a_lost_part_comes_back_from_a_partner(tmp_path):
+    """Rank 1's parts deleted (its node's disk lost): the held copy of the newest step completes
+    that record again, read through Store; the older records stay incomplete."""
+    store = _steps(tmp_path / "ckpts", [1, 2])
+    tier = MemoryTier()
+    _hold(tier, store, 1)
+    _hold(tier, store, 2)
+    assert tier.owners == {1: (full_name(2), 2)} and not any(k.startswith(full_name(1)) for k in tier.objects)
+    assert _hold(tier, store, 1) is None and tier.owners == {1: (full_name(2), 2)}  # late: the newest stays
+    kept = {f: (store.root / full_name(2) / f).read_bytes() for f in rank_files(1)}
+    for step in (1, 2):
+        for f in rank_files(1):
+            (store.root / full_name(step) / f).unlink()
+    assert fill(tier, store, full_name(2)) == sorted(rank_files(1))
+    assert {f: (store.root / full_name(2) / f).read_bytes() for f in rank_files(1)} == kept
+    assert newest_good(Store(store.root)).step == 2
+
+
+def test_damaged_copies_are_refused(tmp_path):
+    """A part changed in transit is not held (the older copy stays); one that went bad in memory
+    is found when it is taken back, and nothing of it is left in --dir."""
+    store = _steps(tmp_path / "ckpts", [1, 2])
+    tier = MemoryTier()
+    _hold(tier, store, 1)
+    m = store.manifest(full_name(2))
+    with record_parts(store, m) as (parts, manifest):
+        files = {f: bytearray(b"".join(src.chunks(1 << 20))) for f, src in parts[1]}
+    files[rank_files(1)[0]][100] ^= 1
+    with pytest.raises(CorruptCheckpoint, match="checksum"):
+        tier.hold(1, manifest, {f: bytes(b) for f, b in files.items()})
+    assert tier.owners == {1: (full_name(1), 1)}
+    key = f"{full_name(1)}/{rank_files(1)[0]}"
+    flipped = bytearray(tier.objects[key])
+    flipped[5] ^= 4
+    tier.objects[key] = bytes(flipped)
+    for f in rank_files(1):
+        (store.root / full_name(1) / f).unlink()
+    with pytest.raises(CorruptCheckpoint, match="checksum mismatch"):
+        fill(tier, store, full_name(1))
+    assert store.ranks_present(full_name(1)) == [0]
+
+
+def test_refused_at_start(tmp_path):
+    """One line, exit 2: a strategy that cannot, too few nodes, a jump the nodes do not fit."""
+    cannot = next(name for name, e in REGISTRY.items() if not e.replicas)
+    line = error_line(cli(tmp_path, "run", "--strategy", cannot, "--replicas", "2", "--nnodes", "2", EXAMPLE, *TINY))
+    assert f"use one of: {names_where(lambda e: e.replicas)}" in line
+    can = next(name for name, e in REGISTRY.items() if e.replicas)
+    line = error_line(cli(tmp_path, "run", "--strategy", can, "--replicas", "2", EXAMPLE, *TINY))
+    assert "at most 1 (--nnodes 1)" in line
+    line = error_line(cli(tmp_path, "run", "--strategy", can, "--replicas", "2", "--replica-jump", "2", "--nnodes", "2",
+                              EXAMPLE, *TINY))
+    assert "multiple of 4 nodes" in line
+    assert not (tmp_path / "ckpts").exists()  # refused before anything starts
+
+
+# One engine's replicator, as the engine drives it: each round (PREFIX[@RANK]=RECORD,...) joined,
+# as RANK if given, and its committed records offered; then THEN: "-" closes, "hang" waits to be killed, a record name
+# awaits the test's word that the partner is gone, then is offered.
+PEER = """
+import os, sys, time
+from ckptrun.engine.replicate import Replicator
+from ckptrun.ipc.events import EventLog
+from ckptrun.storage.schema import record_step
+from ckptrun.storage.store import Store
+root, rank, port, then, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:]
+rep = Replicator(EventLog(os.path.join(root, "..", "metrics"), f"engine-{rank}-{os.getpid()}"))
+for i, spec in enumerate(rounds):
+    head, _, offers = spec.partition("=")
+    prefix, _, as_rank = head.partition("@")
+    rep.join({"addr": "127.0.0.1", "port": port, "prefix": prefix, "replicas": 2, "jump": 1, "local": 1},
+             int(as_rank or rank), 2, Store(root), None)
+    for name in filter(None, offers.split(",")):
+        rep.offer(name, record_step(name))
+        while rep._offered is not None:
+            time.sleep(0.05)
+    if i == 0 and then == "hang":
+        time.sleep(600)
+    if i == 0 and then != "-":
+        while not os.path.exists(os.path.join(root, "..", "gone")):
+            time.sleep(0.05)
+        rep.offer(then, record_step(then))
+        time.sleep(1)
+rep.close()
+"""
+
+
+def _events(tmp_path: Path, kind: str) -> list[dict]:
+    lines = [line for f in sorted((tmp_path / "metrics").glob("*.jsonl")) for line in f.read_text().splitlines()]
+    return [e for e in map(json.loads, lines) if e["type"] == kind]
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["same-ranks", "ranks-swap"])
+def test_engines_ship_hold_and_give_back_over_gloo(swap, tmp_path):
+    """Two engines on loopback: each holds the other's newest step; one that is killed is dropped
+    with one line; in the next round the rank whose --dir lost its part gets it back: the
+    replacement from the survivor, or the survivor from itself where the rendezvous gave it the
+    dead node's rank."""
+    store = _steps(tmp_path / "ckpts", [1, 2, 3])
+    names = f"{full_name(1)},{full_name(2)}"
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+
+    def peer(rank: int, then: str, *rounds: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", PEER, store.root, str(rank), str(master.port), then, *rounds],
+                                stderr=subprocess.PIPE, text=True)
+
+    first = peer(0, full_name(3), f"r1={names}", "r2@1=" if swap else "r2=")
+    second = peer(1, "hang", f"r1={names}")
+    deadline = time.monotonic() + 120
+    while len(_events(tmp_path, "replica_held")) < 4:
+        assert time.monotonic() < deadline and second.poll() is None, second.stderr.read()
+        time.sleep(0.1)
+    second.kill()  # its node dies
+    second.wait()
+    for step in (2, 3):  # with its disk (step 3: written, never shipped)
+        for f in rank_files(1):
+            (store.root / full_name(step) / f).unlink()
+    (tmp_path / "gone").touch()
+    third = peer(1, "-", "r2@0=" if swap else "r2=")
+    assert (first.wait(120), third.wait(120)) == (0, 0), first.stderr.read() + third.stderr.read()
+    said = first.stderr.read() + third.stderr.read()
+    assert said.count("replicas to rank 1 stopped") == 1, said
+    held = sorted((e["rank"], e["owner"], e["step"]) for e in _events(tmp_path, "replica_held"))
+    assert held == [(0, 1, 1), (0, 1, 2), (1, 0, 1), (1, 0, 2)]
+    restored = _events(tmp_path, "replica_restored")
+    assert [(e["rank"], e["step"], e["holder"]) for e in restored] == [(1, 2, 1 if swap else 0)], said
+    assert newest_good(Store(store.root)).step == 2
