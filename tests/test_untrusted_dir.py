@@ -87,6 +87,17 @@ def first_tensor(**fields) -> Callable[[dict], None]:
     return edit
 
 
+def repeated_largest_tensor(times: int) -> Callable[[dict], None]:
+    """The index names its largest tensor's bytes `times` more times, under new keys: a reader
+    giving each tensor storage of its own would allocate them all."""
+    def edit(index: dict) -> None:
+        key, entry = max(index["tensors"].items(), key=lambda item: item[1]["nbytes"])
+        for i in range(times):
+            index["tensors"][f"{key}.again{i}"] = dict(entry)
+
+    return edit
+
+
 def set_path(path: tuple, value) -> Callable[[dict], None]:
     def edit(index: dict) -> None:
         node = index
@@ -164,6 +175,8 @@ CASES = [
     Case("tensor-offset-beyond-file", edit_index(DIFF, first_tensor(offset=1 << 40))),
     Case("shape-times-itemsize-not-nbytes", edit_index(DIFF, first_tensor(shape=[3]))),
     Case("dtype-unknown", edit_index(DIFF, first_tensor(dtype="object"))),
+    Case("tensor-bytes-named-1000-times", edit_index(BASE, repeated_largest_tensor(1000)), record=BASE, bad_step=5,
+         latest=4),
     Case("dtype-tag-torch-load", edit_index(BASE, set_path(("skeleton", "extra", "x"), {"__dtype__": "load"})),
          record=BASE, bad_step=5, latest=4),
     Case("dtype-tag-os", edit_index(BASE, set_path(("skeleton", "extra", "x"), {"__dtype__": "os"})),

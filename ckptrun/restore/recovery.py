@@ -344,7 +344,7 @@ def read_state(store: Store, m: Manifest, rank: int, *, private: bool = True, in
     cost as much as the read; state kept or saved needs its own storage), the rank's own data read
     into `into` (`Store.read_rank`)."""
     try:
-        index, tensors = store.read_rank(m, rank, into=into)
+        index, tensors = store.read_rank(m, rank, into=into, private=private)
         refs = remote_refs(index["skeleton"])
         remote = {}
         for owner in sorted({o for o, _ in refs}):
@@ -359,7 +359,7 @@ def read_state(store: Store, m: Manifest, rank: int, *, private: bool = True, in
                     remote[(o, key)] = theirs[key].clone() if private else theirs[key]
     except CorruptCheckpoint as e:
         raise DamagedRecord(str(e), m.name) from None
-    return unflatten(index["skeleton"], {k: t.clone() for k, t in tensors.items()} if private else tensors, remote)
+    return unflatten(index["skeleton"], tensors, remote)
 
 
 def resume_state(store: Store, plan: Plan, rank: int, *, hold_bytes: int = 0) -> tuple[dict, Iterator[dict] | None]:

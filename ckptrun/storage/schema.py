@@ -199,10 +199,12 @@ class RankIndex(BaseModel):
         if self.data != rank_files(self.rank)[0]:
             raise ValueError(f"data file {short(self.data)} is not {rank_files(self.rank)[0]}")
         end = 0
-        for key, t in self.tensors.items():
+        for key, t in sorted(self.tensors.items(), key=lambda item: item[1].offset):
             if t.offset + t.nbytes > self.data_nbytes:
                 raise ValueError(f"tensor {short(key)} ({t.offset}+{t.nbytes}) lies beyond data_nbytes "
                                  f"{self.data_nbytes}")
+            if t.nbytes and t.offset < end:  # (a reader may give each tensor storage of its own)
+                raise ValueError(f"tensor {short(key)} ({t.offset}+{t.nbytes}) overlaps another one")
             end = max(end, t.offset + t.nbytes)
         if self.data_nbytes > -(-end // ALIGN) * ALIGN:
             raise ValueError(f"data_nbytes {self.data_nbytes} exceeds the extent of its tensors ({end})")

@@ -16,6 +16,7 @@ files are durable (DESIGN invariant 2). Nothing here unpickles.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -385,33 +386,39 @@ class Store:
                                     f"{index['data_nbytes']} (truncated or replaced)")
         return index, fd, 0
 
-    def read_rank(self, m: Manifest, rank: int, *, verify: bool = True, into: ReadBuffer | None = None
-                  ) -> tuple[dict, dict]:
+    def read_rank(self, m: Manifest, rank: int, *, verify: bool = True, into: ReadBuffer | None = None,
+                  private: bool = False) -> tuple[dict, dict]:
         """(index, tensors) of one rank of a committed record; raises CorruptCheckpoint. The
-        tensors are views of one buffer: `into`'s (reused, see ReadBuffer), or a new one."""
+        tensors are views of one buffer: `into`'s (reused, see ReadBuffer), or a new one; with
+        `private`, each tensor has storage of its own, read into directly (state that is kept
+        needs that, and a copy after the read would cost as much as the read)."""
         import torch
 
         from .layout import TensorSpec, view
 
-        name = m.name
         index, fd, base = self.open_rank(m, rank)
-        nbytes = index["data_nbytes"]
-        buf = into.take(nbytes) if into is not None else torch.empty(nbytes, dtype=torch.uint8)
+        specs = [TensorSpec.from_json(key, spec) for key, spec in index["tensors"].items()]
+        what = f"{m.name}: rank {rank} data file"
         try:
-            raw = memoryview(buf.numpy()) if len(buf) else memoryview(b"")
-            done = 0
-            while done < len(raw):
-                n = os.preadv(fd, [raw[done:]], base + done)
-                if not n:
-                    raise CorruptCheckpoint(f"{name}: rank {rank} data file shrank while being read")
-                done += n
+            if private:
+                placed = []
+                for spec in specs:
+                    own = torch.empty(spec.nbytes, dtype=torch.uint8)
+                    _read_fully(fd, own, base + spec.offset, what)
+                    placed.append((dataclasses.replace(spec, offset=0), own))
+            else:
+                nbytes = index["data_nbytes"]
+                buf = into.take(nbytes) if into is not None else torch.empty(nbytes, dtype=torch.uint8)
+                _read_fully(fd, buf, base, what)
+                placed = [(spec, buf) for spec in specs]
         finally:
             os.close(fd)
         tensors = {}
-        for key, spec in index["tensors"].items():
-            if verify and checksum(raw[spec["offset"] : spec["offset"] + spec["nbytes"]]) != spec["xxh3"]:
-                raise CorruptCheckpoint(f"{name}: rank {rank} tensor {key!r} checksum mismatch")
-            tensors[key] = view(buf, TensorSpec.from_json(key, spec))
+        for spec, buf in placed:
+            raw = memoryview(buf.numpy())[spec.offset : spec.offset + spec.nbytes] if len(buf) else b""
+            if verify and checksum(raw) != index["tensors"][spec.key]["xxh3"]:
+                raise CorruptCheckpoint(f"{m.name}: rank {rank} tensor {spec.key!r} checksum mismatch")
+            tensors[spec.key] = view(buf, spec)
         return index, tensors
 
     def verify_record(self, m: Manifest, committed: set[str] | None = None, *, checksums: bool = True) -> list[str]:
@@ -534,3 +541,14 @@ def _check_diff_steps(m: Manifest, skeleton: Any) -> None:
         raise ValueError("a diff record's skeleton must be {\"steps\": {...}}")
     if len(steps) != m.step - m.first_step + 1 or set(steps) != {str(s) for s in range(m.first_step, m.step + 1)}:
         raise ValueError(f"holds steps other than {m.first_step}..{m.step}")
+
+
+def _read_fully(fd: int, buf: Any, at: int, what: str) -> None:
+    """Fill the flat uint8 tensor `buf` from `fd` at offset `at`."""
+    raw = memoryview(buf.numpy()) if len(buf) else memoryview(b"")
+    done = 0
+    while done < len(raw):
+        n = os.preadv(fd, [raw[done:]], at + done)
+        if not n:
+            raise CorruptCheckpoint(f"{what} shrank while being read")
+        done += n
