@@ -1,5 +1,6 @@
 """The checkpoint engine only moves bytes: it must not import torch (a second of start-up and
-~190 MB per engine), except for the engine-side handlers that step an optimizer themselves."""
+~190 MB per engine), except for the engine-side handlers that step an optimizer themselves; and
+its threads share one malloc arena (ckptrun/engine/arena.py)."""
 
 from __future__ import annotations
 
@@ -31,5 +32,8 @@ def test_a_running_engine_has_no_torch(strategy, tmp_path):
     """While it writes, commits and prunes records (what could import torch lazily)."""
     ok(ckptrun(tmp_path, "--strategy", strategy, "--every", "1", "--dir", "ckpts", SCRIPTS / "engine_footprint.py",
                tmp_path / "out.json"))
-    engines = json.loads((tmp_path / "out.json").read_text())["engines_with_torch"]
+    out = json.loads((tmp_path / "out.json").read_text())
+    engines = out["engines_with_torch"]
     assert len(engines) == 1 and not any(engines.values()), engines
+    # One malloc arena (engine/arena.py): thread arenas each kept a freed table, the RSS rose.
+    assert not any(out["thread_arenas"].values()), out["thread_arenas"]

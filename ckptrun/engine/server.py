@@ -48,6 +48,7 @@ from ..storage.fsutil import FaultHook, _no_fault
 from ..storage.leftovers import exit_with_owner, remove_staging, staging_path
 from ..storage.store import Store
 from . import drain
+from .arena import one_arena
 from .handlers import EngineContext, engine_handler
 
 COMMIT_TRIES = 6  # a commit that fails this often is abandoned (reported; the previous step stays)
@@ -582,7 +583,9 @@ def main(address: str, authkey: bytes, local_rank: int, tag: str, metrics_dir: s
     Signals meant for the training (Ctrl-C on the terminal's process group, a scheduler's
     SIGTERM to the whole job) are the launcher's to handle: it shuts the engines down after the
     workers have handed over their last step, so the engine ignores them. It holds its share of
-    the directory lock for as long as it lives."""
+    the directory lock for as long as it lives. One malloc arena, set before any thread starts
+    (`arena.py`: per-thread arenas kept freed blocks, and the engine's RSS rose over a run)."""
+    one_arena()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     if owner_pid is not None:
