@@ -404,19 +404,18 @@ class Store:
                 placed = []
                 for spec in specs:
                     own = torch.empty(spec.nbytes, dtype=torch.uint8)
-                    _read_fully(fd, own, base + spec.offset, what)
-                    placed.append((dataclasses.replace(spec, offset=0), own))
+                    placed.append((dataclasses.replace(spec, offset=0), own,
+                                   _read_fully(fd, own, base + spec.offset, what)))
             else:
                 nbytes = index["data_nbytes"]
                 buf = into.take(nbytes) if into is not None else torch.empty(nbytes, dtype=torch.uint8)
-                _read_fully(fd, buf, base, what)
-                placed = [(spec, buf) for spec in specs]
+                raw = _read_fully(fd, buf, base, what)
+                placed = [(spec, buf, raw) for spec in specs]
         finally:
             os.close(fd)
         tensors = {}
-        for spec, buf in placed:
-            raw = memoryview(buf.numpy())[spec.offset : spec.offset + spec.nbytes] if len(buf) else b""
-            if verify and checksum(raw) != index["tensors"][spec.key]["xxh3"]:
+        for spec, buf, raw in placed:
+            if verify and checksum(raw[spec.offset : spec.offset + spec.nbytes]) != index["tensors"][spec.key]["xxh3"]:
                 raise CorruptCheckpoint(f"{m.name}: rank {rank} tensor {spec.key!r} checksum mismatch")
             tensors[spec.key] = view(buf, spec)
         return index, tensors
@@ -543,8 +542,8 @@ def _check_diff_steps(m: Manifest, skeleton: Any) -> None:
         raise ValueError(f"holds steps other than {m.first_step}..{m.step}")
 
 
-def _read_fully(fd: int, buf: Any, at: int, what: str) -> None:
-    """Fill the flat uint8 tensor `buf` from `fd` at offset `at`."""
+def _read_fully(fd: int, buf: Any, at: int, what: str) -> memoryview:
+    """Fill the flat uint8 tensor `buf` from `fd` at offset `at`; returns its bytes."""
     raw = memoryview(buf.numpy()) if len(buf) else memoryview(b"")
     done = 0
     while done < len(raw):
@@ -552,3 +551,4 @@ def _read_fully(fd: int, buf: Any, at: int, what: str) -> None:
         if not n:
             raise CorruptCheckpoint(f"{what} shrank while being read")
         done += n
+    return raw
