@@ -37,7 +37,8 @@ def arenas(limit: bool) -> int:
     return int(proc.stdout)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_info")
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="needs glibc (malloc_info, mallopt); one_arena() is a no-op elsewhere")
 def test_one_arena_for_every_thread():
     assert arenas(limit=False) > 1  # the probe does make per-thread arenas without the limit
     assert arenas(limit=True) == 1
