@@ -167,18 +167,22 @@ def test_accelerates_own_resume_mid_epoch_is_bit_exact(runs):
 
 
 @pytest.mark.parametrize("strategy", strategy_params(STRATEGIES))
-def test_killed_run_logs_every_step_once_with_the_plain_loss(runs, strategy):
-    """The restarted loop starts where the last committed step left it: no iteration twice, none
-    skipped, and every loss (before and after the kill) is the uninterrupted run's, bit for bit."""
+def test_killed_run_logs_the_plain_loss_from_where_it_resumed(runs, strategy):
+    """The restarted loop starts where the last committed step left it: no step skipped, none
+    repeated beyond the lost work, and every loss (before and after the kill) is the
+    uninterrupted run's, bit for bit."""
     run = runs.killed[strategy]
     starts = [(e["restart_count"], e["resume_step"]) for e in run_events(run.cwd / "metrics")]
     assert starts[0] == (0, 0) and [n for n, _ in starts] == [0, 1], starts
     # The kill fires as step KILL's update begins. A lazy strategy (datastates) hands step
     # KILL - 1 over at that moment, its late copies still running behind: the worker dying
-    # under them leaves KILL - 2 the newest committed step (README, datastates), never older.
-    assert RESUMED - 1 <= starts[1][1] <= RESUMED, starts
-    assert run.losses() == runs.plain.losses()
-    assert [s for s, _ in run.losses()] == list(range(1, STEPS + 1))
+    # under them leaves KILL - 2 the newest committed step (README, datastates), never older,
+    # and the second attempt logs step KILL - 1 again, with the same loss.
+    resume = starts[1][1]
+    assert RESUMED - 1 <= resume <= RESUMED, starts
+    plain = runs.plain.losses()
+    assert [s for s, _ in plain] == list(range(1, STEPS + 1))
+    assert run.losses() == plain[:KILL - 1] + plain[resume:]
     assert RESTART_WARNING not in run.log()
 
 
