@@ -19,6 +19,7 @@ from .strategies import DEFAULT
 
 if TYPE_CHECKING:
     from .storage.store import Store
+    from .tuning.levels import FailureRates
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -63,8 +64,35 @@ def _recipe_defaults(ctx: typer.Context, path: str) -> str:
 _NOT_IN_RECIPES = {"script", "script_args", "recipe"}
 Script = Annotated[str, typer.Argument(help="The training script; everything after it is its own.")]
 ScriptArgs = Annotated[list[str] | None, typer.Argument(help="Arguments passed to the script.")]
-Mtbf = Annotated[str, typer.Option(help="Mean time between failures: 90s, 45m, 2h, 1.5d (default 1h). "
-                                        "run: used by --every auto and the strategies' auto settings.")]
+Mtbf = Annotated[str, typer.Option(help="Mean time between failures of every kind: 90s, 45m, 2h, 1.5d "
+                                        "(default 1h). run: used by --every auto and the strategies' auto "
+                                        "settings. The kinds not given by --mtbf-KIND share it: process 50%, "
+                                        "node 40%, job 10% by default (README, Tiers).")]
+MtbfProcess = Annotated[str, typer.Option(help="MTBF of process failures (a worker or engine dies, the machine "
+                                               "stays): they resume from the engine's memory or --dir. "
+                                               "Taken as given; --mtbf, if given, counts them too.")]
+MtbfNode = Annotated[str, typer.Option(help="MTBF of node failures (a machine lost with its memory and local "
+                                            "disk): they resume from partners (--replicas > 1), else from "
+                                            "--dir with --shared-dir, else from --durable.")]
+MtbfJob = Annotated[str, typer.Option(help="MTBF of job failures (the whole job, or --dir's storage, lost): "
+                                           "they resume from --durable.")]
+SharedDir = Annotated[bool, typer.Option("--shared-dir", help="--dir outlives a lost node (a shared file "
+                                                              "system): node failures resume from it, not from "
+                                                              "--durable, in the tiers' model (--durable-every "
+                                                              "auto).")]
+
+
+def _rates(mtbf_s: float, kinds: dict[str, str], source: str = "") -> tuple[dict[str, float], FailureRates]:
+    """The --mtbf-KIND flags given (seconds) and the failure rates they make with `mtbf_s` (0:
+    --mtbf not given); UsageError if they contradict each other."""
+    from .tuning.levels import rates_for
+    from .worker.decisions import DEFAULT_MTBF_S
+
+    given = {k: _duration(f"--mtbf-{k}", v) for k, v in kinds.items() if v}
+    try:
+        return given, rates_for(mtbf_s, given, DEFAULT_MTBF_S, source)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _with_strategy_options(func: Callable) -> Callable:
@@ -136,6 +164,10 @@ def run(
     dir: Annotated[str, typer.Option("--dir", help="Checkpoint directory.")] = "ckpts",
     every: Annotated[str, typer.Option(help=EVERY_HELP)] = "1",
     mtbf: Mtbf = "",
+    mtbf_process: MtbfProcess = "",
+    mtbf_node: MtbfNode = "",
+    mtbf_job: MtbfJob = "",
+    shared_dir: SharedDir = False,
     max_steps: Annotated[int, typer.Option(min=0, help="Stop the script cleanly after this many optimizer "
                                                        "steps (0: no limit); its checkpoints are finished.")] = 0,
     recipe: Annotated[str, typer.Option(is_eager=True, callback=_recipe_defaults,
@@ -147,10 +179,11 @@ def run(
                                               "file system); a resume takes the newest step of --dir and it.")]
     = "",
     durable_every: Annotated[str, typer.Option(help="Copy the newest committed step to --durable once it is this "
-                                                    "many steps past the last copied one; auto: Daly's interval "
-                                                    "for the measured upload time against --mtbf / 0.5 (the "
-                                                    "failures that lose --dir), never more often than the "
-                                                    "uploads drain.")]
+                                                    "many steps past the last copied one; auto: the tiers' model "
+                                                    "(as `ckptrun tune` prints it): Daly's interval for the "
+                                                    "measured upload time against the failures that resume from "
+                                                    "--durable (job; node too unless --replicas > 1 or "
+                                                    "--shared-dir), never more often than the uploads drain.")]
     = "auto",
     durable_keep: Annotated[int, typer.Option(help="Full checkpoints retained on --durable (0 keeps all); one "
                                                    "goes only after a newer one is committed there.")] = 2,
@@ -255,6 +288,7 @@ def run(
     if io_engine not in ENGINES:
         raise UsageError(f"--io-engine must be one of {', '.join(ENGINES)} (got {io_engine!r})")
     mtbf_s = _duration("--mtbf", mtbf) if mtbf else 0.0
+    mtbf_kinds, _ = _rates(mtbf_s, {"process": mtbf_process, "node": mtbf_node, "job": mtbf_job})
     options = _chosen_options(ctx, strategy, strategy_options)
     # An explicit --every N (command line or recipe; not its default) is honoured as given.
     every_given = every != "auto" and _given(ctx, "every")
@@ -266,7 +300,8 @@ def run(
                     strategy=strategy, dir=dir, every=1 if every == "auto" else int(every), keep=keep,
                     resume=resume, on_save_error=on_save_error, max_inflight=max_inflight, writers=writers,
                     io_threads=io_threads, io_engine=io_engine, metrics_dir=metrics_dir, every_auto=every == "auto",
-                    mtbf=mtbf_s, max_steps=max_steps, on_restart=on_restart, dist_env=dist_env,
+                    mtbf=mtbf_s, mtbf_kinds=mtbf_kinds, shared_dir=shared_dir, max_steps=max_steps,
+                    on_restart=on_restart, dist_env=dist_env,
                     every_given=every_given, durable=durable, durable_keep=durable_keep,
                     durable_every=0 if durable_every == "auto" else int(durable_every),
                     durable_endpoint=durable_endpoint, replicas=replicas, replica_jump=replica_jump,
@@ -540,8 +575,14 @@ def tune(
     profile_steps: Annotated[int, typer.Option(min=2, help="Steps measured per profiling run (after a "
                                                            "few warm-up steps).")] = 20,
     mtbf: Mtbf = "",
+    mtbf_process: MtbfProcess = "",
+    mtbf_node: MtbfNode = "",
+    mtbf_job: MtbfJob = "",
     failure_log: Annotated[Path | None, typer.Option(help="Estimate the MTBF from this file of past failure "
                                                           "times, one ISO-8601 timestamp per line.")] = None,
+    replicas: Annotated[int, typer.Option(min=1, help="The run's --replicas: with K > 1 node failures resume "
+                                                      "from partners' memory in the tiers' model.")] = 1,
+    shared_dir: SharedDir = False,
     max_overhead: Annotated[str, typer.Option(help="Overhead budget in percent of step time (PCcheck's "
                                                    "slowdown bound; no interval is chosen above it).")] = "5",
     dir: Annotated[str, typer.Option("--dir", help="Checkpoint directory whose filesystem is measured "
@@ -551,8 +592,10 @@ def tune(
     json_file: Annotated[Path | None, typer.Option("--json", help="Write every measurement, setting and "
                                                                    "prediction to this JSON file.")] = None,
     upload_mbps: Annotated[float, typer.Option(min=0, help="Upload bandwidth to a --durable store in MB/s "
-                                                           "(tune measures none): shows the remote tier's "
-                                                           "--durable-every auto for it.")] = 0.0,
+                                                           "(tune measures none): adds the remote tier, with "
+                                                           "the --durable-every auto would take.")] = 0.0,
+    durable_every: Annotated[str, typer.Option(help="With --upload-mbps: the remote tier's interval in steps, "
+                                                    "kept as given (auto: the tiers' model).")] = "auto",
     repeat_budget: Annotated[str, typer.Option(help="Time for measuring again, in rounds interleaved with the "
                                                     "baseline, the strategies whose slowdown against no "
                                                     "checkpointing is within the noise of the baseline's steps "
@@ -561,30 +604,33 @@ def tune(
 ) -> None:
     """Profile SCRIPT briefly under each strategy; print the optimal settings and a recommendation."""
     from .tuning.durations import mtbf_from_failure_log
+    from .tuning.levels import Layout
     from .tuning.plan import parse_percent
     from .tuning.report import print_report, to_json, write_recipe
     from .tuning.tune import choose_strategies
     from .tuning.tune import tune as run_tune
-    from .worker.decisions import DEFAULT_MTBF_S
 
     if mtbf and failure_log:
         raise UsageError("give either --mtbf or --failure-log, not both")
+    if durable_every != "auto" and not (durable_every.isdigit() and int(durable_every) > 0):
+        raise UsageError(f"--durable-every must be a number of steps or auto (got {durable_every!r})")
+    if durable_every != "auto" and not upload_mbps:
+        raise UsageError("--durable-every needs --upload-mbps: the remote tier's cost is its upload")
+    mtbf_s, source = (_duration("--mtbf", mtbf) if mtbf else 0.0), ""
     if failure_log:
         try:
             mtbf_s, source = mtbf_from_failure_log(failure_log), f"estimated from {failure_log}"
         except (OSError, ValueError) as e:
             raise UsageError(f"--failure-log: {e}") from None
-    elif mtbf:
-        mtbf_s, source = _duration("--mtbf", mtbf), "--mtbf"
-    else:
-        mtbf_s, source = DEFAULT_MTBF_S, "default; pass --mtbf or --failure-log"
+    _, rates = _rates(mtbf_s, {"process": mtbf_process, "node": mtbf_node, "job": mtbf_job}, source)
     budget = parse_percent(max_overhead)
     repeat_s = 0.0 if repeat_budget.strip() in ("0", "0s") else _duration("--repeat-budget", repeat_budget)
     result = run_tune(script, list(script_args or []), strategies=choose_strategies(strategies),
-                      profile_steps=profile_steps, mtbf_s=mtbf_s, mtbf_source=source, max_overhead=budget,
-                      ckpt_dir=dir, progress=lambda line: err.print(f"tune: {line}", markup=False, soft_wrap=True),
-                      repeat_budget_s=repeat_s)
-    print_report(out, result, upload_mbps * 1e6)
+                      profile_steps=profile_steps, rates=rates, max_overhead=budget, ckpt_dir=dir,
+                      progress=lambda line: err.print(f"tune: {line}", markup=False, soft_wrap=True),
+                      repeat_budget_s=repeat_s, layout=Layout(replicas, shared_dir), upload_Bps=upload_mbps * 1e6,
+                      durable_every=None if durable_every == "auto" else int(durable_every))
+    print_report(out, result)
     if json_file:
         json_file.write_text(json.dumps(to_json(result), indent=2) + "\n")
     if write:

@@ -51,6 +51,10 @@ class RunConfig:
     # restorable once the run ends; a strategy maps it onto its own intervals (Entry.explicit_every)
     every_given: bool = False
     mtbf: float = 0.0  # seconds, --mtbf; 0: not given (--every auto then assumes decisions.DEFAULT_MTBF_S)
+    # --mtbf-process/-node/-job (seconds; 0: not given) and --shared-dir: the tiers' model
+    # (ckptrun/tuning/levels.py) behind --durable-every auto
+    mtbf_kinds: dict = field(default_factory=dict)
+    shared_dir: bool = False
     max_steps: int = 0  # --max-steps: stop the script cleanly after this many optimizer steps; 0: no limit
     on_restart: str = "resume"  # --on-restart: resume | fresh | fail, for scripts that do not resume themselves
     # --durable: the remote tier committed steps are drained to (s3://bucket/prefix or a path; "" none),

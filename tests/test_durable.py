@@ -42,9 +42,8 @@ from ckptrun.storage.tiers import open_tier
 from ckptrun.storage.tiers.dirtier import DirTier
 from ckptrun.storage.tiers.parts import record_parts
 from ckptrun.strategies import REGISTRY
-from ckptrun.tuning.intervals import DIR_LOSS_SHARE, daly_interval
-from ckptrun.tuning.profile import Costs
-from ckptrun.tuning.report import durable_line
+from ckptrun.tuning.intervals import daly_interval
+from ckptrun.tuning.levels import Layout, durable_every, failure_rates
 
 
 @pytest.fixture(scope="session")
@@ -455,8 +454,9 @@ def test_ls_shows_each_steps_tiers(tmp_path, monkeypatch):
 
 def test_auto_interval_follows_bandwidth_and_failure_rate(tmp_path):
     """--durable-every auto: as soon as the last upload is done until the bandwidth and the step
-    time are measured, then Daly's interval for an upload against the failures that lose --dir
-    (--mtbf / DIR_LOSS_SHARE), never more often than the uploads drain; an explicit value
+    time are measured, then the tiers' model (`levels.durable_every`, as tune prints it):
+    Daly's interval for an upload against the failures that lose --dir (node and job failures:
+    half of --mtbf's by default), never more often than the uploads drain; an explicit value
     wins."""
     store = _local_steps(tmp_path / "ckpts", steps=(1,))
     metrics = tmp_path / "metrics"
@@ -472,21 +472,14 @@ def test_auto_interval_follows_bandwidth_and_failure_rate(tmp_path):
     # 1 s a step and 1 MB a step, as measured:
     ms = [dataclasses.replace(m, committed_at=float(m.step), bytes=1 << 20, rank_bytes=[1 << 20])
           for m in store.manifests()]
-    d.upload_Bps, d.mtbf_s = 1 << 20, 3600.0  # 1 s an upload, a failure losing --dir every 2 h
-    assert d.auto_every(ms) == round(daly_interval(1.0, 3600 / DIR_LOSS_SHARE)) > 100
-    d.upload_Bps, d.mtbf_s = 1 << 14, 30.0  # 64 s an upload: the drain's bound
+    d.upload_Bps, d.rates = 1 << 20, failure_rates(3600.0, {})  # 1 s an upload, a failure losing --dir every 2 h
+    assert d.auto_every(ms) == round(daly_interval(1.0, 7200.0)) == durable_every(1.0, 1.0, d.rates, Layout())[0]
+    d.layout = Layout(replicas=2)  # a lost node comes back from partners: only job failures need the remote tier
+    assert d.auto_every(ms) == round(daly_interval(1.0, 36000.0)) > 2 * round(daly_interval(1.0, 7200.0))
+    d.upload_Bps, d.rates, d.layout = 1 << 14, failure_rates(30.0, {}), Layout()  # 64 s an upload: the bound
     assert d.auto_every(ms) == 64
     d.log.flush()
     said = [e for e in map(json.loads, (metrics / "engine-0.jsonl").read_text().splitlines())
             if e["type"] == "durable_interval"]
-    assert [e["reason"].split()[0] for e in said[-2:]] == ["Daly's", "as"], said
+    assert [e["reason"].split()[0] for e in said[-3:]] == ["Daly's", "Daly's", "as"], said
 
-
-def test_tune_shows_the_remote_tiers_level():
-    """`ckptrun tune --upload-mbps`: the interval auto would take for a full checkpoint uploaded
-    at that bandwidth, with why (Daly's interval, or the uploads' drain bound)."""
-    costs = Costs(step_s=1.0, optim_s=0.1, ckpt_bytes=100_000_000, diff_bytes=0, write_Bps=1e9, load_s=1.0,
-                  replay_s=0.0, record_s=0.0, free_bytes=10**12, write_s_by_inflight={})
-    line = durable_line(costs, 3600.0, 100e6)  # 1 s an upload
-    assert f"--durable-every {round(daly_interval(1.0, 3600 / DIR_LOSS_SHARE))} (Daly's" in line, line
-    assert "--durable-every 100 (as often as the copies drain" in durable_line(costs, 20.0, 1e6), line

@@ -21,7 +21,8 @@ from ckptrun.strategies import BUILTIN, GROUP, REGISTRY, registry
 from ckptrun.tuning import plan as plan_mod
 from ckptrun.tuning.intervals import daly_interval
 from ckptrun.tuning.model import Inputs
-from ckptrun.tuning.plan import make_plan
+from ckptrun.tuning.levels import Layout, failure_rates
+from ckptrun.tuning.plan import make_plan, tier_plan
 from ckptrun.tuning.profile import Costs, Profile, Slowdown, StrategyCosts
 from ckptrun.tuning.report import print_report, to_json
 from ckptrun.tuning.tune import TuneResult
@@ -136,17 +137,22 @@ def test_a_plug_in_strategys_tuning_model_gets_a_row_and_a_line_like_the_built_i
     measured = [StrategyCosts(name, 0.06, delta, 0.004, Slowdown(0.002, 0.001, 0.003, 0.001, 1), 0.0, 0.2, 3)
                 for name, delta in (("sync", 0.05), ("tuned", 0.004))]
     prof = Profile("train.py", [], "ck", 8, costs, measured)
-    result = TuneResult(prof, make_plan(prof, 7200.0, "--mtbf", 0.05))
+    rates = failure_rates(7200.0, {})
+    plan = make_plan(prof, rates, 0.05)
+    result = TuneResult(prof, plan, tier_plan(prof, plan, Layout(), 0.0, None))
 
     sync, tuned = result.plan.strategies
     assert tuned.settings == {"every": 144} and tuned.rule == "the plug-in's own model"
     assert tuned.daly_s == pytest.approx(daly_interval(0.004, 7200.0)) and sync.settings == {"every": sync.daly_steps}
     assert result.plan.notes[-1] == "plug-in model: a checkpoint every 144 steps"
     assert len(result.plan.notes) == 1 + sum(1 for e in BUILTIN.values() if e.tuning and e.load_tuning().report(
-        e.load_tuning().evaluate(Inputs(costs, {sc.name: sc for sc in measured}, 7200.0, 0.05))))
+        e.load_tuning().evaluate(Inputs(costs, {sc.name: sc for sc in measured}, 7200.0, 0.05, rates))))
     assert to_json(result)["plan"]["models"]["tuned"] == {"every": 144}
     out = io.StringIO()
     print_report(Console(file=out, width=80, color_system=None), result)  # a pipe: the table is not squeezed
     lines = out.getvalue().splitlines()
     assert [line.split("│")[1].strip("→ ") for line in lines if line.startswith("│")] == ["sync", "tuned"]
-    assert lines[-2] == "plug-in model: a checkpoint every 144 steps" and lines[-1].startswith("recommendation: ")
+    said = lines.index(next(line for line in lines if line.startswith("recommendation: ")))
+    assert lines[said - 1] == "plug-in model: a checkpoint every 144 steps"
+    assert lines[said + 1].startswith(f"tiers of {plan.recommended}: ")  # its tiers: one, by default
+    assert all(len(line) <= 80 for line in lines[said + 1:]), lines[said + 1:]

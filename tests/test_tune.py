@@ -20,6 +20,7 @@ from ckptrun.strategies import REGISTRY
 from ckptrun.strategies.save_policy import Decision
 from ckptrun.tuning import profile as profile_mod
 from ckptrun.tuning.intervals import daly_interval, young_interval
+from ckptrun.tuning.levels import failure_rates
 from ckptrun.tuning.plan import make_plan
 from ckptrun.tuning.profile import needs_repeat, slowdown
 from ckptrun.worker.decisions import FIRST_EVAL, DalyInterval, PersistBound, Retuner
@@ -52,7 +53,7 @@ def test_tune_tiny_example_within_a_minute_writes_a_recipe_that_runs(tmp_path):
     assert "recommendation: " in proc.stdout
     result = json.loads((tmp_path / "tune.json").read_text())
     plan, costs = result["plan"], result["profile"]["costs"]
-    assert plan["mtbf_s"] == 7200.0 and "failures.log" in plan["mtbf_source"]
+    assert plan["mtbf_s"] == pytest.approx(7200.0) and "failures.log" in plan["mtbf_source"]
     for key in ("step_s", "ckpt_bytes", "diff_bytes", "write_Bps", "load_s", "replay_s"):
         assert costs[key] > 0, key
     assert [s["name"] for s in plan["strategies"]] == ["sync", "checkfreq"]
@@ -167,7 +168,7 @@ def test_a_negative_slowdown_is_measured_again_interleaved_and_never_used(monkey
     assert cf.delta_s == pytest.approx(cf.slowdown.median_s) and cf.delta_s > cf.stall_s  # contention counts
     assert any("round 2: datastates within noise" in line for line in lines)
 
-    plan = make_plan(prof, 7200.0, "--mtbf", 0.05)
+    plan = make_plan(prof, failure_rates(7200.0, {}), 0.05)
     assert all(sp.delta_s > 0 for sp in plan.strategies)
     if plan.recommended == "datastates":
         assert "within noise" in plan.reason
@@ -183,7 +184,7 @@ def test_a_spent_budget_ends_the_rounds_and_a_real_cost_decides(monkeypatch):
     assert launched == ["sync", "datastates", "checkfreq"]
     ds = next(sc for sc in prof.strategies if sc.name == "datastates")
     assert ds.slowdown.resolved and ds.delta_s == pytest.approx(0.030, abs=1e-4)  # (its stall included)
-    assert make_plan(prof, 7200.0, "--mtbf", 0.05).recommended == "checkfreq"
+    assert make_plan(prof, failure_rates(7200.0, {}), 0.05).recommended == "checkfreq"
 
 
 def test_slowdown_is_noise_within_the_spread_of_the_no_checkpoint_steps():

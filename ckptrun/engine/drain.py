@@ -38,7 +38,7 @@ from ..storage.store import Store, retained
 from ..storage.tiers import Tier, open_tier
 from ..storage.tiers.base import MANIFEST, UploadFault
 from ..storage.tiers.parts import Part, record_parts
-from ..tuning.intervals import durable_every
+from ..tuning.levels import FailureRates, Layout, durable_every, rates_for
 from ..worker.decisions import DEFAULT_MTBF_S
 
 POLL_S = 0.1  # the leader's rounds (a local check first)
@@ -58,9 +58,11 @@ class Drain:
     engine's global rank now (0 leads)."""
 
     def __init__(self, store: Store, tier: Tier, every: int, keep: int, log: EventLog,
-                 fault: Callable[[int], UploadFault], rank: int = 0, mtbf_s: float = DEFAULT_MTBF_S) -> None:
+                 fault: Callable[[int], UploadFault], rank: int = 0, rates: FailureRates | None = None,
+                 layout: Layout = Layout()) -> None:
         self.store, self.tier, self.every, self.keep, self.log, self.fault = store, tier, every, keep, log, fault
-        self.rank, self.mtbf_s = rank, mtbf_s
+        self.rank, self.layout = rank, layout
+        self.rates = rates or rates_for(0.0, {}, DEFAULT_MTBF_S)
         self.upload_Bps: float | None = None  # measured by the last round (all ranks' bytes / its time)
         self._auto: int | None = None  # the interval auto chose last
         self._part_s = 0.0  # how long the last part this engine uploaded took
@@ -118,7 +120,7 @@ class Drain:
             return
         newest, last = ms[-1], self.newest_remote()
         every = self.every or self.auto_every(ms)
-        if newest.step <= last or (not final and last >= 0 and newest.step < last + every):
+        if newest.step <= last or (not final and last >= 0 and (every is None or newest.step < last + every)):
             return
         local = {m.name: m for m in ms}
         need, todo = [newest.name], []
@@ -151,17 +153,18 @@ class Drain:
                       lag_s=time.time() - (newest.committed_at or t0))
         self._tidy()
 
-    def auto_every(self, ms: list[Manifest]) -> int:
-        """--durable-every auto: `intervals.durable_every` for an upload of the newest step at
-        the measured bandwidth, the step time of the newest commits and --mtbf; 1 (as soon as
-        the last upload is done) until both are measured. A change is a `durable_interval`
-        event."""
+    def auto_every(self, ms: list[Manifest]) -> int | None:
+        """--durable-every auto: `levels.durable_every` (the tiers' model, as `ckptrun tune`
+        prints it) for an upload of the newest step at the measured bandwidth, the step time of
+        the newest commits and the failure rates; 1 (as soon as the last upload is done) until
+        both are measured; None where no failure resumes from the remote tier (the final round
+        only). A change is a `durable_interval` event."""
         timed = [m for m in ms[-TIMED_COMMITS:] if m.committed_at]
         if self.upload_Bps is None or len(timed) < 2 or timed[-1].committed_at <= timed[0].committed_at:
             return 1
         step_s = (timed[-1].committed_at - timed[0].committed_at) / (timed[-1].step - timed[0].step)
         upload_s = max(ms[-1].bytes / self.upload_Bps, 1e-3)
-        every, why = durable_every(upload_s, step_s, self.mtbf_s)
+        every, why = durable_every(upload_s, step_s, self.rates, self.layout)
         if every != self._auto:
             self._auto = every
             self.log.emit(type="durable_interval", every=every, reason=why, upload_s=upload_s, step_s=step_s)
@@ -304,4 +307,4 @@ def from_config(store: Store, log: EventLog, fault: Callable[[int], UploadFault]
         return None
     tier = open_tier(cfg.durable, cfg.durable_endpoint or None)
     return Drain(store, tier, cfg.durable_every, cfg.durable_keep, log, fault, rank,
-                 cfg.mtbf or DEFAULT_MTBF_S).start()
+                 rates_for(cfg.mtbf, cfg.mtbf_kinds, DEFAULT_MTBF_S), Layout(cfg.replicas, cfg.shared_dir)).start()

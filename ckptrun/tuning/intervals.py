@@ -19,7 +19,6 @@ __all__ = [
     "daly_interval",
     "checkfreq_min_interval_steps",
     "tier_interval_steps",
-    "durable_every",
     "expected_lost_work_s",
     "expected_waste",
 ]
@@ -70,25 +69,18 @@ def checkfreq_min_interval_steps(persist_s: float, step_s: float) -> int:
     return max(1, math.ceil(p / t - 1e-9))
 
 
-def tier_interval_steps(copy_s: float, step_s: float, mtbf_s: float) -> tuple[int, str]:
-    """(steps, why) between copies to a tier written beside training (the trainer never waits
-    on it; a copy costs at most its duration): Daly's interval for a copy of `copy_s` against the
-    failures that lose the tier below (mean time between them `mtbf_s`), never more often than
-    the copies drain (CheckFreq's bound)."""
-    daly = max(1, round(daly_interval(copy_s, mtbf_s) / check_positive("step_s", step_s)))
-    bound = checkfreq_min_interval_steps(copy_s, step_s)
+def tier_interval_steps(cost_s: float, copy_s: float, step_s: float, mtbf_s: float) -> tuple[int, str]:
+    """(steps, why) between copies to one tier: Daly's interval for a copy costing the run
+    `cost_s` against the failures that resume from that tier (mean time between them `mtbf_s`),
+    never more often than its copies of `copy_s` drain (CheckFreq's bound). A copy written beside
+    training costs at most its duration: there cost_s = copy_s."""
+    t = check_positive("step_s", step_s)
+    cost = check_positive("cost_s", cost_s, allow_zero=True)
+    daly = max(1, round(daly_interval(cost, mtbf_s) / t)) if cost else 1
+    bound = checkfreq_min_interval_steps(copy_s, t) if check_positive("copy_s", copy_s, allow_zero=True) else 1
     if bound >= daly:
-        return bound, f"as often as the copies drain: one takes {copy_s:.3f} s, a step {step_s:.3f} s"
-    return daly, f"Daly's interval for a {copy_s:.3f} s copy and a {mtbf_s:.0f} s MTBF of the tier below"
-
-
-DIR_LOSS_SHARE = 0.5  # the share of failures that lose --dir (a node-local disk goes with its machine)
-
-
-def durable_every(upload_s: float, step_s: float, mtbf_s: float) -> tuple[int, str]:
-    """(steps, why) of `--durable-every auto`: `tier_interval_steps` for an upload of `upload_s`
-    against the failures that lose --dir (mean time between them: mtbf_s / DIR_LOSS_SHARE)."""
-    return tier_interval_steps(upload_s, step_s, mtbf_s / DIR_LOSS_SHARE)
+        return bound, f"as often as the copies drain: one takes {copy_s:.3f} s, a step {t:.3f} s"
+    return daly, f"Daly's interval for a {cost:.3f} s copy and a {mtbf_s:.0f} s MTBF of its failures"
 
 
 def expected_lost_work_s(interval_s: float) -> float:

@@ -12,9 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from .intervals import expected_lost_work_s, expected_waste
+from .levels import FailureRates, Level
 from .profile import Costs, StrategyCosts
 
-__all__ = ["Inputs", "Prediction", "StrategyPlan", "TuningModel", "predict"]
+__all__ = ["Inputs", "Prediction", "StrategyPlan", "TuningModel", "predict", "settings_flags"]
+
+
+def settings_flags(settings: dict[str, Any]) -> str:
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
 
 
 @dataclass(frozen=True)
@@ -47,8 +52,9 @@ class Inputs:
 
     costs: Costs
     measured: dict[str, StrategyCosts]  # by strategy: the profiled ones
-    mtbf_s: float
+    mtbf_s: float  # of all failures: 1 / rates.total
     budget: float  # the overhead budget, a fraction
+    rates: FailureRates  # per kind of failure (levels.py)
 
 
 def predict(interval_s: float, delta_s: float, lag_s: float, mtbf_s: float, load_s: float) -> Prediction:
@@ -65,7 +71,9 @@ class TuningModel:
     Call order, once per tune: `evaluate` for every registered strategy that has a model,
     profiled or not (the answer is kept in the JSON's `plan.models` under the strategy's name,
     and `report` gives its line under the table); then `settle` for each profiled one, to turn
-    its interval plan into its own settings. The defaults answer nothing and keep the plan.
+    its interval plan into its own settings; then `levels` for the recommended one, its tiers
+    in the multi-level model (levels.py). The defaults answer nothing, keep the plan and give
+    one tier.
     """
 
     def evaluate(self, inputs: Inputs) -> Any:
@@ -81,3 +89,11 @@ class TuningModel:
     def report(self, answer: Any) -> str | None:
         """The report's line for `answer`, if any."""
         return None
+
+    def levels(self, sp: StrategyPlan, sc: StrategyCosts, costs: Costs) -> list[Level]:
+        """This strategy's own tiers at its settings, fastest first. By default one: its durable
+        points (every `prediction.interval_s`, each costing the run overhead x interval) in
+        --dir, a process failure resuming from there."""
+        p = sp.prediction
+        return [Level("disk", settings_flags(sp.settings), p.overhead * p.interval_s, sc.persist_s, costs.load_s,
+                      every=max(1, round(p.interval_s / costs.step_s)))]

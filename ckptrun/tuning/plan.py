@@ -16,6 +16,12 @@ A strategy's cost δ is the larger of its measured stall and its slowdown agains
 checkpointing when that is above the noise (`profile.Slowdown`): never negative, and a
 slowdown within the noise never lowers it.
 
+The recommended strategy's tiers (`tier_plan`): its own (its model's `levels`: one, its
+durable points in --dir, unless it has more), the remote tier with `--upload-mbps` (an upload
+of a full checkpoint at that bandwidth, beside training), each tier's interval and waste per
+hour from the failure rates per kind (`levels.plan_levels`): the intervals the strategy's
+settings fix are kept, the remote tier's is the model's unless `--durable-every N` is given.
+
 Predictions at each setting, per unit of run time (fractions) and per failure (seconds):
 overhead = δ / interval; work lost per failure = interval/2 + the time a checkpoint takes to
 become durable (a failure during it loses the previous interval too); wasted-time fraction =
@@ -32,16 +38,18 @@ from ..errors import UsageError
 from ..strategies import REGISTRY
 from .durations import format_duration
 from .intervals import checkfreq_min_interval_steps, daly_interval, young_interval
-from .model import Inputs, StrategyPlan, TuningModel, predict
+from .levels import FailureRates, Layout, Level, LevelsPlan, plan_levels
+from .model import Inputs, StrategyPlan, TuningModel, predict, settings_flags
 from .profile import Costs, Profile, StrategyCosts
 
-__all__ = ["Plan", "make_plan", "parse_percent", "settings_flags"]
+__all__ = ["Plan", "make_plan", "parse_percent", "tier_plan"]
 
 
 @dataclass(frozen=True)
 class Plan:
-    mtbf_s: float
+    mtbf_s: float  # of all failures
     mtbf_source: str
+    rates: FailureRates  # per kind of failure, per second
     max_overhead: float
     strategies: list[StrategyPlan]
     models: dict[str, Any]  # strategy -> its tuning model's answer (TuningModel.evaluate)
@@ -59,10 +67,6 @@ def parse_percent(text: str) -> float:
     if not 0 < value < 100:
         raise UsageError(f"--max-overhead must be above 0 and below 100 percent (got {text!r})")
     return value / 100
-
-
-def settings_flags(settings: dict[str, Any]) -> str:
-    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
 
 
 def _steps(seconds: float, step_s: float) -> int:
@@ -101,11 +105,13 @@ def _reason(best: StrategyPlan, others: list[StrategyPlan], budget: float, mtbf_
             f"{format_duration(p.lost_work_s)} of work lost per failure at MTBF {format_duration(mtbf_s)}{tail}")
 
 
-def make_plan(profile: Profile, mtbf_s: float, mtbf_source: str, budget: float) -> Plan:
-    """Settings and predictions for every profiled strategy, and the recommended one."""
+def make_plan(profile: Profile, rates: FailureRates, budget: float) -> Plan:
+    """Settings and predictions for every profiled strategy against all failures (1 /
+    rates.total), and the recommended one."""
     costs = profile.costs
     measured = {sc.name: sc for sc in profile.strategies}
-    inputs = Inputs(costs, measured, mtbf_s, budget)
+    mtbf_s = 1.0 / rates.total
+    inputs = Inputs(costs, measured, mtbf_s, budget, rates)
     models: dict[str, TuningModel] = {name: entry.load_tuning() for name, entry in REGISTRY.items() if entry.tuning}
     answers = {name: model.evaluate(inputs) for name, model in models.items()}
     notes = [line for name, model in models.items() if (line := model.report(answers[name]))]
@@ -118,4 +124,17 @@ def make_plan(profile: Profile, mtbf_s: float, mtbf_source: str, budget: float) 
     fitting = [p for p in plans if p.prediction.overhead <= budget]
     best = min(fitting or plans, key=lambda p: p.prediction.waste)
     reason = _reason(best, [p for p in plans if p is not best], budget, mtbf_s, bool(fitting), measured.get(best.name))
-    return Plan(mtbf_s, mtbf_source, budget, plans, answers, notes, best.name, reason)
+    return Plan(mtbf_s, rates.source, rates, budget, plans, answers, notes, best.name, reason)
+
+
+def tier_plan(profile: Profile, plan: Plan, layout: Layout, upload_Bps: float, durable_every: int | None) -> LevelsPlan:
+    """The recommended strategy's tiers (module docstring); the remote one only with `upload_Bps`."""
+    costs = profile.costs
+    best = next(s for s in plan.strategies if s.name == plan.recommended)
+    entry = REGISTRY[best.name]
+    model = entry.load_tuning() if entry.tuning else TuningModel()
+    levels = model.levels(best, next(s for s in profile.strategies if s.name == best.name), costs)
+    if upload_Bps:
+        up = max(costs.ckpt_bytes / upload_Bps, 1e-3)  # the download back is taken as long
+        levels.append(Level("remote", "--durable-every", up, up, costs.load_s + up, every=durable_every))
+    return plan_levels(levels, plan.rates, layout, costs.step_s)

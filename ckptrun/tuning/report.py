@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import textwrap
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -13,12 +14,12 @@ from rich.console import Console
 from rich.table import Table
 
 from .durations import format_duration
-from .intervals import durable_every
-from .plan import settings_flags
-from .profile import Costs, StrategyCosts
+from .levels import HOUR, LevelsPlan
+from .model import settings_flags
+from .profile import StrategyCosts
 from .tune import TuneResult
 
-__all__ = ["durable_line", "print_report", "to_json", "write_recipe"]
+__all__ = ["print_report", "tier_lines", "to_json", "write_recipe"]
 
 WIDE = 140
 
@@ -46,18 +47,47 @@ def _slowdown(sc: StrategyCosts | None) -> str:
     return f"{sd.median_s * 1e3:.1f} ms {spread}"
 
 
-def durable_line(costs: Costs, mtbf_s: float, upload_Bps: float) -> str:
-    """The remote tier's level: `--durable-every auto`'s interval for a full checkpoint uploaded
-    at `upload_Bps` (tune measures no upload; the user gives the bandwidth)."""
-    upload_s = max(costs.ckpt_bytes / upload_Bps, 1e-3)
-    every, why = durable_every(upload_s, costs.step_s, mtbf_s)
-    return (f"remote tier (--durable) at {upload_Bps / 1e6:.1f} MB/s: an upload takes {format_duration(upload_s)}; "
-            f"--durable-every {every} ({why})")
+def _per_h(rate: float) -> str:
+    return f"{rate:.3g}/h"
 
 
-def print_report(console: Console, result: TuneResult, upload_Bps: float = 0.0) -> None:
-    """The per-strategy table, the model answers, the remote tier's level (given `upload_Bps`)
-    and the one-line recommendation."""
+def tier_lines(tiers: LevelsPlan, strategy: str, width: int = 80) -> list[str]:
+    """The tiers block: per tier its interval, the failures that resume from it and its waste
+    per hour (copies + failures), then the total and the failures no tier survives; `width`
+    columns at most."""
+    r, layout = tiers.rates, tiers.layout
+    node_from = (f"partners' memory (--replicas {layout.replicas})" if layout.replicas > 1 else
+                 "--dir (--shared-dir)" if layout.shared_dir else
+                 "--durable (--dir is taken as lost with its node: --shared-dir or --replicas K say otherwise)")
+    lines = textwrap.wrap(f"tiers of {strategy}: failures per hour: process {r.process * HOUR:.3g}, node "
+                          f"{r.node * HOUR:.3g}, job {r.job * HOUR:.3g} ({r.source}); a lost node resumes "
+                          f"from {node_from}", width)
+    for lp in tiers.levels:
+        lv = lp.level
+        if lp.every is None:
+            when = "at the end of the run only"
+        else:
+            setting = f"{lv.flag} {lp.every}" if lv.flag.startswith("--durable") else lv.flag
+            when = f"{setting} ({lp.every} steps, {format_duration(lp.every * tiers.step_s)})"
+        kinds = ", ".join(lp.kinds) or "no failure"
+        text = (f"{when}: resumes {kinds} ({_per_h(lp.rate_per_h)}); waste {lp.waste_s_per_h:.3g} s/h = copies "
+                f"{lp.copies_s_per_h:.3g} + failures {lp.failures_s_per_h:.3g}"
+                + ("" if lp.why == "given" else f"; {lp.why}"))
+        lines += textwrap.wrap(text, width, initial_indent=f"  {lv.tier:<8}", subsequent_indent=" " * 10)
+    total = tiers.waste_s_per_h
+    lines += textwrap.wrap(f"total waste {total:.3g} s/h ({total / HOUR:.2%} of the run)", width,
+                           initial_indent="  ", subsequent_indent="  ")
+    if tiers.uncovered:
+        lines += textwrap.wrap(f"no tier survives {', '.join(tiers.uncovered)} failures "
+                               f"({_per_h(tiers.uncovered_per_h)}): each starts the run over; --durable covers "
+                               "them (tune --upload-mbps B plans it)", width, initial_indent="  ",
+                               subsequent_indent="  ")
+    return lines
+
+
+def print_report(console: Console, result: TuneResult) -> None:
+    """The per-strategy table, the model answers, the one-line recommendation and the
+    recommended strategy's tiers (80 columns)."""
     prof, plan = result.profile, result.plan
     if not console.is_terminal and console.width < WIDE:  # a log or a pipe: do not squeeze the table
         console = Console(file=console.file, width=WIDE, highlight=False)
@@ -67,7 +97,8 @@ def print_report(console: Console, result: TuneResult, upload_Bps: float = 0.0) 
 
     say(f"ckptrun tune: {shlex.join([prof.script, *prof.args])} ({prof.steps} steps measured per run)")
     say(_measured_line(result))
-    say(f"MTBF {format_duration(plan.mtbf_s)} ({plan.mtbf_source}); overhead budget {plan.max_overhead:.2%}")
+    say(f"MTBF {format_duration(plan.mtbf_s)} of all failures (below: per kind); overhead budget "
+        f"{plan.max_overhead:.2%}")
     table = Table("strategy", "δ/ckpt", "slowdown", "persist", "Young", "Daly", "CheckFreq ≥", "setting",
                   "overhead", "lost/failure", "waste", title="per strategy (intervals: time = steps)")
     measured = {sc.name: sc for sc in prof.strategies}
@@ -84,16 +115,16 @@ def print_report(console: Console, result: TuneResult, upload_Bps: float = 0.0) 
     console.print(table)
     for line in plan.notes:  # each registered strategy's tuning model
         say(line)
-    if upload_Bps:
-        say(durable_line(prof.costs, plan.mtbf_s, upload_Bps))
     say(f"recommendation: {plan.reason}")
+    for line in tier_lines(result.tiers, plan.recommended):
+        say(line)
 
 
 def to_json(result: TuneResult) -> dict[str, Any]:
     """Every measurement, setting and prediction (seconds, bytes, fractions)."""
     plan = asdict(result.plan)
     best = next(s for s in result.plan.strategies if s.name == result.plan.recommended)
-    return {"profile": asdict(result.profile), "plan": plan,
+    return {"profile": asdict(result.profile), "plan": plan, "tiers": asdict(result.tiers),
             "recommendation": {"strategy": best.name, "settings": best.settings, "reason": result.plan.reason}}
 
 

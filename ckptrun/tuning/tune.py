@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
-from .plan import Plan, make_plan
+from .levels import FailureRates, Layout, LevelsPlan
+from .plan import Plan, make_plan, tier_plan
 from .profile import Profile, profile
 
 __all__ = ["TuneResult", "choose_strategies", "tune"]
@@ -22,6 +23,7 @@ __all__ = ["TuneResult", "choose_strategies", "tune"]
 class TuneResult:
     profile: Profile
     plan: Plan
+    tiers: LevelsPlan  # the recommended strategy's tiers
 
 
 def choose_strategies(text: str) -> list[str]:
@@ -35,11 +37,12 @@ def choose_strategies(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def tune(script: str, args: list[str], *, strategies: list[str], profile_steps: int, mtbf_s: float,
-         mtbf_source: str, max_overhead: float, ckpt_dir: str, progress: Callable[[str], None],
-         repeat_budget_s: float = 0.0) -> TuneResult:
+def tune(script: str, args: list[str], *, strategies: list[str], profile_steps: int, rates: FailureRates,
+         max_overhead: float, ckpt_dir: str, progress: Callable[[str], None], repeat_budget_s: float = 0.0,
+         layout: Layout = Layout(), upload_Bps: float = 0.0, durable_every: int | None = None) -> TuneResult:
     """Profile `script` under each strategy, then plan (see the package docstring)."""
     if not Path(script).is_file():
         raise UsageError(f"script {script!r} not found; give the path of a Python training script")
-    prof = profile(script, args, strategies, profile_steps, ckpt_dir, mtbf_s, progress, repeat_budget_s)
-    return TuneResult(prof, make_plan(prof, mtbf_s, mtbf_source, max_overhead))
+    prof = profile(script, args, strategies, profile_steps, ckpt_dir, 1.0 / rates.total, progress, repeat_budget_s)
+    plan = make_plan(prof, rates, max_overhead)
+    return TuneResult(prof, plan, tier_plan(prof, plan, layout, upload_Bps, durable_every))

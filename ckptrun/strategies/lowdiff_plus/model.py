@@ -12,20 +12,17 @@ Daly's refinement and CheckFreq's bound (never faster than the disk drains) are 
 
 from __future__ import annotations
 
-from ...tuning.intervals import checkfreq_min_interval_steps, daly_interval
+from ...tuning.intervals import tier_interval_steps
 
 HW_SHARE = 0.5  # share of failures that lose the machine, unless --hw-failure-share says otherwise
 
 
 def persist_every(persist_s: float, step_s: float, mtbf_s: float, hw_share: float = HW_SHARE) -> tuple[int, str]:
-    """(P, why): steps between durable writes of the replica."""
+    """(P, why): steps between durable writes of the replica (the tiers' interval for a write
+    beside training, `intervals.tier_interval_steps`)."""
     m_hw = mtbf_s / hw_share
-    daly = max(1, round(daly_interval(persist_s, m_hw) / step_s))
-    bound = checkfreq_min_interval_steps(persist_s, step_s)
-    if bound > daly:
-        return bound, f"as often as the disk drains: writing the replica takes {persist_s:.3f} s, a step {step_s:.3f} s"
-    return daly, (f"Daly's interval for a {persist_s:.3f} s write and a hardware MTBF of {m_hw:.0f} s "
-                  f"({hw_share:.0%} of failures lose the machine; the others resume from memory)")
+    every, why = tier_interval_steps(persist_s, persist_s, step_s, m_hw)
+    return every, f"{why} ({hw_share:.0%} of failures lose the machine; the others resume from memory)"
 
 
 def waste(delta_s: float, persist_s: float, step_s: float, every: int, mtbf_s: float, load_s: float,
