@@ -1,0 +1,207 @@
+"""The multi-level interval model (ckptrun/tuning/levels.py) and its place in `ckptrun tune` and
+the run: closed-form cases, monotonicity, the failure rates per kind, an explicit interval kept,
+and tune's tiers at 80 columns and in --json (profiling replaced by fixed measurements)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from conftest import EXAMPLE, cli, error_line
+
+from ckptrun.tuning import tune as tune_mod
+from ckptrun.tuning.intervals import daly_interval, young_interval
+from ckptrun.tuning.levels import (
+    DEFAULT_SHARES,
+    HOUR,
+    FailureRates,
+    Layout,
+    Level,
+    durable_every,
+    failure_rates,
+    plan_levels,
+    rates_for,
+)
+from ckptrun.tuning.profile import Costs, Profile, Slowdown, StrategyCosts
+
+H = 3600.0
+
+
+def rates(process: float, node: float, job: float) -> FailureRates:
+    """Rates from MTBFs in hours per kind (0: that kind never happens)."""
+    per_s = [1 / (h * H) if h else 0.0 for h in (process, node, job)]
+    return FailureRates(*per_s, source="test")
+
+
+# ---- the model ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cost_s,step_s,mtbf_h", [(1.0, 1.0, 1.0), (0.05, 0.1, 2.0), (30.0, 2.0, 0.5)])
+def test_one_level_is_daly_and_near_young(cost_s, step_s, mtbf_h):
+    """One tier that every failure resumes from: Daly's interval in steps, within Daly's
+    correction of Young's; its waste is the classic first-order one."""
+    r = failure_rates(mtbf_h * H, {})
+    plan = plan_levels([Level("remote", "--durable-every", cost_s, 0.0)], r, Layout(), step_s)
+    (lp,) = plan.levels
+    assert lp.kinds == ("process", "node", "job") and lp.rate_per_h == pytest.approx(1 / mtbf_h)
+    assert lp.every == max(1, round(daly_interval(cost_s, mtbf_h * H) / step_s))
+    assert lp.every * step_s == pytest.approx(young_interval(cost_s, mtbf_h * H), rel=0.3)
+    t = lp.every * step_s
+    assert lp.waste_s_per_h == pytest.approx(H * (cost_s / t + (t / 2) / (mtbf_h * H)))
+    assert not plan.uncovered
+
+
+def test_each_kind_resumes_from_the_fastest_tier_that_survives_it():
+    r = rates(2, 5, 50)
+    tiers = [Level("memory", "every step", 0.01, 0.0, every=1), Level("disk", "--persist-every", 0.5, 0.5),
+             Level("remote", "--durable-every", 5.0, 5.0)]
+    kinds = {lay: [lp.kinds for lp in plan_levels(tiers, r, lay, 0.1).levels]
+             for lay in (Layout(), Layout(replicas=2), Layout(shared_dir=True))}
+    assert kinds[Layout()] == [("process",), (), ("node", "job")]
+    assert kinds[Layout(replicas=2)] == kinds[Layout(shared_dir=True)] == [("process",), ("node",), ("job",)]
+    # without a remote tier nothing survives a lost job (nor, with --dir lost with its node, a lost node)
+    plan = plan_levels(tiers[:2], r, Layout(), 0.1)
+    assert plan.uncovered == ("node", "job") and plan.uncovered_per_h == pytest.approx(1 / 5 + 1 / 50)
+
+
+def test_a_tier_no_failure_needs_is_not_copied_more_often_than_needed():
+    """Rate zero: no interval at all (the end of the run only), no cost; and as its failures
+    grow rarer its interval only grows."""
+    step = 0.1
+    copy = Level("remote", "--durable-every", 2.0, 2.0)
+    disk = Level("disk", "--every", 0.01, 0.01, every=10)
+    never = plan_levels([disk, copy], rates(1, 5, 0), Layout(shared_dir=True), step).levels[1]
+    assert never.every is None and never.waste_s_per_h == 0.0 and "end of the run" in never.why
+    intervals = [plan_levels([disk, copy], rates(1, 5, job_h), Layout(shared_dir=True), step).levels[1].every
+                 for job_h in (1, 10, 100, 1000)]
+    assert intervals == sorted(intervals) and intervals[0] < intervals[-1]
+
+
+@pytest.mark.parametrize("layout", [Layout(), Layout(replicas=2)])
+def test_intervals_and_waste_grow_with_the_costs(layout):
+    r = failure_rates(2 * H, {})
+    plans = [plan_levels([Level("disk", "--every", 0.01, 0.01, every=5), Level("remote", "--durable-every", c, c)],
+                         r, layout, 0.2).levels[1] for c in (0.1, 1.0, 10.0, 100.0, 1000.0)]
+    assert [p.every for p in plans] == sorted(p.every for p in plans)
+    assert [p.waste_s_per_h for p in plans] == sorted(p.waste_s_per_h for p in plans)
+    assert all(p.every % 5 == 0 for p in plans)  # it copies steps the tier below has
+    assert plans[-1].every >= math.ceil(1000.0 / 0.2)  # never more often than its copies drain
+
+
+def test_an_interval_given_is_kept():
+    r = failure_rates(H, {})
+    auto = plan_levels([Level("remote", "--durable-every", 1.0, 1.0)], r, Layout(), 1.0).levels[0]
+    given = plan_levels([Level("remote", "--durable-every", 1.0, 1.0, every=7)], r, Layout(), 1.0).levels[0]
+    assert auto.every != 7 and (given.every, given.why) == (7, "given")
+    assert given.copies_s_per_h == pytest.approx(H / 7)
+
+
+def test_durable_every_is_the_remote_tier_of_the_model():
+    """The run's --durable-every auto (the engine's drain calls this) is the remote tier that
+    plan_levels gives; by default half the failures (node + job) resume from it, as the fixed
+    share did before the rates per kind."""
+    r = failure_rates(H, {})
+    assert durable_every(1.0, 1.0, r, Layout())[0] == round(daly_interval(1.0, 2 * H))
+    assert durable_every(1.0, 1.0, r, Layout(replicas=2))[0] == round(daly_interval(1.0, 10 * H))
+    assert durable_every(1.0, 1.0, rates(1, 1, 0), Layout(shared_dir=True)) == (
+        None, "no failure resumes from it: copied at the end of the run only")
+
+
+def test_failure_rates_split_and_explicit_kinds():
+    split = failure_rates(H, {})
+    assert [split.of(k) * H for k in ("process", "node", "job")] == pytest.approx(list(DEFAULT_SHARES.values()))
+    assert "split by default: process 50%, node 40%, job 10%" in split.source
+    node = failure_rates(H, {"node": 2 * H})  # given: kept; the rest of --mtbf split 5:1
+    assert node.node == pytest.approx(1 / (2 * H)) and node.total == pytest.approx(1 / H)
+    assert node.process / node.job == pytest.approx(5.0)
+    alone = rates_for(0.0, {"node": 2 * H}, H)  # no --mtbf: the others keep their default shares of 1h
+    assert alone.node == pytest.approx(1 / (2 * H)) and alone.process == pytest.approx(0.5 / H)
+    assert "default MTBF 1h" in alone.source
+    with pytest.raises(ValueError, match="fail more often than --mtbf"):
+        failure_rates(H, {"node": 0.5 * H})
+    with pytest.raises(ValueError, match="over-determines"):
+        failure_rates(H, {"process": 3 * H, "node": 3 * H, "job": 3 * H})
+
+
+# ---- ckptrun tune: the tiers block and --json ---------------------------------------------------
+
+
+COSTS = Costs(step_s=0.05, optim_s=0.004, ckpt_bytes=6 * 10**7, diff_bytes=2 * 10**7, write_Bps=4e8, load_s=0.3,
+              replay_s=0.006, record_s=0.02, free_bytes=10**11, write_s_by_inflight={1: 0.2})
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """`ckptrun tune` with these measurements instead of profiling runs."""
+    strategies = [StrategyCosts(name, 0.06, delta, delta, Slowdown(0.0, 0.0, 0.0, 0.001, 1), 0.0, 0.2, 3)
+                  for name, delta in (("sync", 0.05), ("checkfreq", 0.004), ("lowdiff+", 0.002))]
+
+    def fake(script, args, names, steps, ckpt_dir, mtbf_s, progress, repeat_budget_s):
+        return Profile(str(script), list(args), ckpt_dir, steps,
+                       COSTS, [s for s in strategies if s.name in names])
+
+    monkeypatch.setattr(tune_mod, "profile", fake)
+
+
+def test_tune_prints_every_tier_at_80_columns_and_its_json_has_them(tmp_path, measured):
+    proc = cli(tmp_path, "tune", "--strategies", "checkfreq", "--mtbf", "2h", "--mtbf-node", "10h",
+               "--upload-mbps", "50", "--json", "t.json", EXAMPLE)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    block = lines[next(i for i, ln in enumerate(lines) if ln.startswith("tiers of checkfreq: ")):]
+    assert all(len(ln) <= 80 for ln in block), block
+    text = " ".join(block)
+    assert "--mtbf-node" in text and "the rest of --mtbf 2h split by default: process 83%, job 17%" in text
+    assert "  disk    --every " in text and "  remote  --durable-every " in text and "total waste" in text
+    tiers = json.loads((tmp_path / "t.json").read_text())["tiers"]
+    assert [lp["level"]["tier"] for lp in tiers["levels"]] == ["disk", "remote"]
+    disk, remote = tiers["levels"]
+    assert disk["kinds"] == ["process"] and remote["kinds"] == ["node", "job"]  # --dir lost with its node
+    upload_s = COSTS.ckpt_bytes / 50e6
+    assert remote["level"]["cost_s"] == pytest.approx(upload_s)
+    r, lam = tiers["rates"], tiers["rates"]["node"] + tiers["rates"]["job"]
+    run_every = durable_every(upload_s, COSTS.step_s, FailureRates(**r), Layout())[0]  # what the run's drain takes
+    assert remote["every"] == math.ceil(run_every / disk["every"]) * disk["every"]  # on the steps --dir has
+    t = remote["every"] * COSTS.step_s
+    assert remote["copies_s_per_h"] == pytest.approx(H * upload_s / t)
+    assert remote["failures_s_per_h"] == pytest.approx(H * lam * (t / 2 + upload_s + COSTS.load_s + upload_s))
+    assert r["node"] * HOUR == pytest.approx(0.1)
+
+
+def test_tune_keeps_a_given_durable_every_and_plans_lowdiff_plus_two_local_tiers(tmp_path, measured):
+    proc = cli(tmp_path, "tune", "--strategies", "lowdiff+", "--max-overhead", "99", "--upload-mbps", "50",
+               "--durable-every", "9", "--shared-dir", "--json", "t.json", EXAMPLE)
+    assert proc.returncode == 0, proc.stderr
+    tiers = json.loads((tmp_path / "t.json").read_text())["tiers"]
+    assert [(lp["level"]["tier"], lp["kinds"]) for lp in tiers["levels"]] == [
+        ("memory", ["process"]), ("disk", ["node"]), ("remote", ["job"])]
+    assert (tiers["levels"][2]["every"], tiers["levels"][2]["why"]) == (9, "given")
+    assert "  remote  --durable-every 9 (9 steps" in proc.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--mtbf", "1h", "--mtbf-node", "30m"], "--mtbf-node fail more often than --mtbf"),
+    (["--mtbf-job", "soon"], "--mtbf-job: invalid duration 'soon'"),
+    (["--durable-every", "5"], "--durable-every needs --upload-mbps"),
+    (["--durable-every", "often", "--upload-mbps", "5"], "--durable-every must be a number of steps or auto"),
+])
+def test_tune_bad_rates_are_one_line(tmp_path, measured, args, message):
+    proc = cli(tmp_path, "tune", *args, EXAMPLE)
+    assert proc.returncode == 2 and message in error_line(proc)
+
+
+def test_the_run_takes_the_rates_and_refuses_contradicting_ones(tmp_path, monkeypatch):
+    """The run's flags reach the configuration the engines' drain reads; a contradiction is one
+    line at start, before anything is launched."""
+    from ckptrun.launcher import run as launcher
+
+    seen = []
+    monkeypatch.setattr(launcher, "run", lambda cfg, *a, **k: seen.append(cfg) or 0)
+    proc = cli(tmp_path, "--mtbf", "1h", "--mtbf-process", "2h", "--shared-dir", "--durable", "r",
+               "--durable-every", "12", "--max-steps", "1", EXAMPLE)
+    assert proc.returncode == 0, proc.stderr
+    cfg = seen[0]
+    assert (cfg.mtbf_kinds, cfg.shared_dir, cfg.durable_every) == ({"process": 2 * H}, True, 12)
+    proc = cli(tmp_path, "--mtbf", "1h", "--mtbf-process", "30m", EXAMPLE)
+    assert proc.returncode == 2 and "--mtbf-process fail more often than --mtbf" in error_line(proc)
