@@ -67,7 +67,7 @@ ScriptArgs = Annotated[list[str] | None, typer.Argument(help="Arguments passed t
 Mtbf = Annotated[str, typer.Option(help="Mean time between failures of every kind: 90s, 45m, 2h, 1.5d "
                                         "(default 1h). run: used by --every auto and the strategies' auto "
                                         "settings. The kinds not given by --mtbf-KIND share it: process 50%, "
-                                        "node 40%, job 10% by default (README, Tiers).")]
+                                        "node 40%, job 10% by default (README: Tiers and failure rates).")]
 MtbfProcess = Annotated[str, typer.Option(help="MTBF of process failures (a worker or engine dies, the machine "
                                                "stays): they resume from the engine's memory or --dir. "
                                                "Taken as given; --mtbf, if given, counts them too.")]
