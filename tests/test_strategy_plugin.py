@@ -20,8 +20,8 @@ from ckptrun.storage.store import Store
 from ckptrun.strategies import BUILTIN, GROUP, REGISTRY, registry
 from ckptrun.tuning import plan as plan_mod
 from ckptrun.tuning.intervals import daly_interval
-from ckptrun.tuning.model import Inputs
 from ckptrun.tuning.levels import Layout, failure_rates
+from ckptrun.tuning.model import Inputs
 from ckptrun.tuning.plan import make_plan, tier_plan
 from ckptrun.tuning.profile import Costs, Profile, Slowdown, StrategyCosts
 from ckptrun.tuning.report import print_report, to_json
