@@ -82,15 +82,17 @@ SharedDir = Annotated[bool, typer.Option("--shared-dir", help="--dir outlives a 
                                                               "auto).")]
 
 
-def _rates(mtbf_s: float, kinds: dict[str, str], source: str = "") -> tuple[dict[str, float], FailureRates]:
+def _rates(mtbf_s: float, kinds: dict[str, str], source: str = "",
+           logged: dict[str, int] | None = None) -> tuple[dict[str, float], FailureRates]:
     """The --mtbf-KIND flags given (seconds) and the failure rates they make with `mtbf_s` (0:
-    --mtbf not given); UsageError if they contradict each other."""
+    --mtbf not given; `source`, `logged`: a failure log's); UsageError if they contradict each
+    other."""
     from .tuning.levels import rates_for
     from .worker.decisions import DEFAULT_MTBF_S
 
     given = {k: _duration(f"--mtbf-{k}", v) for k, v in kinds.items() if v}
     try:
-        return given, rates_for(mtbf_s, given, DEFAULT_MTBF_S, source)
+        return given, rates_for(mtbf_s, given, DEFAULT_MTBF_S, source, logged)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -579,7 +581,9 @@ def tune(
     mtbf_node: MtbfNode = "",
     mtbf_job: MtbfJob = "",
     failure_log: Annotated[Path | None, typer.Option(help="Estimate the MTBF from this file of past failure "
-                                                          "times, one ISO-8601 timestamp per line.")] = None,
+                                                          "times, one ISO-8601 timestamp per line, each "
+                                                          "optionally followed by its kind (process, node, "
+                                                          "job): the kinds logged then split it.")] = None,
     replicas: Annotated[int, typer.Option(min=1, help="The run's --replicas: with K > 1 node failures resume "
                                                       "from partners' memory in the tiers' model.")] = 1,
     shared_dir: SharedDir = False,
@@ -603,7 +607,7 @@ def tune(
                                                     "then is reported as such and counted as 0.")] = "2m",
 ) -> None:
     """Profile SCRIPT briefly under each strategy; print the optimal settings and a recommendation."""
-    from .tuning.durations import mtbf_from_failure_log
+    from .tuning.durations import failure_log_kinds, mtbf_from_failure_log
     from .tuning.levels import Layout
     from .tuning.plan import parse_percent
     from .tuning.report import print_report, to_json, write_recipe
@@ -616,13 +620,14 @@ def tune(
         raise UsageError(f"--durable-every must be a number of steps or auto (got {durable_every!r})")
     if durable_every != "auto" and not upload_mbps:
         raise UsageError("--durable-every needs --upload-mbps: the remote tier's cost is its upload")
-    mtbf_s, source = (_duration("--mtbf", mtbf) if mtbf else 0.0), ""
+    mtbf_s, source, logged = (_duration("--mtbf", mtbf) if mtbf else 0.0), "", None
     if failure_log:
         try:
-            mtbf_s, source = mtbf_from_failure_log(failure_log), f"estimated from {failure_log}"
+            mtbf_s, logged = mtbf_from_failure_log(failure_log), failure_log_kinds(failure_log)
         except (OSError, ValueError) as e:
             raise UsageError(f"--failure-log: {e}") from None
-    _, rates = _rates(mtbf_s, {"process": mtbf_process, "node": mtbf_node, "job": mtbf_job}, source)
+        source = f"estimated from {failure_log}"
+    _, rates = _rates(mtbf_s, {"process": mtbf_process, "node": mtbf_node, "job": mtbf_job}, source, logged)
     budget = parse_percent(max_overhead)
     repeat_s = 0.0 if repeat_budget.strip() in ("0", "0s") else _duration("--repeat-budget", repeat_budget)
     result = run_tune(script, list(script_args or []), strategies=choose_strategies(strategies),

@@ -11,6 +11,7 @@ import pytest
 from conftest import EXAMPLE, cli, error_line
 
 from ckptrun.tuning import tune as tune_mod
+from ckptrun.tuning.durations import failure_log_kinds, read_failure_log
 from ckptrun.tuning.intervals import daly_interval, young_interval
 from ckptrun.tuning.levels import (
     DEFAULT_SHARES,
@@ -205,3 +206,29 @@ def test_the_run_takes_the_rates_and_refuses_contradicting_ones(tmp_path, monkey
     assert (cfg.mtbf_kinds, cfg.shared_dir, cfg.durable_every) == ({"process": 2 * H}, True, 12)
     proc = cli(tmp_path, "--mtbf", "1h", "--mtbf-process", "30m", EXAMPLE)
     assert proc.returncode == 2 and "--mtbf-process fail more often than --mtbf" in error_line(proc)
+
+
+LOG = """# 4 failures 2 h apart: an MTBF of 2 h
+2024-05-01T00:00:00Z process
+2024-05-01T02:00:00Z node   # the machine was taken back
+2024-05-01 04:00:00+00:00 process
+2024-05-01T06:00:00Z
+"""
+
+
+def test_a_failure_log_with_kinds_splits_its_mtbf_as_logged_and_a_flag_still_wins(tmp_path, measured):
+    (tmp_path / "f.log").write_text(LOG)
+    assert failure_log_kinds(tmp_path / "f.log") == {"process": 2, "node": 1}
+    assert len(read_failure_log(tmp_path / "f.log")) == 4  # an untagged line counts in the MTBF only
+    proc = cli(tmp_path, "tune", "--strategies", "checkfreq", "--failure-log", "f.log", "--json", "t.json", EXAMPLE)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads((tmp_path / "t.json").read_text())["tiers"]["rates"]
+    assert (r["process"] * 2 * H, r["node"] * 2 * H, r["job"]) == pytest.approx((2 / 3, 1 / 3, 0.0))
+    assert "estimated from f.log split as logged: process 67%, node 33%, job 0%" in r["source"]
+    proc = cli(tmp_path, "tune", "--strategies", "checkfreq", "--failure-log", "f.log", "--mtbf-node", "8h",
+               "--json", "t.json", EXAMPLE)
+    r = json.loads((tmp_path / "t.json").read_text())["tiers"]["rates"]
+    assert r["node"] == pytest.approx(1 / (8 * H)) and r["process"] == pytest.approx(1 / (2 * H) - 1 / (8 * H))
+    (tmp_path / "f.log").write_text("2024-05-01T00:00:00Z gpu\n2024-05-01T02:00:00Z\n")
+    proc = cli(tmp_path, "tune", "--failure-log", "f.log", EXAMPLE)
+    assert proc.returncode == 2 and "optionally followed by a kind: process, node, job" in error_line(proc)

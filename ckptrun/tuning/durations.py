@@ -22,6 +22,10 @@ each the moment a failure happened, e.g.::
 
 Order does not matter (lines are sorted). Use either all timezone-aware or all naive timestamps.
 MTBF = mean gap between consecutive failures = (last - first) / (count - 1).
+
+A timestamp may be followed by the failure's kind, one of KINDS (`2024-05-01T03:12:00Z node`):
+`failure_log_kinds` counts them, and `ckptrun tune` splits the MTBF among the kinds as logged
+(tuning/levels.py) instead of by its default shares.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ import os
 import re
 from datetime import datetime
 
-__all__ = ["parse_duration", "format_duration", "mtbf_from_failure_log", "read_failure_log"]
+__all__ = ["KINDS", "parse_duration", "format_duration", "mtbf_from_failure_log", "read_failure_log",
+           "failure_log_kinds"]
+
+KINDS = ("process", "node", "job")  # the kinds of failure (tuning/levels.py says what each loses)
 
 _UNIT_SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _ACCEPTED = "a positive number of seconds (120, 1.5) or with units: 500ms, 90s, 45m, 2h, 1.5d, 1h30m"
@@ -103,29 +110,47 @@ def parse_timestamp(text: str) -> datetime:
     return datetime.fromisoformat(text)
 
 
-def read_failure_log(path: str | os.PathLike[str]) -> list[datetime]:
-    """The failure timestamps of a failure log (format above), sorted; ValueError naming the line
-    where it cannot be read."""
-    stamps: list[tuple[datetime, int]] = []
+def _read_log(path: str | os.PathLike[str]) -> list[tuple[datetime, str | None]]:
+    """(timestamp, kind or None) of every failure in a failure log, sorted; ValueError naming
+    the line where it cannot be read."""
+    stamps: list[tuple[datetime, str | None, int]] = []
     with open(path, encoding="utf-8") as fh:
         for lineno, raw in enumerate(fh, start=1):
             line = raw.split("#", 1)[0].strip()
             if not line:
                 continue
+            head, _, last = line.rpartition(" ")
+            kind = last.lower() if head.strip() and last.lower() in KINDS else None
+            text = head.strip() if kind else line
             try:
-                stamps.append((parse_timestamp(line), lineno))
+                stamps.append((parse_timestamp(text), kind, lineno))
             except ValueError:
                 raise ValueError(
                     f"{os.fspath(path)}:{lineno}: {line!r} is not an ISO-8601 timestamp "
-                    "(e.g. 2024-05-01T03:12:00Z)"
+                    f"(e.g. 2024-05-01T03:12:00Z), optionally followed by a kind: {', '.join(KINDS)}"
                 ) from None
-    aware = [ts.tzinfo is not None for ts, _ in stamps]
+    aware = [ts.tzinfo is not None for ts, _, _ in stamps]
     if any(aware) and not all(aware):
-        odd = next(lineno for (_, lineno), a in zip(stamps, aware, strict=True) if a != aware[0])
+        odd = next(lineno for (_, _, lineno), a in zip(stamps, aware, strict=True) if a != aware[0])
         raise ValueError(
-            f"{os.fspath(path)}:{odd}: mixes timestamps with and without a timezone; use one kind"
+            f"{os.fspath(path)}:{odd}: mixes timestamps with and without a timezone; use one form"
         )
-    return sorted(ts for ts, _ in stamps)
+    return sorted(((ts, kind) for ts, kind, _ in stamps), key=lambda tk: tk[0])
+
+
+def read_failure_log(path: str | os.PathLike[str]) -> list[datetime]:
+    """The failure timestamps of a failure log (format above), sorted; ValueError naming the line
+    where it cannot be read."""
+    return [ts for ts, _ in _read_log(path)]
+
+
+def failure_log_kinds(path: str | os.PathLike[str]) -> dict[str, int]:
+    """How many failures of each kind the log names (kinds no line names are absent)."""
+    counts: dict[str, int] = {}
+    for _, kind in _read_log(path):
+        if kind:
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
 
 
 def mtbf_from_failure_log(path: str | os.PathLike[str]) -> float:

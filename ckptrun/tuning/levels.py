@@ -26,13 +26,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .durations import format_duration
+from .durations import KINDS, format_duration
 from .intervals import check_positive, expected_lost_work_s, tier_interval_steps
 
 __all__ = ["KINDS", "DEFAULT_SHARES", "FailureRates", "Layout", "Level", "LevelPlan", "LevelsPlan",
            "failure_rates", "rates_for", "plan_levels", "durable_every"]
 
-KINDS = ("process", "node", "job")
 # The split of --mtbf when no kind is given on its own: half the failures leave the machine (a
 # crash, an OOM, a NaN), half lose it (node + job: the share that lost --dir before these rates).
 DEFAULT_SHARES = {"process": 0.5, "node": 0.4, "job": 0.1}
@@ -57,42 +56,48 @@ class FailureRates:
         return self.process + self.node + self.job
 
 
-def failure_rates(mtbf_s: float, given: dict[str, float], *, mtbf_given: bool = True,
-                  source: str = "--mtbf") -> FailureRates:
+def failure_rates(mtbf_s: float, given: dict[str, float], *, mtbf_given: bool = True, source: str = "--mtbf",
+                  shares: dict[str, float] | None = None) -> FailureRates:
     """The rates from the MTBF of all failures `mtbf_s` and the MTBFs of the kinds `given`
     (kind -> seconds; each taken as given). The kinds not given share what `mtbf_s` leaves in
-    the default proportions; with `mtbf_given` False (`mtbf_s` is the default), each takes its
-    default share of it instead. ValueError if the given kinds fail more often than `mtbf_s`."""
+    the proportions `shares` (a failure log's, else DEFAULT_SHARES); with `mtbf_given` False
+    (`mtbf_s` is the default), each takes its default share of it instead. ValueError if the
+    given kinds fail more often than `mtbf_s`."""
     check_positive("mtbf", mtbf_s)
     rates = {k: 1.0 / check_positive(f"--mtbf-{k}", s) for k, s in given.items()}
+    logged = shares is not None
+    shares = shares or DEFAULT_SHARES
     rest = [k for k in KINDS if k not in given]
     if not rest:
         if mtbf_given:
             raise ValueError("--mtbf with --mtbf-process, --mtbf-node and --mtbf-job over-determines the rates; "
                              "drop one")
         return FailureRates(**rates, source="--mtbf-process, --mtbf-node, --mtbf-job")
-    share = sum(DEFAULT_SHARES[k] for k in rest)
+    share = sum(shares.get(k, 0.0) for k in rest)
     left = 1.0 / mtbf_s - sum(rates.values()) if mtbf_given else share / mtbf_s
     if left < -1e-12 / mtbf_s:
         named = ", ".join(f"--mtbf-{k}" for k in given)
         raise ValueError(f"{named} fail more often than --mtbf, which counts every failure; raise --mtbf or drop it")
     for k in rest:
-        rates[k] = max(0.0, left) * DEFAULT_SHARES[k] / share
+        rates[k] = max(0.0, left) * shares.get(k, 0.0) / share if share else 0.0
     if mtbf_given:
-        split = ", ".join(f"{k} {DEFAULT_SHARES[k] / share:.0%}" for k in rest)
-        said = f"{'the rest of ' if given else ''}{source} split by default: {split}"
+        split = ", ".join(f"{k} {shares.get(k, 0.0) / share if share else 0.0:.0%}" for k in rest)
+        said = f"{'the rest of ' if given else ''}{source} split {'as logged' if logged else 'by default'}: {split}"
     else:
         split = ", ".join(f"{k} {DEFAULT_SHARES[k]:.0%}" for k in rest)
         said = f"default shares of {source}: {split}"
     return FailureRates(**rates, source="; ".join([*(f"--mtbf-{k}" for k in given), said]))
 
 
-def rates_for(mtbf_s: float, per_kind: dict[str, float], default_mtbf_s: float, source: str = "") -> FailureRates:
+def rates_for(mtbf_s: float, per_kind: dict[str, float], default_mtbf_s: float, source: str = "",
+              logged: dict[str, int] | None = None) -> FailureRates:
     """`failure_rates` from flags as given (0: not given): --mtbf (`source` says where it came
-    from, when not the flag), --mtbf-KIND; without --mtbf, the default MTBF's shares."""
+    from, when not the flag: a failure log, whose counts per kind `logged` set the split),
+    --mtbf-KIND; without --mtbf, the default MTBF's shares."""
     given = {k: v for k, v in per_kind.items() if v}
     if mtbf_s:
-        return failure_rates(mtbf_s, given, source=source or f"--mtbf {format_duration(mtbf_s)}")
+        shares = {k: n / sum(logged.values()) for k, n in logged.items()} if logged else None
+        return failure_rates(mtbf_s, given, source=source or f"--mtbf {format_duration(mtbf_s)}", shares=shares)
     return failure_rates(default_mtbf_s, given, mtbf_given=False,
                          source=f"the default MTBF {format_duration(default_mtbf_s)}")
 
