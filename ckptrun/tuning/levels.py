@@ -35,7 +35,6 @@ __all__ = ["KINDS", "DEFAULT_SHARES", "FailureRates", "Layout", "Level", "LevelP
 # The split of --mtbf when no kind is given on its own: half the failures leave the machine (a
 # crash, an OOM, a NaN), half lose it (node + job: the share that lost --dir before these rates).
 DEFAULT_SHARES = {"process": 0.5, "node": 0.4, "job": 0.1}
-TIERS = ("memory", "disk", "remote")
 HOUR = 3600.0
 
 
