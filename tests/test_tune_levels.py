@@ -153,7 +153,7 @@ def test_tune_prints_every_tier_at_80_columns_and_its_json_has_them(tmp_path, me
     block = lines[next(i for i, ln in enumerate(lines) if ln.startswith("tiers of checkfreq: ")):]
     assert all(len(ln) <= 80 for ln in block), block
     text = " ".join(block)
-    assert "--mtbf-node" in text and "the rest of --mtbf 2h split by default: process 83%, job 17%" in text
+    assert "(--mtbf-node 10h; the rest of --mtbf 2h split by default: process 83%, job 17%)" in text
     assert "  disk    --every " in text and "  remote  --durable-every " in text and "total waste" in text
     tiers = json.loads((tmp_path / "t.json").read_text())["tiers"]
     assert [lp["level"]["tier"] for lp in tiers["levels"]] == ["disk", "remote"]

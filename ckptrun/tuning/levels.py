@@ -71,7 +71,7 @@ def failure_rates(mtbf_s: float, given: dict[str, float], *, mtbf_given: bool = 
         if mtbf_given:
             raise ValueError("--mtbf with --mtbf-process, --mtbf-node and --mtbf-job over-determines the rates; "
                              "drop one")
-        return FailureRates(**rates, source="--mtbf-process, --mtbf-node, --mtbf-job")
+        return FailureRates(**rates, source=", ".join(f"--mtbf-{k} {format_duration(v)}" for k, v in given.items()))
     share = sum(shares.get(k, 0.0) for k in rest)
     left = 1.0 / mtbf_s - sum(rates.values()) if mtbf_given else share / mtbf_s
     if left < -1e-12 / mtbf_s:
@@ -85,7 +85,8 @@ def failure_rates(mtbf_s: float, given: dict[str, float], *, mtbf_given: bool = 
     else:
         split = ", ".join(f"{k} {DEFAULT_SHARES[k]:.0%}" for k in rest)
         said = f"default shares of {source}: {split}"
-    return FailureRates(**rates, source="; ".join([*(f"--mtbf-{k}" for k in given), said]))
+    return FailureRates(**rates, source="; ".join([*(f"--mtbf-{k} {format_duration(v)}" for k, v in given.items()),
+                                                   said]))
 
 
 def rates_for(mtbf_s: float, per_kind: dict[str, float], default_mtbf_s: float, source: str = "",
