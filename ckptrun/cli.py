@@ -290,7 +290,8 @@ def run(
     if io_engine not in ENGINES:
         raise UsageError(f"--io-engine must be one of {', '.join(ENGINES)} (got {io_engine!r})")
     mtbf_s = _duration("--mtbf", mtbf) if mtbf else 0.0
-    mtbf_kinds, _ = _rates(mtbf_s, {"process": mtbf_process, "node": mtbf_node, "job": mtbf_job})
+    mtbf_kinds, rates = _rates(mtbf_s, {"process": mtbf_process, "node": mtbf_node, "job": mtbf_job})
+    mtbf_s = mtbf_s or (1.0 / rates.total if mtbf_kinds else 0.0)  # the kinds alone give every failure's MTBF
     options = _chosen_options(ctx, strategy, strategy_options)
     # An explicit --every N (command line or recipe; not its default) is honoured as given.
     every_given = every != "auto" and _given(ctx, "every")
@@ -307,7 +308,8 @@ def run(
                     every_given=every_given, durable=durable, durable_keep=durable_keep,
                     durable_every=0 if durable_every == "auto" else int(durable_every),
                     durable_endpoint=durable_endpoint, replicas=replicas, replica_jump=replica_jump,
-                    options={**options, **({"mtbf": mtbf_s} if mtbf_s else {})})
+                    options={**options, **({"mtbf": mtbf_s} if mtbf_s else {}),
+                             "machine_loss_share": rates.machine_loss_share})
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf,
                          local_addr, master_addr, master_port, max_restarts, standalone,
                          term_timeout=_duration("--term-timeout", term_timeout))

@@ -169,7 +169,14 @@ def _copy_to() -> None:
     assert LightCheck(_ctx(copy_to="region")).direct and not LightCheck(_ctx(copy_to="host")).direct
 
 
+def _hw_failure_share() -> None:
+    """auto: the share of machine losses the run's rates give (the launcher's `machine_loss_share`)."""
+    assert LowDiffPlus(_ctx(hw_failure_share="0.9", machine_loss_share=0.2)).persist.hw_share == 0.9
+    assert LowDiffPlus(_ctx(hw_failure_share="auto", machine_loss_share=0.2)).persist.hw_share == 0.2
+
+
 EXPLICIT_WINS = {"full_every": _full_every, "batch": _batch, "persist_every": _persist_every,
+                 "hw_failure_share": _hw_failure_share,
                  "rebase_every": _rebase_every, "spread": _spread, "chunk_mb": _chunk_mb, "copy_to": _copy_to}
 
 

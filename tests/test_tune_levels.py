@@ -121,8 +121,10 @@ def test_failure_rates_split_and_explicit_kinds():
     assert "default MTBF 1h" in alone.source
     with pytest.raises(ValueError, match="fail more often than --mtbf"):
         failure_rates(H, {"node": 0.5 * H})
-    with pytest.raises(ValueError, match="over-determines"):
-        failure_rates(H, {"process": 3 * H, "node": 3 * H, "job": 3 * H})
+    with pytest.raises(ValueError, match="disagree with --mtbf"):
+        failure_rates(H, {"process": 3 * H, "node": 3 * H, "job": 4 * H})
+    agree = failure_rates(H, {"process": 3 * H, "node": 3 * H, "job": 3.001 * H})  # within rounding: the kinds
+    assert agree.job == pytest.approx(1 / (3.001 * H), rel=1e-12)
 
 
 # ---- ckptrun tune: the tiers block and --json ---------------------------------------------------
@@ -204,8 +206,35 @@ def test_the_run_takes_the_rates_and_refuses_contradicting_ones(tmp_path, monkey
     assert proc.returncode == 0, proc.stderr
     cfg = seen[0]
     assert (cfg.mtbf_kinds, cfg.shared_dir, cfg.durable_every) == ({"process": 2 * H}, True, 12)
+    assert cfg.options["machine_loss_share"] == pytest.approx(0.5)  # lowdiff+'s --hw-failure-share auto
+    proc = cli(tmp_path, "--mtbf-node", "2h", "--mtbf-job", "20h", "--max-steps", "1", EXAMPLE)
+    assert proc.returncode == 0, proc.stderr
+    cfg = seen[1]  # the kinds alone: every failure's MTBF for --every auto, the rest at its default share of 1h
+    assert cfg.mtbf == pytest.approx(1 / (0.5 / H + 0.55 / H)) and cfg.options["mtbf"] == cfg.mtbf
+    assert cfg.options["machine_loss_share"] == pytest.approx(0.55 / 1.05)
     proc = cli(tmp_path, "--mtbf", "1h", "--mtbf-process", "30m", EXAMPLE)
     assert proc.returncode == 2 and "--mtbf-process fail more often than --mtbf" in error_line(proc)
+
+
+def test_a_recipe_from_tune_gives_the_run_the_same_rates(tmp_path, measured, monkeypatch):
+    """tune --write: the kinds' MTBFs go into the recipe (where they are not --mtbf's default
+    split), so the run plans its tiers on the rates tune planned on."""
+    from ckptrun.launcher import run as launcher
+
+    proc = cli(tmp_path, "tune", "--strategies", "checkfreq", "--mtbf", "2h", "--mtbf-job", "40h", "--shared-dir",
+               "--write", "r.yaml", "--json", "t.json", EXAMPLE)
+    assert proc.returncode == 0, proc.stderr
+    tuned = json.loads((tmp_path / "t.json").read_text())["tiers"]["rates"]
+    seen = []
+    monkeypatch.setattr(launcher, "run", lambda cfg, *a, **k: seen.append(cfg) or 0)
+    assert cli(tmp_path, "--recipe", "r.yaml", EXAMPLE).returncode == 0
+    cfg = seen[0]
+    run = rates_for(cfg.mtbf, cfg.mtbf_kinds, H)
+    for kind in ("process", "node", "job"):
+        assert run.of(kind) == pytest.approx(tuned[kind], rel=1e-3), kind
+    assert cfg.shared_dir
+    proc = cli(tmp_path, "tune", "--strategies", "checkfreq", "--mtbf", "2h", "--write", "d.yaml", EXAMPLE)
+    assert "mtbf_" not in (tmp_path / "d.yaml").read_text()  # the default split: --mtbf alone says it
 
 
 LOG = """# 4 failures 2 h apart: an MTBF of 2 h

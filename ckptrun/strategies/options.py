@@ -53,15 +53,17 @@ class Option:
             raise UsageError(f"{self.flag} must be an integer in [{lo}, {hi}] or auto (got {raw!r})")
         return value
 
-    def share(self, options: dict[str, Any]) -> float:
-        """This option's value in `options` as a fraction in (0, 1]."""
+    def share(self, options: dict[str, Any]) -> float | None:
+        """This option's value in `options` as a fraction in (0, 1]; None when `auto`."""
         raw = options.get(self.name) or self.default
+        if raw == "auto":
+            return None
         try:
             value = float(raw)
         except ValueError:
             value = -1.0
         if not 0 < value <= 1:
-            raise UsageError(f"{self.flag} must be a fraction in (0, 1], e.g. 0.3 (got {raw!r})")
+            raise UsageError(f"{self.flag} must be a fraction in (0, 1], e.g. 0.3, or auto (got {raw!r})")
         return value
 
     def check(self, options: dict[str, Any]) -> None:

@@ -36,6 +36,7 @@ __all__ = ["KINDS", "DEFAULT_SHARES", "FailureRates", "Layout", "Level", "LevelP
 # crash, an OOM, a NaN), half lose it (node + job: the share that lost --dir before these rates).
 DEFAULT_SHARES = {"process": 0.5, "node": 0.4, "job": 0.1}
 HOUR = 3600.0
+ROUNDING = 1e-2  # relative slack between --mtbf and its kinds: durations written to whole seconds (recipes)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,11 @@ class FailureRates:
     def total(self) -> float:
         return self.process + self.node + self.job
 
+    @property
+    def machine_loss_share(self) -> float:
+        """The share of failures that lose the machine with its memory (node and job ones)."""
+        return (self.node + self.job) / self.total
+
 
 def failure_rates(mtbf_s: float, given: dict[str, float], *, mtbf_given: bool = True, source: str = "--mtbf",
                   shares: dict[str, float] | None = None) -> FailureRates:
@@ -61,20 +67,20 @@ def failure_rates(mtbf_s: float, given: dict[str, float], *, mtbf_given: bool = 
     (kind -> seconds; each taken as given). The kinds not given share what `mtbf_s` leaves in
     the proportions `shares` (a failure log's, else DEFAULT_SHARES); with `mtbf_given` False
     (`mtbf_s` is the default), each takes its default share of it instead. ValueError if the
-    given kinds fail more often than `mtbf_s`."""
+    given kinds fail more often than `mtbf_s` (beyond ROUNDING), or all three disagree with it."""
     check_positive("mtbf", mtbf_s)
     rates = {k: 1.0 / check_positive(f"--mtbf-{k}", s) for k, s in given.items()}
     logged = shares is not None
     shares = shares or DEFAULT_SHARES
     rest = [k for k in KINDS if k not in given]
     if not rest:
-        if mtbf_given:
-            raise ValueError("--mtbf with --mtbf-process, --mtbf-node and --mtbf-job over-determines the rates; "
-                             "drop one")
+        if mtbf_given and not math.isclose(sum(rates.values()), 1.0 / mtbf_s, rel_tol=ROUNDING):
+            raise ValueError("--mtbf-process, --mtbf-node and --mtbf-job disagree with --mtbf, which counts every "
+                             "failure; drop one")
         return FailureRates(**rates, source=", ".join(f"--mtbf-{k} {format_duration(v)}" for k, v in given.items()))
     share = sum(shares.get(k, 0.0) for k in rest)
     left = 1.0 / mtbf_s - sum(rates.values()) if mtbf_given else share / mtbf_s
-    if left < -1e-12 / mtbf_s:
+    if left < -ROUNDING / mtbf_s:
         named = ", ".join(f"--mtbf-{k}" for k in given)
         raise ValueError(f"{named} fail more often than --mtbf, which counts every failure; raise --mtbf or drop it")
     for k in rest:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shlex
 import textwrap
 import time
@@ -14,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .durations import format_duration
-from .levels import HOUR, LevelsPlan
+from .levels import HOUR, KINDS, FailureRates, LevelsPlan, failure_rates
 from .model import settings_flags
 from .profile import StrategyCosts
 from .tune import TuneResult
@@ -128,6 +129,15 @@ def to_json(result: TuneResult) -> dict[str, Any]:
             "recommendation": {"strategy": best.name, "settings": best.settings, "reason": result.plan.reason}}
 
 
+def _rate_options(rates: FailureRates, mtbf_s: float) -> dict[str, str]:
+    """The --mtbf-KIND options that make the run's rates these (none where --mtbf's default split
+    does); a kind that never fails gets what --mtbf leaves, about nothing."""
+    split = failure_rates(mtbf_s, {})
+    if all(math.isclose(rates.of(k), split.of(k), rel_tol=1e-9) for k in KINDS):
+        return {}
+    return {f"mtbf_{k}": format_duration(1.0 / rates.of(k)) for k in KINDS if rates.of(k) > 0}
+
+
 def write_recipe(path: Path, result: TuneResult) -> None:
     """A recipe that `ckptrun --recipe PATH SCRIPT` runs as is, its provenance in comments."""
     prof, plan = result.profile, result.plan
@@ -141,5 +151,10 @@ def write_recipe(path: Path, result: TuneResult) -> None:
         f"# Run: ckptrun --recipe {path} {command}   (flags given on the command line override these)",
         "# Tune again when the model, batch size, machine or storage change.",
     ]
-    body = {"strategy": best.name, **best.settings, "mtbf": format_duration(plan.mtbf_s), "dir": prof.dir}
+    if result.tiers.layout.replicas > 1:
+        header.append(f"# Tiers planned with --replicas {result.tiers.layout.replicas}: give the run the same.")
+    body = {"strategy": best.name, **best.settings, "mtbf": format_duration(plan.mtbf_s),
+            **_rate_options(plan.rates, plan.mtbf_s), "dir": prof.dir}
+    if result.tiers.layout.shared_dir:
+        body["shared_dir"] = True
     path.write_text("\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False))

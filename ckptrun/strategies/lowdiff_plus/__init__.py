@@ -13,9 +13,10 @@ PERSIST_EVERY = Option(
     "interval for the write time and --mtbf / --hw-failure-share, never faster than the disk drains; re-measured).",
     ints=(1, 10**9))
 HW_FAILURE_SHARE = Option(
-    "hw_failure_share", "0.5",
+    "hw_failure_share", "auto",
     "share of failures that lose the machine and the engine's replica with it (the rest resume from memory); "
-    "sets --persist-every auto.", fraction=True)
+    "sets --persist-every auto. auto: node and job failures among all (--mtbf-KIND; 0.5 by default).",
+    fraction=True)
 REBASE_EVERY = Option(
     "rebase_every", "auto",
     "steps between full snapshots that replace the replica (bounds CPU/GPU rounding drift); 0 never; auto: never "

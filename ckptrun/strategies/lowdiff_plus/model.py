@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from ...tuning.intervals import tier_interval_steps
 
-HW_SHARE = 0.5  # share of failures that lose the machine, unless --hw-failure-share says otherwise
+HW_SHARE = 0.5  # share of failures that lose the machine when nothing says otherwise (the rates' default)
+MIN_SHARE = 1e-6  # rates with no machine loss at all: persisted as rarely as one in a million failures asks
 
 
 def persist_every(persist_s: float, step_s: float, mtbf_s: float, hw_share: float = HW_SHARE) -> tuple[int, str]:
     """(P, why): steps between durable writes of the replica (the tiers' interval for a write
     beside training, `intervals.tier_interval_steps`)."""
-    m_hw = mtbf_s / hw_share
+    m_hw = mtbf_s / max(hw_share, MIN_SHARE)
     every, why = tier_interval_steps(persist_s, persist_s, step_s, m_hw)
     return every, f"{why} ({hw_share:.0%} of failures lose the machine; the others resume from memory)"
 

@@ -5,7 +5,7 @@ from the re-tuner's measured write and step times, re-decided as they move."""
 from __future__ import annotations
 
 from ..save_policy import MIN_CHANGE, Decision, Measured, SavePolicy
-from .model import persist_every
+from .model import HW_SHARE, persist_every
 
 DEFAULT_P = 10  # until a write and a step are measured
 
@@ -13,7 +13,7 @@ DEFAULT_P = 10  # until a write and a step are measured
 class PersistInterval(SavePolicy):
     label = "--persist-every auto"
 
-    def __init__(self, every: int | None = None, hw_share: float = 0.5) -> None:
+    def __init__(self, every: int | None = None, hw_share: float = HW_SHARE) -> None:
         """`every`: a fixed P (--persist-every N), or None for auto."""
         self.adjustable = every is None
         self.every = DEFAULT_P if every is None else every

@@ -34,6 +34,7 @@ from ..base import Strategy
 from ..context import Snapshot, StrategyContext
 from . import HW_FAILURE_SHARE, PERSIST_EVERY, REBASE_EVERY
 from .messages import Base, Grads
+from .model import HW_SHARE
 from .policy import PersistInterval
 
 GPU_REBASE_EVERY = 100
@@ -50,7 +51,8 @@ class LowDiffPlus(Strategy):
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         opts = ctx.options
-        self.persist = ctx.policy(PersistInterval(PERSIST_EVERY.integer(opts), HW_FAILURE_SHARE.share(opts)))
+        hw_share = HW_FAILURE_SHARE.share(opts) or opts.get("machine_loss_share", HW_SHARE)
+        self.persist = ctx.policy(PersistInterval(PERSIST_EVERY.integer(opts), hw_share))
         self.rebase_every = REBASE_EVERY.integer(opts)  # None: auto
         self.params: list[torch.Tensor] = []
         self.position: dict[int, int] = {}  # id(param) -> its index among the optimizer's parameters
