@@ -62,7 +62,8 @@ class Runtime(StepHooks):
         super().__init__(interval)
         entry = REGISTRY[cfg.strategy]
         cuda = torch.cuda.is_available()
-        self.state = TrainingState(rank, world_size, entry.write_once)
+        # a node-local --dir holds its own ranks' parts only: each rank writes all of its state
+        self.state = TrainingState(rank, world_size, entry.write_once and not cfg.node_local_dir)
         self.loading = Loader(self.state, cfg.dir, self.retuner.observe_replay)
         self.handoff = Handoff(cfg, rank, world_size, self.metrics, self.retuner, self.fault)
         self.staging = Staging(cfg, rank, self.metrics, self.handoff.check, self.handoff.lost, pin=cuda)
@@ -75,7 +76,8 @@ class Runtime(StepHooks):
             strategy=cfg.strategy, engine_handler=entry.engine_handler, writers=cfg.writers,
             io_threads=cfg.io_threads,
             fault=self.fault.text if self.fault else None, io_engine=cfg.io_engine,
-            replication=self._replication(restart_count)))
+            replication=self._replication(restart_count),
+            node_local=jobstore.endpoint(restart_count) if cfg.node_local_dir and world_size > 1 else None))
         self.engine_pid = hello["pid"]
         self.staging.start(hello["slots"])
         strategy = entry.load()
