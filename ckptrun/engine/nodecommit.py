@@ -23,12 +23,13 @@ import threading
 from datetime import timedelta
 from typing import Any
 
-TIMEOUT_S = 30.0  # one store operation; the store is rank 0's worker's, gone with its round
+TIMEOUT_S = 10.0  # one store operation; the store is rank 0's worker's, gone with its round
 
 
 class Board:
-    """One round's keys in the job store (see the module docstring); errors of the store itself
-    (RuntimeError: its host is gone) reach the caller, which retries or waits for the next round."""
+    """One round's keys in the job store (see the module docstring). A store that is gone (its
+    host, rank 0's worker, ended the round) reads as holding nothing, so nothing commits and
+    nothing is pruned; a write to it raises RuntimeError, which the caller reports."""
 
     def __init__(self, kv: Any, key: str = "") -> None:
         self.kv, self.key = kv, key
@@ -44,7 +45,10 @@ class Board:
 
     def _get(self, key: str) -> bytes | None:
         with self._lock:
-            return self.kv.get(key) if self.kv.check([key]) else None
+            try:
+                return self.kv.get(key) if self.kv.check([key]) else None
+            except RuntimeError:  # (torch's DistNetworkError / DistStoreError)
+                return None
 
     def _set(self, key: str, value: str | bytes) -> None:
         with self._lock:

@@ -49,7 +49,7 @@ from ..storage import iowriter, memory_status
 from ..storage.dirlock import hold_for_engine
 from ..storage.fsutil import FaultHook, _no_fault
 from ..storage.leftovers import exit_with_owner, remove_staging, staging_path
-from ..storage.store import Store
+from ..storage.store import Manifest, Store
 from . import drain
 from .arena import one_arena
 from .handlers import EngineContext, engine_handler
@@ -412,23 +412,21 @@ class Engine:
                     continue
                 if any(d not in committed for d in spec.depends_on) or not self._retry_due(name):
                     continue
+                parts = self.board.reported(name, self.world_size) if self.board is not None else None
+                if self.board is not None and parts is None:
+                    continue  # a node's part is not reported yet
                 try:
-                    parts = self.board.reported(name, self.world_size) if self.board is not None else None
-                    if self.board is not None and parts is None:
-                        continue  # a node's part is not reported yet
                     m = self.store.try_commit(name, kind=spec.kind, step=spec.step,
                                               first_step=spec.step if spec.first_step is None else spec.first_step,
                                               world_size=self.world_size, depends_on=spec.depends_on or None,
                                               meta=spec.meta, fault=self._fault_hook(spec.step),
                                               layout=spec.layout, parts=parts)
-                    if m is not None and self.board is not None:  # the other nodes publish it now
-                        self.board.announce(name, json.dumps(m.to_json()).encode())
-                        self.board.ack(self.rank, m.step)
-                except (OSError, ValueError, RuntimeError) as e:  # ValueError: the schema rejects what a
-                    self._commit_failed(spec, e)  # writer sent; RuntimeError: the job store
+                except (OSError, ValueError) as e:  # ValueError: the schema rejects what a writer sent
+                    self._commit_failed(spec, e)
                     continue
                 if m is None:
                     continue
+                self._on_board(lambda b, m=m: self._announce(b, m))
                 del self.pending[name]
                 self._retries.pop(name, None)
                 committed.add(m.name)
@@ -436,6 +434,11 @@ class Engine:
                                snapshot_time=spec.meta.get("snapshot_time"))
             if todo:
                 self.retain()
+
+    def _announce(self, board: Board, m: Manifest) -> None:
+        """Rank 0 committed `m` in its own --dir: the other nodes publish it now."""
+        board.announce(m.name, json.dumps(m.to_json()).encode())
+        board.ack(self.rank, m.step)
 
     def retain(self) -> None:
         """--keep on this node's --dir, after a commit. With --node-local-dir, only the steps
@@ -534,6 +537,8 @@ class Engine:
                     self.store.abandon(name)
                     del self.pending[name]
                     self.save_error(spec.step, name, f"not committed here: {e}")
+                except OSError:
+                    continue  # its part is gone here (swept, set aside): `watch_commits` drops it
         if newest is not None:
             self._on_board(lambda b: b.ack(self.rank, newest))
             if self.local_rank == 0:
