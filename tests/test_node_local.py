@@ -20,11 +20,11 @@ from ckptrun.storage.store import Store, full_name
 
 def _engines(tmp_path, keep: int = 1) -> tuple[Engine, Engine]:
     """Engines of ranks 0 and 1, each on a node of its own (its own --dir), one job store."""
-    board = Board(dist.HashStore())
+    kv = dist.HashStore()
     engines = []
     for rank in (0, 1):
         e = Engine(0, f"nodelocal-{rank}", None)
-        e.store, e.rank, e.world_size, e.keep, e.board = Store(tmp_path / f"node{rank}"), rank, 2, keep, board
+        e.store, e.rank, e.world_size, e.keep, e.board = Store(tmp_path / f"node{rank}"), rank, 2, keep, Board(kv)
         e.io_threads = 1
         e.store.ensure_writable()
         engines.append(e)

@@ -1,5 +1,6 @@
 """Two real nodes: each in a network namespace of its own (and a host name of its own), joined by
-a veth pair, with its own launcher, engine and worker (c10d rendezvous, gloo), one shared --dir.
+a veth pair, with its own launcher, engine and worker (c10d rendezvous, gloo), one shared --dir
+(or with --node-local-dir each node its own).
 
 One node's whole process tree is SIGKILLed mid-run and started again, as a job scheduler
 restarts a node: the surviving node's agent restarts its worker, both resume from the same
@@ -278,6 +279,35 @@ def _resumed_at(cwd: Path, nodes: tuple[Node, Node], after: float) -> int:
     return resumed[0]["resume_step"]
 
 
+def _back_from_partner(cwd: Path, plain: Path, nodes: tuple[Node, Node], held: int, t_kill: float) -> dict:
+    """Node 1's engine took step `held` back from node 0's memory (its one `replica_restored`
+    event, returned), both ranks resumed from it after `t_kill`, and their final states equal
+    the uninterrupted run's (in `plain`) bit for bit."""
+    back = [json.loads(line) for line in (cwd / "metrics-node1" / "engine-0.jsonl").read_text().splitlines()]
+    restored = [e for e in back if e.get("type") == "replica_restored"]
+    assert [(e["step"], e["holder"]) for e in restored] == [(held, 0)], _logs(cwd)
+    assert _resumed_at(cwd, nodes, t_kill) == held
+    for rank in (0, 1):
+        assert_training_state(load(cwd / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
+    return restored[0]
+
+
+NODE_LOCAL = (*REPLICAS, "--node-local-dir")
+_UNINTERRUPTED: dict[str, Path] = {}
+
+
+def _uninterrupted(strategy: str, nodes: tuple[Node, Node], factory: pytest.TempPathFactory) -> Path:
+    """The folder of an uninterrupted two-node run of `strategy` with NODE_LOCAL, made once per
+    test process: the runs that lose node 1 compare their final states with its (the states do
+    not depend on where --dir is, and one run fewer keeps the suite short)."""
+    if strategy not in _UNINTERRUPTED:
+        plain = factory.mktemp(f"uninterrupted-{strategy}")
+        procs = [node.start(plain, nodes[0].addr, strategy, extra=NODE_LOCAL) for node in nodes]
+        assert _finish(procs, plain) == [0, 0], _logs(plain)
+        _UNINTERRUPTED[strategy] = plain
+    return _UNINTERRUPTED[strategy]
+
+
 # Each strategy whose records a rank's part restores alone (the registry's `replicas`); the
 # default strategy by default, the others under --full.
 REPLICABLE = [pytest.param(s, marks=() if s == RunConfig.strategy else FULL)
@@ -285,28 +315,18 @@ REPLICABLE = [pytest.param(s, marks=() if s == RunConfig.strategy else FULL)
 
 
 @pytest.mark.parametrize("strategy", REPLICABLE)
-def test_lost_node_takes_its_part_back_from_partner_memory(strategy, nodes, tmp_path):
+def test_lost_node_takes_its_part_back_from_partner_memory(strategy, nodes, tmp_path, tmp_path_factory):
     """--replicas 2: node 1 is killed and its part of every step on disk is lost; started again,
     its engine takes the newest step node 0's engine held back into --dir before its worker
     starts, both ranks resume from it, and the final states equal an uninterrupted run's bit for
     bit. Then a copy gone bad in node 0's memory is refused with one line and the resume falls
     through to the newest step whose parts are on disk."""
     head, other = nodes
-    plain = tmp_path / "uninterrupted"
-    plain.mkdir()
-    procs = [head.start(plain, head.addr, strategy, extra=REPLICAS),
-             other.start(plain, head.addr, strategy, extra=REPLICAS)]
-    assert _finish(procs, plain) == [0, 0], _logs(plain)
+    plain = _uninterrupted(strategy, nodes, tmp_path_factory)
     assert _held(plain, 1), "node 0 held no copy of rank 1's part"
 
     held, t_kill = _lose_node1(tmp_path / "lost", head, other, strategy, lost=lambda step: True)
-    lost = tmp_path / "lost"
-    back = [json.loads(line) for line in (lost / "metrics-node1" / "engine-0.jsonl").read_text().splitlines()]
-    restored = [e for e in back if e.get("type") == "replica_restored"]
-    assert [(e["step"], e["holder"]) for e in restored] == [(held, 0)], _logs(lost)
-    assert _resumed_at(lost, nodes, t_kill) == held
-    for rank in (0, 1):
-        assert_training_state(load(lost / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
+    restored = _back_from_partner(tmp_path / "lost", plain, nodes, held, t_kill)
 
     bad = tmp_path / "bad-copy"
     _, t_kill = _lose_node1(bad, head, other, strategy, fault=f"corrupt-replica:step={REPLICATED}:rank=0",
@@ -316,23 +336,19 @@ def test_lost_node_takes_its_part_back_from_partner_memory(strategy, nodes, tmp_
     assert _resumed_at(bad, nodes, t_kill) == REPLICATED - 1
     for rank in (0, 1):
         assert_training_state(load(bad / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
-    print(f"two nodes, {strategy}, --replicas 2: rank 1 took step {restored[0]['step']} back from rank 0's memory "
-          f"in {restored[0]['seconds']:.2f} s ({restored[0]['bytes']} bytes)")
+    print(f"two nodes, {strategy}, --replicas 2: rank 1 took step {restored['step']} back from rank 0's memory "
+          f"in {restored['seconds']:.2f} s ({restored['bytes']} bytes)")
 
 
 @pytest.mark.parametrize("strategy", REPLICABLE)
-def test_node_local_dirs_a_lost_node_resumes_from_partner_memory(strategy, nodes, tmp_path):
+def test_node_local_dirs_a_lost_node_resumes_from_partner_memory(strategy, nodes, tmp_path, tmp_path_factory):
     """--node-local-dir --replicas 2: each node commits every step into its own --dir (the
     manifest and its own rank's part only); node 1 is killed and its whole --dir deleted; started
     again, its engine takes the newest step node 0 held back (manifest and part) before its
     worker starts, both ranks resume from it, and the final states equal an uninterrupted run's
     bit for bit. Each node's --dir restores its own rank and says where the other's part is."""
     head, other = nodes
-    extra = (*REPLICAS, "--node-local-dir")
-    plain = tmp_path / "uninterrupted"
-    plain.mkdir()
-    procs = [node.start(plain, head.addr, strategy, extra=extra) for node in nodes]
-    assert _finish(procs, plain) == [0, 0], _logs(plain)
+    plain = _uninterrupted(strategy, nodes, tmp_path_factory)
     for node in nodes:
         store = Store(plain / node.own_dir)
         ms = store.manifests()
@@ -343,13 +359,8 @@ def test_node_local_dirs_a_lost_node_resumes_from_partner_memory(strategy, nodes
     assert "holds the part(s) of rank(s) 1 of 2" in line, line
 
     lost = tmp_path / "lost"
-    held, t_kill = _lose_node1(lost, head, other, strategy, lost=lambda step: True, extra=extra)
-    back = [json.loads(line) for line in (lost / "metrics-node1" / "engine-0.jsonl").read_text().splitlines()]
-    restored = [e for e in back if e.get("type") == "replica_restored"]
-    assert [(e["step"], e["holder"]) for e in restored] == [(held, 0)], _logs(lost)
-    assert _resumed_at(lost, nodes, t_kill) == held
-    for rank in (0, 1):
-        assert_training_state(load(lost / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
+    held, t_kill = _lose_node1(lost, head, other, strategy, lost=lambda step: True, extra=NODE_LOCAL)
+    restored = _back_from_partner(lost, plain, nodes, held, t_kill)
     assert Store(lost / other.own_dir).manifests()[-1].step == STOP
     print(f"two nodes, {strategy}, --node-local-dir --replicas 2: rank 1 took step {held} back (manifest and "
-          f"part) from rank 0's memory in {restored[0]['seconds']:.2f} s")
+          f"part) from rank 0's memory in {restored['seconds']:.2f} s")

@@ -34,6 +34,7 @@ class Board:
     def __init__(self, kv: Any, key: str = "") -> None:
         self.kv, self.key = kv, key
         self._lock = threading.Lock()  # one client, used from the writer threads and the commit loop
+        self._acked = -1  # the newest step this engine acknowledged in this round
 
     @classmethod
     def connect(cls, spec: dict) -> Board:
@@ -59,10 +60,17 @@ class Board:
         self._set(f"part/{name}/{rank}", json.dumps(list(summary)))
 
     def reported(self, name: str, world_size: int) -> dict[int, tuple[str, int]] | None:
-        """Every rank's report of `name`, or None while one is missing."""
+        """Every rank's report of `name`, or None while one is missing (one round trip)."""
+        keys = [f"part/{name}/{r}" for r in range(world_size)]
+        with self._lock:
+            try:
+                if not self.kv.check(keys):
+                    return None
+            except RuntimeError:
+                return None
         out = {}
-        for r in range(world_size):
-            raw = self._get(f"part/{name}/{r}")
+        for r, key in enumerate(keys):
+            raw = self._get(key)
             if raw is None:
                 return None
             sum_, nbytes = json.loads(raw)
@@ -85,8 +93,11 @@ class Board:
         return self._get(f"commit/{name}")
 
     def ack(self, rank: int, step: int) -> None:
-        """Rank `rank`'s --dir holds the manifest of `step` (and of every step before it it wrote)."""
-        self._set(f"acked/{rank}", str(step))
+        """Rank `rank`'s --dir holds the manifest of `step` (and of every step before it it wrote);
+        never a step older than one acknowledged before."""
+        if step > self._acked:
+            self._set(f"acked/{rank}", str(step))
+            self._acked = step
 
     def safe_step(self, world_size: int) -> int:
         """The newest step every rank's --dir has committed (-1 while a rank has acknowledged none)."""

@@ -351,7 +351,7 @@ class Engine:
 
     def _on_board(self, tell: Callable[[Board], None]) -> None:
         """`tell` the round's board (--node-local-dir) something; a board gone with its round
-        (its host, rank 0's worker, died) is a save error: that record cannot commit."""
+        (its host, rank 0's worker, died) is logged as a save error: what it said does not commit."""
         if self.board is None:
             return
         try:
