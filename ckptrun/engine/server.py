@@ -242,9 +242,11 @@ class Engine:
 
     def op_commit_pending(self, msg: Message) -> None:
         self.flush()
-        self.commit_ready()
+        # (on a node-local --dir only rank 0 commits; the others publish what it committed)
+        self.commit_ready() if self.rank == 0 or self.board is None else self.watch_commits()
         held = self.handler.held() if self.handler is not None else None
-        self.reply(msg, committed_step=self.committed_step, held_step=held and held[0], held_nbytes=held and held[1])
+        self.reply(msg, committed_step=self.committed_step, held_step=held and held[0], held_nbytes=held and held[1],
+                   pending=len(self.pending))
 
     def op_fetch_held(self, msg: FetchHeld) -> None:
         """A restarted worker resumes from the state the handler holds (no disk read)."""

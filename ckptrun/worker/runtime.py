@@ -29,7 +29,8 @@ from .. import faults
 from ..config import RunConfig
 from ..errors import CkptrunError, no_optimizer
 from ..ipc.client import EngineClient
-from ..ipc.messages import Bye, Hello, Message
+from ..ipc.messages import Bye, CommitPending, Hello, Message
+from ..log import log
 from ..restore import replay
 from ..strategies import REGISTRY, checkpoints_every_optimizer, names_where
 from . import decisions, jobstore, sharded
@@ -44,6 +45,7 @@ from .slots import Staging
 from .state import TrainingState
 
 _current: Runtime | None = None
+FINAL_COMMIT_S = 60.0  # --node-local-dir: how long the end of a run waits for every node's last commits
 
 
 def current() -> Runtime | None:
@@ -174,12 +176,27 @@ class Runtime(StepHooks):
             raise no_optimizer("the script never created a torch.optim optimizer")
         self.strategy.finish()
         self.handoff.drain()
+        if self.cfg.node_local_dir and self.world_size > 1 and not self.handoff.lost.is_set():
+            self._committed_on_every_node()
         self.staging.pool.close()
         if self.metrics.last_memory_step is not None:  # reached after the last step's record
             self.metrics.emit(type="in_memory", step=self.metrics.last_memory_step)
         self.metrics.close()
         self.client.send(Bye()) if not self.handoff.lost.is_set() else None
         self.client.close()
+
+
+    def _committed_on_every_node(self) -> None:
+        """--node-local-dir: the last steps commit on every node through the job store, which
+        rank 0's worker hosts; so each worker waits for its engine to have nothing left to commit
+        (or publish), and rank 0's for every worker, before it ends (FINAL_COMMIT_S at most)."""
+        deadline = time.monotonic() + FINAL_COMMIT_S
+        while self.client.request(CommitPending()).get("pending") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not jobstore.meet(self.restart_count, "finished", self.rank, self.world_size, wait=self.rank == 0,
+                             timeout_s=FINAL_COMMIT_S):
+            log.warning(f"not every node published the last steps in its --dir within {FINAL_COMMIT_S:.0f} s; "
+                        "those nodes resume from an earlier step")
 
 
 def install(rt: Runtime) -> None:
