@@ -423,9 +423,9 @@ def _ls(store: Store, as_json: bool, wide: bool, remote: Store | None = None) ->
     partial = [r for r in rows if r.get("ranks_here") is not None and len(r["ranks_here"]) < r["ranks"]]
     if partial:
         held = sorted({r for row in partial for r in row["ranks_here"]})
-        out.print(f"note: {len(partial)} record(s) hold only rank(s) {', '.join(map(str, held)) or 'none'}'s parts "
-                  f"here (a node-local --dir: the other ranks' are in the other nodes' --dir, on --durable or in "
-                  "partners' memory)", soft_wrap=True)
+        out.print(f"note: {len(partial)} record(s) hold only rank(s) {', '.join(map(str, held)) or 'none'}'s "
+                  "parts here (node-local --dir: see the other nodes' --dir, --durable or partners' memory)",
+                  soft_wrap=True)
     if left_out:
         out.print(left_out_line(left_out, "--wide or --json shows them"))
 

@@ -124,6 +124,12 @@ def test_a_record_holding_some_ranks_is_refused_in_one_line_for_the_others(tmp_p
     m = e1.store.manifest(full_name(2))
     assert "holds a part of rank 7" in e1.store.verify_record(m, ranks=[1])[0]
     assert newest_good(e1.store, ranks=[1]).step == 1
+    data = node1 / full_name(1) / "rank-00001.data"
+    flipped = bytearray(data.read_bytes())
+    flipped[0] ^= 1
+    data.write_bytes(flipped)  # the part it holds is still checked in full
+    verify = cli(tmp_path, "verify", "--dir", node1)
+    assert "step-00000001: rank 1 tensor" in verify.stdout and "checksum mismatch" in verify.stdout, verify.stdout
 
 
 def test_node_local_dir_is_refused_for_a_strategy_whose_part_cannot_restore_alone(tmp_path):

@@ -397,9 +397,9 @@ class Store:
 
     def partial(self, m: Manifest, held: list[int]) -> str:
         """One line: record `m` holds only the ranks `held` here, and where the others would be."""
-        return (f"{m.name}: holds the part(s) of rank(s) {_ranks_text(held)} of {m.world_size}; "
-                f"the others are not in {self.root} (a node-local --dir holds its node's ranks: the rest "
-                "are in the other nodes' --dir, on --durable or in partners' memory)")
+        return (f"{m.name}: holds the part(s) of rank(s) {_ranks_text(held)} of {m.world_size}; the others' "
+                f"are not in {self.root} (node-local --dir: see the other nodes' --dir, --durable or "
+                "partners' memory)")
 
     def open_rank(self, m: Manifest, rank: int) -> tuple[dict, int, int]:
         """(index, open data file, offset of the data in it) of one rank of committed record `m`
@@ -463,12 +463,19 @@ class Store:
         field (`open_rank`) and, with `checksums`, every tensor checksum, streaming the data with
         bounded memory (`committed`: the names of the committed records, when the caller has them
         already). Without `checksums` the caller checks them as it reads the data (`read_rank`).
-        `ranks`: only those ranks' parts are needed (a node-local --dir's); None: every rank's."""
+        `ranks`: only those ranks' parts are needed (a node-local --dir's); None: every rank's,
+        and a record holding only some is a problem, said after every part it holds is checked."""
         names = committed if committed is not None else {x.name for x in self.manifests(warn=False)}
         problems = [f"{m.name}: depends on {d}, which is not committed" for d in m.depends_on if d not in names]
         sizes: list[int] = []
         chunk = memoryview(bytearray(CHUNK)) if checksums else None
-        for r in range(m.world_size) if ranks is None else ranks:
+        checked = ranks
+        if ranks is None:
+            try:
+                checked = self.ranks_held(m)
+            except CorruptCheckpoint as e:
+                return [*problems, str(e)]
+        for r in checked:
             try:
                 index, fd, base = self.open_rank(m, r)
                 sizes.append(index["data_nbytes"])
@@ -481,10 +488,11 @@ class Store:
                 return [*problems, str(e)]
             except OSError as e:
                 return [*problems, f"{m.name}: rank {r}: {e.strerror}"]
-        if ranks is not None:  # the sizes of the parts checked, against what the manifest says of them
-            if m.rank_bytes and sizes != [m.rank_bytes[r] for r in ranks]:
-                problems.append(f"{m.name}: manifest says {m.rank_bytes} bytes per rank, rank(s) {ranks} hold {sizes}")
-            return problems
+        if checked != list(range(m.world_size)):  # the parts checked, against what the manifest says of them
+            if m.rank_bytes and sizes != [m.rank_bytes[r] for r in checked]:
+                problems.append(f"{m.name}: manifest says {m.rank_bytes} bytes per rank, rank(s) {checked} hold "
+                                f"{sizes}")
+            return problems if ranks is not None else [*problems, self.partial(m, checked)]
         total = sum(sizes)
         if total != m.bytes or m.rank_bytes and m.rank_bytes != sizes:
             problems.append(f"{m.name}: manifest says {m.bytes} bytes ({m.rank_bytes or 'per rank: not recorded'}), "
