@@ -87,6 +87,11 @@ def test_a_step_commits_on_every_node_once_every_part_is_reported(tmp_path):
     e1.watch_commits()
     e0.retain()  # (its commit of step 4 pruned before node 1 acknowledged it)
     assert [[m.step for m in e.store.manifests()] for e in (e0, e1)] == [[4], [4]]
+    # with --replicas, also only what every engine holds its partners' copies of
+    assert e0.board.safe_step(2, replicated=True) == -1
+    e0.board.hold(0, 3)
+    e1.board.hold(1, 4)
+    assert e0.board.safe_step(2, replicated=True) == 3
 
 
 def _part(e: Engine, step: int) -> tuple[str, int]:

@@ -8,8 +8,9 @@ other engine publishes the same bytes in its own --dir, once it pins the part wr
 says so (`acked/<rank>`: its newest such step). A kill before the announcement leaves no
 manifest on any node, so the previous step stands everywhere; a kill after it may leave the step
 on some nodes only, and the resume takes the newest step every rank has (worker/bootstrap.py).
-Retention on a node counts only the steps every rank has acknowledged (`safe_step`), so no node
-deletes the step another node still resumes from.
+Retention on a node counts only the steps every rank has acknowledged (`safe_step`) and, with
+--replicas, that every engine holds its partners' copies of (`held/<rank>`), so no node deletes
+the step another node still resumes from, from its own --dir or from a partner's copy.
 
 The store is the round's (the workers'), so the engines meet where they already meet for
 --replicas; a new round starts with nothing reported, and the re-run writes its steps again.
@@ -99,7 +100,13 @@ class Board:
             self._set(f"acked/{rank}", str(step))
             self._acked = step
 
-    def safe_step(self, world_size: int) -> int:
-        """The newest step every rank's --dir has committed (-1 while a rank has acknowledged none)."""
-        steps = [self._get(f"acked/{r}") for r in range(world_size)]
+    def hold(self, rank: int, step: int) -> None:
+        """Rank `rank`'s engine holds its partners' copies of `step` or newer (--replicas)."""
+        self._set(f"held/{rank}", str(step))
+
+    def safe_step(self, world_size: int, *, replicated: bool = False) -> int:
+        """The newest step every rank's --dir has committed and, when `replicated`, every engine
+        holds its partners' copies of (-1 while a rank has said none)."""
+        kinds = ("acked", "held") if replicated else ("acked",)
+        steps = [self._get(f"{kind}/{r}") for kind in kinds for r in range(world_size)]
         return -1 if None in steps else min(int(s) for s in steps)

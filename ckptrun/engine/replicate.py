@@ -22,6 +22,7 @@ import contextlib
 import json
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -124,6 +125,7 @@ class Replicator:
         self.store: Store | None = None
         self.fault: Fault | None = None
         self.node_local = False
+        self.on_held: Callable[[int], None] | None = None  # called by `_say_held`
         self._lock = threading.Lock()  # the round and the held copies
         self._offered: str | None = None  # the newest committed record not shipped yet
         self._newest = -1  # the step of the newest record offered
@@ -249,6 +251,14 @@ class Replicator:
         with self._lock:
             return [name for name, _ in self.held.owners.values()]
 
+    def _say_held(self, r: Round) -> None:
+        """Tell `on_held` the oldest step among the copies held for this round's partners, once
+        each partner's is held (--node-local-dir: no node prunes that step or a newer one)."""
+        with self._lock:
+            steps = [self.held.owners[p][1] for p in r.partners if p in self.held.owners]
+        if self.on_held is not None and len(steps) == len(r.partners):
+            self.on_held(min(steps))
+
     # ---- shipping and holding ----------------------------------------------------------
     def offer(self, record: str, step: int) -> None:
         """A record of `step` this rank wrote has committed: ship it, if no newer step has been
@@ -323,6 +333,7 @@ class Replicator:
                 self.log.emit(type="replica_error", rank=r.rank, partner=src, error=_short(e))
                 continue
             self.log.emit(type="replica_held", rank=r.rank, owner=owner, step=m.step, bytes=sum(map(len, files)))
+            self._say_held(r)
 
     def _corrupt_if_asked(self, owner: int, step: int) -> None:
         """The injected fault `corrupt-replica:step=N` (tests): a bit flips in the held copy of

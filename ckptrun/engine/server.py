@@ -194,6 +194,7 @@ class Engine:
 
         if self.replicator is None:
             self.replicator = Replicator(self.log)
+            self.replicator.on_held = lambda step: self._on_board(lambda b: b.hold(self.rank, step))
         self.replicator.join(msg.replication, msg.rank, msg.world_size, self.store, self.fault,
                              node_local=msg.node_local is not None)
 
@@ -444,14 +445,15 @@ class Engine:
 
     def retain(self) -> None:
         """--keep on this node's --dir, after a commit. With --node-local-dir, only the steps
-        every node has committed count, and the records whose copies this engine holds for its
-        partners stay (the other node resumes from them)."""
+        every node has committed (and, with --replicas, every engine holds partner copies of)
+        count, and the records whose copies this engine holds stay (the other node resumes
+        beside them)."""
         if self.keep < 0:
             return
         try:
             upto, held = None, frozenset()
             if self.board is not None:
-                upto = self.board.safe_step(self.world_size)
+                upto = self.board.safe_step(self.world_size, replicated=self.replicator is not None)
                 held = frozenset(self.replicator.held_records()) if self.replicator is not None else held
             if self.drain:
                 self.drain.retain_local(self.keep, protect=held, upto=upto)
