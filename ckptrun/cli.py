@@ -18,7 +18,7 @@ from .errors import CkptrunError, CorruptCheckpoint, UsageError
 from .strategies import DEFAULT
 
 if TYPE_CHECKING:
-    from .storage.store import Store
+    from .storage.store import Manifest, Store
     from .tuning.levels import FailureRates
 
 app = typer.Typer(
@@ -200,6 +200,12 @@ def run(
     replica_jump: Annotated[int, typer.Option(help="--replicas: a rank's copies go to every J-th node after its "
                                                    "own (1: the next nodes); nodes must be a multiple of "
                                                    "replicas x jump.")] = 1,
+    node_local_dir: Annotated[bool, typer.Option(help="Each node's --dir is its own (a node-local disk): a step "
+                                                      "commits once every rank's part is written on its node "
+                                                      "(said through the job's store), each node's --dir then "
+                                                      "holds the step's manifest and its own ranks' parts, and "
+                                                      "every rank writes all of its state. Only the strategies "
+                                                      "--replicas takes.")] = False,
     resume: Annotated[bool, typer.Option(help="Resume from the latest committed step in --dir.")] = True,
     on_save_error: Annotated[str, typer.Option(help="warn: report a failed save and train on; fail: stop.")]
     = "warn",
@@ -308,6 +314,7 @@ def run(
                     every_given=every_given, durable=durable, durable_keep=durable_keep,
                     durable_every=0 if durable_every == "auto" else int(durable_every),
                     durable_endpoint=durable_endpoint, replicas=replicas, replica_jump=replica_jump,
+                    node_local_dir=node_local_dir,
                     options={**options, **({"mtbf": mtbf_s} if mtbf_s else {}),
                              "machine_loss_share": rates.machine_loss_share})
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf,
@@ -420,8 +427,9 @@ def _ls(store: Store, as_json: bool, wide: bool, remote: Store | None = None) ->
         for m in there:
             tiers.setdefault(m.name, []).append("remote")
         ms.sort(key=lambda m: (m.step, m.kind != "full"))
+    here = {m.name: _ranks_here(store, m) for m in ms if "local" in tiers.get(m.name, [])}
     rows = [{"step": m.step, "kind": m.kind, "record": m.name, "bytes": m.bytes, "ranks": m.world_size,
-             "rank_bytes": m.rank_bytes or None,
+             "ranks_here": here.get(m.name), "rank_bytes": m.rank_bytes or None,
              "depends_on": m.depends_on, "first_step": m.first_step, "layout": m.layout,
              # the two completions: the snapshot complete in host memory (the trainer could go on),
              # and persisted (committed: durable on every rank), as wall-clock times
@@ -451,8 +459,22 @@ def _ls(store: Store, as_json: bool, wide: bool, remote: Store | None = None) ->
         cells = [[*c, "+".join(r.get("tiers", ["memory"]))] for c, r in zip(cells, rows, strict=True)]
     table, left_out = fit_table(columns, cells, None if wide else out.width)
     out.print(table)
+    partial = [r for r in rows if r.get("ranks_here") is not None and len(r["ranks_here"]) < r["ranks"]]
+    if partial:
+        held = sorted({r for row in partial for r in row["ranks_here"]})
+        out.print(f"note: {len(partial)} record(s) hold only rank(s) {', '.join(map(str, held)) or 'none'}'s "
+                  "parts here (node-local --dir: see the other nodes' --dir, --durable or partners' memory)",
+                  soft_wrap=True)
     if left_out:
         out.print(left_out_line(left_out, "--wide or --json shows them"))
+
+
+def _ranks_here(store: Store, m: Manifest) -> list[int] | None:
+    """The ranks whose part of `m` --dir holds (None: it holds a part the manifest lacks)."""
+    try:
+        return store.ranks_held(m)
+    except CorruptCheckpoint:
+        return None
 
 
 def _per_rank(sizes: list[int] | None) -> str:

@@ -67,6 +67,9 @@ class RunConfig:
     # --replica-jump J: a rank's group spans every J-th node (ckptrun/storage/tiers/group.py)
     replicas: int = 1
     replica_jump: int = 1
+    # --node-local-dir: each node's --dir is its own (no node reads another's files); a step commits
+    # through the job store (ckptrun/engine/nodecommit.py), and each node's --dir holds its ranks' parts
+    node_local_dir: bool = False
     options: dict = field(default_factory=dict)  # strategy-specific settings
     dist_env: bool = True  # --no-dist-env: the script sees none of torchrun's variables (one process)
     launcher_env: dict = field(default_factory=dict)  # --no-dist-env: those variables as the launcher had them

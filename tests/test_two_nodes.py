@@ -1,5 +1,6 @@
 """Two real nodes: each in a network namespace of its own (and a host name of its own), joined by
-a veth pair, with its own launcher, engine and worker (c10d rendezvous, gloo), one shared --dir.
+a veth pair, with its own launcher, engine and worker (c10d rendezvous, gloo), one shared --dir
+(or with --node-local-dir each node its own).
 
 One node's whole process tree is SIGKILLed mid-run and started again, as a job scheduler
 restarts a node: the surviving node's agent restarts its worker, both resume from the same
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE, FULL, LONG, assert_training_state, clean_env, load, ok, verify
+from conftest import EXAMPLE, FULL, LONG, assert_training_state, clean_env, cli, error_line, load, ok, restore, verify
 
 from ckptrun.config import RunConfig
 from ckptrun.storage.store import Store
@@ -60,19 +61,26 @@ class Node:
               fault: str | None = None) -> subprocess.Popen:
         """Its launcher (`ckptrun run`, node rank `rank`, with `extra` flags and `fault`), under a
         host name of its own, as a node has. The rendezvous ranks nodes by their address
-        (`--local-addr`, default `self.addr`)."""
+        (`--local-addr`, default `self.addr`). --dir is `ckpts`, shared, or with
+        --node-local-dir among `extra` the node's own (`own_dir`)."""
         argv = ["ip", "netns", "exec", self.netns, "unshare", "--uts", "sh", "-c",
                 f'hostname node{self.rank} && exec "$@"', "sh",
                 sys.executable, "-m", "ckptrun", "run", "--nnodes", "2", "--nproc-per-node", "1",
                 "--node-rank", str(self.rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{PORT}",
                 "--rdzv-id", "two-nodes", "--rdzv-conf", f"{RDZV_CONF},is_host={str(self.rank == 0).lower()}",
-                "--local-addr", addr or self.addr, "--max-restarts", "1", "--no-dashboard", "--dir", "ckpts",
+                "--local-addr", addr or self.addr, "--max-restarts", "1", "--no-dashboard",
+                "--dir", self.own_dir if "--node-local-dir" in extra else "ckpts",
                 "--keep", "0", "--metrics-dir", f"metrics-node{self.rank}", "--strategy", strategy,
                 *REGISTRY[strategy].short_run_flags, *extra, EXAMPLE,
                 *map(str, ARGS)]
         env = {**clean_env(fault), "GLOO_SOCKET_IFNAME": self.link, "OMP_NUM_THREADS": "1"}
         with open(cwd / f"node{self.rank}.log", "ab") as out:
             return subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    @property
+    def own_dir(self) -> str:
+        """Its own --dir (--node-local-dir), relative to the test's folder."""
+        return f"ckpts-node{self.rank}"
 
     def kill(self) -> None:
         """SIGKILL every process in the namespace at one moment (launcher, engine, worker): a
@@ -236,13 +244,14 @@ def _held(cwd: Path, owner: int) -> list[int]:
 
 
 def _lose_node1(cwd: Path, head: Node, other: Node, strategy: str, *, fault: str | None = None,
-                lost: Callable[[int], bool]) -> tuple[int, float]:
-    """A run with --replicas 2 in which node 1's whole tree is killed once node 0 holds a copy
-    of step REPLICATED or later, node 1's part of the steps `lost(step)` picks is deleted (its
-    disk lost) and node 1 starts again. Returns (newest step node 0 held, when node 1 was killed)."""
+                lost: Callable[[int], bool], extra: tuple[str, ...] = REPLICAS) -> tuple[int, float]:
+    """A run with --replicas 2 (and `extra`) in which node 1's whole tree is killed once node 0
+    holds a copy of step REPLICATED or later, node 1's part of the steps `lost(step)` picks is
+    deleted (its disk lost; with --node-local-dir its whole --dir) and node 1 starts again.
+    Returns (newest step node 0 held, when node 1 was killed)."""
     cwd.mkdir()
-    procs = [head.start(cwd, head.addr, strategy, extra=REPLICAS, fault=fault),
-             other.start(cwd, head.addr, strategy, extra=REPLICAS)]
+    procs = [head.start(cwd, head.addr, strategy, extra=extra, fault=fault),
+             other.start(cwd, head.addr, strategy, extra=extra)]
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not (cwd / "metrics-node0" / "engine-0.jsonl").exists() or max(_held(cwd, 1), default=-1) < REPLICATED:
         assert time.monotonic() < deadline and procs[1].poll() is None, _logs(cwd)
@@ -253,10 +262,12 @@ def _lose_node1(cwd: Path, head: Node, other: Node, strategy: str, *, fault: str
     time.sleep(1)  # rank 0's engine commits nothing more: rank 1's writer is gone
     held = max(_held(cwd, 1))
     assert held < STOP and not (cwd / "own-0.pt").exists(), "the node was killed after the run ended"
+    if "--node-local-dir" in extra:
+        shutil.rmtree(cwd / other.own_dir)
     for part in (cwd / "ckpts").glob("step-*/rank-00001.*"):
         if lost(int(part.parent.name.removeprefix("step-"))):
             part.unlink()
-    procs[1] = other.start(cwd, head.addr, strategy, extra=REPLICAS)
+    procs[1] = other.start(cwd, head.addr, strategy, extra=extra)
     assert _finish(procs, cwd) == [0, 0], _logs(cwd)
     return held, t_kill
 
@@ -268,6 +279,35 @@ def _resumed_at(cwd: Path, nodes: tuple[Node, Node], after: float) -> int:
     return resumed[0]["resume_step"]
 
 
+def _back_from_partner(cwd: Path, plain: Path, nodes: tuple[Node, Node], held: int, t_kill: float) -> dict:
+    """Node 1's engine took step `held` back from node 0's memory (its one `replica_restored`
+    event, returned), both ranks resumed from it after `t_kill`, and their final states equal
+    the uninterrupted run's (in `plain`) bit for bit."""
+    back = [json.loads(line) for line in (cwd / "metrics-node1" / "engine-0.jsonl").read_text().splitlines()]
+    restored = [e for e in back if e.get("type") == "replica_restored"]
+    assert [(e["step"], e["holder"]) for e in restored] == [(held, 0)], _logs(cwd)
+    assert _resumed_at(cwd, nodes, t_kill) == held
+    for rank in (0, 1):
+        assert_training_state(load(cwd / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
+    return restored[0]
+
+
+NODE_LOCAL = (*REPLICAS, "--node-local-dir")
+_UNINTERRUPTED: dict[str, Path] = {}
+
+
+def _uninterrupted(strategy: str, nodes: tuple[Node, Node], factory: pytest.TempPathFactory) -> Path:
+    """The folder of an uninterrupted two-node run of `strategy` with NODE_LOCAL, made once per
+    test process: the runs that lose node 1 compare their final states with its (the states do
+    not depend on where --dir is, and one run fewer keeps the suite short)."""
+    if strategy not in _UNINTERRUPTED:
+        plain = factory.mktemp(f"uninterrupted-{strategy}")
+        procs = [node.start(plain, nodes[0].addr, strategy, extra=NODE_LOCAL) for node in nodes]
+        assert _finish(procs, plain) == [0, 0], _logs(plain)
+        _UNINTERRUPTED[strategy] = plain
+    return _UNINTERRUPTED[strategy]
+
+
 # Each strategy whose records a rank's part restores alone (the registry's `replicas`); the
 # default strategy by default, the others under --full.
 REPLICABLE = [pytest.param(s, marks=() if s == RunConfig.strategy else FULL)
@@ -275,28 +315,18 @@ REPLICABLE = [pytest.param(s, marks=() if s == RunConfig.strategy else FULL)
 
 
 @pytest.mark.parametrize("strategy", REPLICABLE)
-def test_lost_node_takes_its_part_back_from_partner_memory(strategy, nodes, tmp_path):
+def test_lost_node_takes_its_part_back_from_partner_memory(strategy, nodes, tmp_path, tmp_path_factory):
     """--replicas 2: node 1 is killed and its part of every step on disk is lost; started again,
     its engine takes the newest step node 0's engine held back into --dir before its worker
     starts, both ranks resume from it, and the final states equal an uninterrupted run's bit for
     bit. Then a copy gone bad in node 0's memory is refused with one line and the resume falls
     through to the newest step whose parts are on disk."""
     head, other = nodes
-    plain = tmp_path / "uninterrupted"
-    plain.mkdir()
-    procs = [head.start(plain, head.addr, strategy, extra=REPLICAS),
-             other.start(plain, head.addr, strategy, extra=REPLICAS)]
-    assert _finish(procs, plain) == [0, 0], _logs(plain)
+    plain = _uninterrupted(strategy, nodes, tmp_path_factory)
     assert _held(plain, 1), "node 0 held no copy of rank 1's part"
 
     held, t_kill = _lose_node1(tmp_path / "lost", head, other, strategy, lost=lambda step: True)
-    lost = tmp_path / "lost"
-    back = [json.loads(line) for line in (lost / "metrics-node1" / "engine-0.jsonl").read_text().splitlines()]
-    restored = [e for e in back if e.get("type") == "replica_restored"]
-    assert [(e["step"], e["holder"]) for e in restored] == [(held, 0)], _logs(lost)
-    assert _resumed_at(lost, nodes, t_kill) == held
-    for rank in (0, 1):
-        assert_training_state(load(lost / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
+    restored = _back_from_partner(tmp_path / "lost", plain, nodes, held, t_kill)
 
     bad = tmp_path / "bad-copy"
     _, t_kill = _lose_node1(bad, head, other, strategy, fault=f"corrupt-replica:step={REPLICATED}:rank=0",
@@ -306,5 +336,31 @@ def test_lost_node_takes_its_part_back_from_partner_memory(strategy, nodes, tmp_
     assert _resumed_at(bad, nodes, t_kill) == REPLICATED - 1
     for rank in (0, 1):
         assert_training_state(load(bad / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
-    print(f"two nodes, {strategy}, --replicas 2: rank 1 took step {restored[0]['step']} back from rank 0's memory "
-          f"in {restored[0]['seconds']:.2f} s ({restored[0]['bytes']} bytes)")
+    print(f"two nodes, {strategy}, --replicas 2: rank 1 took step {restored['step']} back from rank 0's memory "
+          f"in {restored['seconds']:.2f} s ({restored['bytes']} bytes)")
+
+
+@pytest.mark.parametrize("strategy", REPLICABLE)
+def test_node_local_dirs_a_lost_node_resumes_from_partner_memory(strategy, nodes, tmp_path, tmp_path_factory):
+    """--node-local-dir --replicas 2: each node commits every step into its own --dir (the
+    manifest and its own rank's part only); node 1 is killed and its whole --dir deleted; started
+    again, its engine takes the newest step node 0 held back (manifest and part) before its
+    worker starts, both ranks resume from it, and the final states equal an uninterrupted run's
+    bit for bit. Each node's --dir restores its own rank and says where the other's part is."""
+    head, other = nodes
+    plain = _uninterrupted(strategy, nodes, tmp_path_factory)
+    for node in nodes:
+        store = Store(plain / node.own_dir)
+        ms = store.manifests()
+        assert ms and ms[-1].step == STOP and all(store.ranks_held(m) == [node.rank] for m in ms), node
+        state, _ = restore(plain, plain / node.own_dir, "latest", node.rank)
+        assert_training_state(state, load(plain / f"own-{node.rank}.pt"))
+    line = error_line(cli(plain, "restore", "--dir", plain / other.own_dir, "--rank", "0"))
+    assert "holds the part(s) of rank(s) 1 of 2" in line, line
+
+    lost = tmp_path / "lost"
+    held, t_kill = _lose_node1(lost, head, other, strategy, lost=lambda step: True, extra=NODE_LOCAL)
+    restored = _back_from_partner(lost, plain, nodes, held, t_kill)
+    assert Store(lost / other.own_dir).manifests()[-1].step == STOP
+    print(f"two nodes, {strategy}, --node-local-dir --replicas 2: rank 1 took step {held} back (manifest and "
+          f"part) from rank 0's memory in {restored['seconds']:.2f} s")

@@ -269,16 +269,17 @@ class Drain:
                 del self.remote[name]
             self.log.emit(type="durable_prune", records=gone)
 
-    def retain_local(self, keep: int) -> list[str]:
-        """--keep on --dir, holding the records the upload under way reads until the tier has
-        them (at most one step's records beyond --keep: the hold ends with the round, and a
-        failed round's step may then go). A hold that keeps what --keep would remove is said
-        once, as a `durable_hold` event and a warning."""
+    def retain_local(self, keep: int, *, protect: frozenset[str] = frozenset(), upto: int | None = None
+                     ) -> list[str]:
+        """--keep on --dir (`Store.prune`'s `protect` and `upto`), holding the records the upload
+        under way reads until the tier has them (at most one step's records beyond --keep: the
+        hold ends with the round, and a failed round's step may then go). A hold that keeps what
+        --keep would remove is said once, as a `durable_hold` event and a warning."""
         busy = self.busy
         ms = self.store.manifests(warn=False) if busy and keep > 0 else []
         kept = retained(ms, keep) if ms else set()
         held = frozenset(m.name for m in ms if m.name in busy and m.name not in kept and m.layout != "region")
-        removed = self.store.prune(keep, protect=busy)
+        removed = self.store.prune(keep, protect=busy | protect, upto=upto)
         if held and held != self._held:
             self.log.emit(type="durable_hold", records=sorted(held), keep=keep)
             log.warning(f"--keep {keep}: {len(held)} record(s) kept in {self.store.root} until {self.tier.url} "

@@ -22,6 +22,7 @@ import contextlib
 import json
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -123,6 +124,8 @@ class Replicator:
         self.round: Round | None = None
         self.store: Store | None = None
         self.fault: Fault | None = None
+        self.node_local = False
+        self.on_held: Callable[[int], None] | None = None  # called by `_say_held`
         self._lock = threading.Lock()  # the round and the held copies
         self._offered: str | None = None  # the newest committed record not shipped yet
         self._newest = -1  # the step of the newest record offered
@@ -131,12 +134,14 @@ class Replicator:
         threading.Thread(target=self._ship_loop, name="ckptrun-replicas", daemon=True).start()
 
     # ---- rounds ------------------------------------------------------------------------
-    def join(self, spec: dict, rank: int, world_size: int, store: Store, fault: Fault | None) -> None:
+    def join(self, spec: dict, rank: int, world_size: int, store: Store, fault: Fault | None, *,
+             node_local: bool = False) -> None:
         """A worker's Hello in round `spec` (the job store's address and prefix, K, J, local
         ranks per node): make the round's group with every other engine, exchange copies a
-        replaced node lacks, then receive partners' new copies. Never raises: replication off
-        for the round is said in one line."""
-        self.store, self.fault = store, fault
+        replaced node lacks, then receive partners' new copies. `node_local`: --dir is this
+        node's own, so a record it lost comes back whole (manifest and this rank's part). Never
+        raises: replication off for the round is said in one line."""
+        self.store, self.fault, self.node_local = store, fault, node_local
         if self.round is not None and self.round.key == spec["prefix"] and self.round.rank == rank:
             return  # the same round (a worker restarted alone)
         self._end_round()
@@ -205,7 +210,7 @@ class Replicator:
         store = self.store
         if store.is_committed(name) and rank in store.ranks_present(name):
             return {}
-        if not store.is_committed(name):
+        if not store.is_committed(name) and not self.node_local:
             log.warning(f"rank {rank}: rank {holder} holds step {step}, but {store.root} has no record of it "
                         "to complete; resuming from --dir")
             return {}
@@ -213,11 +218,12 @@ class Replicator:
 
     def _take_back(self, r: Round, holder: int, name: str) -> None:
         """Complete record `name` in --dir with this rank's part from `holder`'s memory (this
-        engine's own, where the rendezvous gave it the rank whose copy it held), checked."""
+        engine's own, where the rendezvous gave it the rank whose copy it held), checked; a
+        node-local --dir that lost the record gets it back with its manifest."""
         t0 = time.time()
         try:
             tier = self.held if holder == r.rank else self._received(r, holder)
-            copied = fill(tier, self.store, name)
+            copied = fill(tier, self.store, name, [r.rank])
         except CorruptCheckpoint as e:
             log.warning(f"rank {r.rank}: the copy rank {holder} held is damaged ({_short(e)}); resuming "
                         "from --dir")
@@ -238,6 +244,20 @@ class Replicator:
         manifest, *files = got[1]
         tier.hold(r.rank, manifest, _files(r.rank, files))
         return tier
+
+    def held_records(self) -> list[str]:
+        """The records of the copies held for partners (--node-local-dir: this node keeps its own
+        parts of them, which a partner's node coming back from them resumes beside)."""
+        with self._lock:
+            return [name for name, _ in self.held.owners.values()]
+
+    def _say_held(self, r: Round) -> None:
+        """Tell `on_held` the oldest step among the copies held for this round's partners, once
+        each partner's is held (--node-local-dir: no node prunes that step or a newer one)."""
+        with self._lock:
+            steps = [self.held.owners[p][1] for p in r.partners if p in self.held.owners]
+        if self.on_held is not None and len(steps) == len(r.partners):
+            self.on_held(min(steps))
 
     # ---- shipping and holding ----------------------------------------------------------
     def offer(self, record: str, step: int) -> None:
@@ -313,6 +333,7 @@ class Replicator:
                 self.log.emit(type="replica_error", rank=r.rank, partner=src, error=_short(e))
                 continue
             self.log.emit(type="replica_held", rank=r.rank, owner=owner, step=m.step, bytes=sum(map(len, files)))
+            self._say_held(r)
 
     def _corrupt_if_asked(self, owner: int, step: int) -> None:
         """The injected fault `corrupt-replica:step=N` (tests): a bit flips in the held copy of

@@ -3,12 +3,15 @@
 It owns the staging slots and the writers, so it outlives a crashed worker: whatever was handed
 to it is still made durable, and the restarted worker reconnects and is answered only after the
 engine has flushed (DESIGN §2). On global rank 0 it also commits records once every rank's
-files are durable, and prunes old ones. It imports no torch on the plain persist path.
+files are durable, and prunes old ones; with --node-local-dir the ranks' parts are in their own
+nodes' --dir and the commit goes through the job store (nodecommit.py). It imports no torch on
+the plain persist path.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import threading
@@ -20,7 +23,7 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
 
-from ..errors import AlreadyCommitted
+from ..errors import AlreadyCommitted, CorruptCheckpoint
 from ..faults import Fault
 from ..ipc.events import EventLog
 from ..ipc.messages import (
@@ -46,10 +49,11 @@ from ..storage import iowriter, memory_status
 from ..storage.dirlock import hold_for_engine
 from ..storage.fsutil import FaultHook, _no_fault
 from ..storage.leftovers import exit_with_owner, remove_staging, staging_path
-from ..storage.store import Store
+from ..storage.store import Manifest, Store
 from . import drain
 from .arena import one_arena
 from .handlers import EngineContext, engine_handler
+from .nodecommit import Board
 
 COMMIT_TRIES = 6  # a commit that fails this often is abandoned (reported; the previous step stays)
 COMMIT_BACKOFF_S = 0.1  # first retry delay; doubles each time
@@ -85,6 +89,7 @@ class Engine:
         self.stopping = threading.Event()
         self.drain: drain.Drain | None = None  # --durable: copies this rank's part of committed steps there
         self.replicator = None  # --replicas > 1: this rank's copies in partners' memory (engine/replicate.py)
+        self.board: Board | None = None  # --node-local-dir: the round's commit keys (engine/nodecommit.py)
         self.log.emit(type="engine", local_rank=local_rank, pid=os.getpid())
 
     # ---- plumbing ----------------------------------------------------------------------
@@ -173,6 +178,7 @@ class Engine:
         if self.strategy != msg.strategy:  # a restarted worker keeps what the handler holds
             self.strategy, self.handler = msg.strategy, engine_handler(msg.engine_handler, ServerContext(self))
             self.handler.restart()  # what an earlier engine (a replaced node's) left uncommitted goes too
+        self._join_board(msg.node_local)
         if msg.replication is not None:
             self._replicate(msg)
         newest = max((s.nbytes for s in self.slots.values()), default=0)
@@ -188,7 +194,20 @@ class Engine:
 
         if self.replicator is None:
             self.replicator = Replicator(self.log)
-        self.replicator.join(msg.replication, msg.rank, msg.world_size, self.store, self.fault)
+            self.replicator.on_held = lambda step: self._on_board(lambda b: b.hold(self.rank, step))
+        self.replicator.join(msg.replication, msg.rank, msg.world_size, self.store, self.fault,
+                             node_local=msg.node_local is not None)
+
+    def _join_board(self, spec: dict | None) -> None:
+        """--node-local-dir: meet the round's commit keys (a new round: new keys; what the old
+        round left uncommitted is written again by the re-run)."""
+        if spec is None or (self.board is not None and self.board.key == spec["prefix"]):
+            return
+        try:
+            self.board = Board.connect(spec)
+        except (RuntimeError, ValueError) as e:  # no commit this round: the previous step stays
+            self.board = None
+            self.save_error(-1, "", f"the job store is not reachable ({e}); nothing commits this round")
 
     def _give_up_handler(self) -> None:
         """The worker came back as another rank: the handler's state is its old rank's, which the
@@ -224,9 +243,11 @@ class Engine:
 
     def op_commit_pending(self, msg: Message) -> None:
         self.flush()
-        self.commit_ready()
+        # (on a node-local --dir only rank 0 commits; the others publish what it committed)
+        self.commit_ready() if self.rank == 0 or self.board is None else self.watch_commits()
         held = self.handler.held() if self.handler is not None else None
-        self.reply(msg, committed_step=self.committed_step, held_step=held and held[0], held_nbytes=held and held[1])
+        self.reply(msg, committed_step=self.committed_step, held_step=held and held[0], held_nbytes=held and held[1],
+                   pending=len(self.pending))
 
     def op_fetch_held(self, msg: FetchHeld) -> None:
         """A restarted worker resumes from the state the handler holds (no disk read)."""
@@ -320,14 +341,26 @@ class Engine:
                 self.store.abandon(name)
             else:
                 self.store.mark_failed(name, self.rank)
+                self._on_board(lambda b: b.fail(name, f"rank {self.rank} failed to write it"))
             self.save_error(step, name, f"write: {e}")
             return 0
         self.durable(step, name, n, time.time() - t0)
         with self._pending_lock:
             self.pending[name] = spec
+        self._on_board(lambda b: b.report(name, self.rank, self.store.part_summary(name, self.rank, spec.layout)))
         if self.rank == 0:
             self.commit_ready()
         return n
+
+    def _on_board(self, tell: Callable[[Board], None]) -> None:
+        """`tell` the round's board (--node-local-dir) something; a board gone with its round
+        (its host, rank 0's worker, died) is logged as a save error: what it said does not commit."""
+        if self.board is None:
+            return
+        try:
+            tell(self.board)
+        except (RuntimeError, OSError) as e:
+            self.log.emit(type="save_error", rank=self.rank, step=-1, record="", error=f"job store: {e}")
 
     def durable(self, step: int, record: str, nbytes: int, write_s: float) -> None:
         """This rank's part of `record` is on disk: logged, and the worker told."""
@@ -382,27 +415,52 @@ class Engine:
                     continue
                 if any(d not in committed for d in spec.depends_on) or not self._retry_due(name):
                     continue
+                parts = self.board.reported(name, self.world_size) if self.board is not None else None
+                if self.board is not None and parts is None:
+                    continue  # a node's part is not reported yet
                 try:
                     m = self.store.try_commit(name, kind=spec.kind, step=spec.step,
                                               first_step=spec.step if spec.first_step is None else spec.first_step,
                                               world_size=self.world_size, depends_on=spec.depends_on or None,
                                               meta=spec.meta, fault=self._fault_hook(spec.step),
-                                              layout=spec.layout)
+                                              layout=spec.layout, parts=parts)
                 except (OSError, ValueError) as e:  # ValueError: the schema rejects what a writer sent
                     self._commit_failed(spec, e)
                     continue
                 if m is None:
                     continue
+                self._on_board(lambda b, m=m: self._announce(b, m))
                 del self.pending[name]
                 self._retries.pop(name, None)
                 committed.add(m.name)
                 self.committed(m.step, m.name, nbytes=m.bytes, kind=m.kind,
                                snapshot_time=spec.meta.get("snapshot_time"))
-            if todo and self.keep >= 0:
-                try:
-                    self.drain.retain_local(self.keep) if self.drain else self.store.prune(self.keep)
-                except OSError as e:  # retention failing never fails a commit; it runs again next time
-                    self.log.emit(type="save_error", rank=self.rank, step=-1, record="", error=f"prune: {e}")
+            if todo:
+                self.retain()
+
+    def _announce(self, board: Board, m: Manifest) -> None:
+        """Rank 0 committed `m` in its own --dir: the other nodes publish it now."""
+        board.announce(m.name, json.dumps(m.to_json()).encode())
+        board.ack(self.rank, m.step)
+
+    def retain(self) -> None:
+        """--keep on this node's --dir, after a commit. With --node-local-dir, only the steps
+        every node has committed (and, with --replicas, every engine holds partner copies of)
+        count, and the records whose copies this engine holds stay (the other node resumes
+        beside them)."""
+        if self.keep < 0:
+            return
+        try:
+            upto, held = None, frozenset()
+            if self.board is not None:
+                upto = self.board.safe_step(self.world_size, replicated=self.replicator is not None)
+                held = frozenset(self.replicator.held_records()) if self.replicator is not None else held
+            if self.drain:
+                self.drain.retain_local(self.keep, protect=held, upto=upto)
+            else:
+                self.store.prune(self.keep, protect=held, upto=upto)
+        except (OSError, RuntimeError) as e:  # retention failing never fails a commit; it runs again next time
+            self.log.emit(type="save_error", rank=self.rank, step=-1, record="", error=f"prune: {e}")
 
     def _failure(self, name: str, depends_on: list[str]) -> str | None:
         """Why record `name` can never commit, if it cannot (caller holds the pending lock)."""
@@ -411,6 +469,8 @@ class Engine:
         ranks = self.store.failed_ranks(name)
         if ranks:
             return f"rank {ranks[0]} failed to write it"
+        if self.board is not None and (reason := self.board.failed(name)):
+            return reason
         bad = next((d for d in depends_on if d in self.failed), None)
         return f"it depends on {bad}, which was not saved" if bad else None
 
@@ -427,6 +487,7 @@ class Engine:
         del self.pending[name]
         self._retries.pop(name, None)
         self.store.abandon(name)
+        self._on_board(lambda b: b.fail(name, reason))
         self.save_error(spec.step, name, f"not committed: {reason}")
 
     def _retry_due(self, name: str) -> bool:
@@ -447,6 +508,8 @@ class Engine:
 
     def watch_commits(self) -> None:
         """Other ranks: tell the worker when rank 0 has committed a record we wrote."""
+        if self.board is not None:
+            self._adopt_commits()
         with self._pending_lock:
             done = [spec for name, spec in self.pending.items() if self.store.is_committed(name)]
             gone = [name for name in self.pending if not (self.store.root / name).exists()]  # pruned/abandoned
@@ -456,6 +519,34 @@ class Engine:
             self.send(Committed(step=spec.step, record=spec.record))
             if self.replicator is not None:
                 self.replicator.offer(spec.record, spec.step)
+
+    def _adopt_commits(self) -> None:
+        """--node-local-dir, other ranks: publish in this node's --dir the manifest rank 0
+        announced for each pending record (it pins the part written here), then acknowledge the
+        newest; a record rank 0 gave up goes here too. Retention on this node follows (its
+        local rank 0's engine)."""
+        board, newest = self.board, None
+        with self._pending_lock:
+            for name, spec in sorted(self.pending.items(), key=lambda kv: kv[1].step):
+                try:
+                    raw = board.announced(name)
+                    if raw is None:
+                        if reason := board.failed(name):
+                            self.store.abandon(name)
+                            del self.pending[name]
+                            self.save_error(spec.step, name, f"not committed: {reason}")
+                        continue
+                    newest = self.store.adopt_manifest(name, raw, [self.rank]).step
+                except CorruptCheckpoint as e:  # never: rank 0 commits what this engine reported
+                    self.store.abandon(name)
+                    del self.pending[name]
+                    self.save_error(spec.step, name, f"not committed here: {e}")
+                except OSError:
+                    continue  # its part is gone here (swept, set aside): `watch_commits` drops it
+        if newest is not None:
+            self._on_board(lambda b: b.ack(self.rank, newest))
+            if self.local_rank == 0:
+                self.retain()
 
     def commit_loop(self) -> None:
         """Retry pending commits that wait on other ranks' files or on a back-off (rank 0), or

@@ -70,6 +70,9 @@ class Hello(Message):
     # --replicas > 1: the attempt's job store (addr, port, prefix), replicas, jump and local ranks
     # per node (engine/replicate.py); None: no copies in partners' memory
     replication: dict | None = None
+    # --node-local-dir: the attempt's job store (addr, port, prefix) through which the engines
+    # commit steps (engine/nodecommit.py); None: --dir is one directory every rank writes into
+    node_local: dict | None = None
 
 
 @dataclass(kw_only=True)

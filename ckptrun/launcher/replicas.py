@@ -1,5 +1,5 @@
-"""--replicas / --replica-jump at the start of a run: refused in one line (exit 2) where the
-strategy or the node count cannot honour them, before anything starts."""
+"""--replicas / --replica-jump / --node-local-dir at the start of a run: refused in one line (exit
+2) where the strategy or the node count cannot honour them, before anything starts."""
 
 from __future__ import annotations
 
@@ -9,14 +9,13 @@ from ..storage.tiers.group import ReplicationGroup, check_flags
 
 
 def check(cfg: RunConfig, nnodes: str) -> None:
-    from ..strategies import REGISTRY, names_where
-
+    if cfg.node_local_dir:
+        _part_restores_alone(cfg, "--node-local-dir")
     if cfg.replicas == 1 and cfg.replica_jump == 1:
         return
     check_flags(cfg.replicas, cfg.replica_jump)
-    if cfg.replicas > 1 and not REGISTRY[cfg.strategy].replicas:
-        raise UsageError(f"--replicas {cfg.replicas}: {cfg.strategy}'s records cannot be restored from one rank's "
-                         f"copy; use one of: {names_where(lambda e: e.replicas)}")
+    if cfg.replicas > 1:
+        _part_restores_alone(cfg, f"--replicas {cfg.replicas}")
     low, _, high = nnodes.partition(":")
     most = int(high or low)
     if cfg.replicas > most:
@@ -24,3 +23,12 @@ def check(cfg: RunConfig, nnodes: str) -> None:
                          f"{most} (--nnodes {nnodes})")
     if not high or low == high:
         ReplicationGroup(most, 1, cfg.replicas, cfg.replica_jump)
+
+
+def _part_restores_alone(cfg: RunConfig, flag: str) -> None:
+    """Refuse `flag` unless the strategy's records are folders one rank's part restores alone."""
+    from ..strategies import REGISTRY, names_where
+
+    if not REGISTRY[cfg.strategy].replicas:
+        raise UsageError(f"{flag}: {cfg.strategy}'s records cannot be restored from one rank's copy; use one of: "
+                         f"{names_where(lambda e: e.replicas)}")

@@ -22,7 +22,7 @@ from ..storage.sharding import as_full
 from ..storage.store import Store
 from ..storage.tree import flatten
 from .consolidate import consolidate
-from .recovery import Plan, find, load_state, optimizer_classes
+from .recovery import Plan, find, load_state, optimizer_classes, plans
 
 
 def _weights_only_safe(obj: Any) -> Any:
@@ -68,9 +68,10 @@ def export(directory: Path, step: int | str, out: Path, fmt: str, rank: int = 0,
     be constructed for offline replay besides torch.optim's classes."""
     store = Store.existing(directory)
     classes = optimizer_classes(trusted_optimizers or [])
-    plan = find(store, step, classes)
-    if not 0 <= rank < plan.base.world_size:
-        raise CkptrunError(f"--rank {rank}: step {plan.step} has ranks 0..{plan.base.world_size - 1}", exit_code=2)
+    newest = plans(store).get(max(plans(store), default=-1) if step == "latest" else int(step))
+    if newest is not None and not 0 <= rank < newest.base.world_size:
+        raise CkptrunError(f"--rank {rank}: step {newest.step} has ranks 0..{newest.base.world_size - 1}", exit_code=2)
+    plan = find(store, step, classes, rank)
     state = as_full(consolidate(store, plan.base, load_state(store, plan, rank, classes)))
     full = as_torch_dict(state, plan.step)
     out.parent.mkdir(parents=True, exist_ok=True)

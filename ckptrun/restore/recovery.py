@@ -207,18 +207,20 @@ def _grad_fits(grad: Any, shape: list[int], spec: Callable[[Any], dict | None]) 
     return dense is not None and dense["shape"] == shape
 
 
-def fit_problems(store: Store, m: Manifest, classes: dict[str, type] | None, *, replay: bool) -> list[str]:
+def fit_problems(store: Store, m: Manifest, classes: dict[str, type] | None, *, replay: bool,
+                 ranks: list[int] | None = None) -> list[str]:
     """What stops restore from assembling a state out of committed record `m`, beyond `m`'s own
     checks (Store.verify_record): a full record's skeleton must be a state, and with `replay`
     (a base that diff records depend on) its optimizer must be rebuildable from `classes` (None:
     by a resumed run's own optimizer); a diff record's steps must replay on its base; the ranks'
     shards of each sharded tensor must make the whole tensor, and a tensor a rank left to another
-    (written once) must be there."""
+    (written once) must be there. `ranks`: only those ranks are restored (a node-local --dir's);
+    None: all."""
     shards: dict[str, list[Sharded]] = {}
     held: dict[int, set[str]] = {}
     refs: list[tuple[int, int, str]] = []
     try:
-        for rank in range(m.world_size):
+        for rank in range(m.world_size) if ranks is None else ranks:
             index = store.read_index(m.name, rank, m)
             held[rank] = set(index["tensors"])
             refs += [(rank, owner, key) for owner, key in remote_refs(index["skeleton"])]
@@ -267,29 +269,55 @@ class DamagedRecord(CorruptCheckpoint):
 
 
 def _problems(store: Store, plan: Plan, classes: dict[str, type] | None = None, *,
-              checksums: bool = True) -> tuple[list[str], list[str]]:
+              checksums: bool = True, ranks: list[int] | None = None) -> tuple[list[str], list[str]]:
     """(what is wrong with the plan's records themselves, what stops assembling the state:
-    replay on the base with `classes` (see `fit_problems`), or the base's state alone)."""
+    replay on the base with `classes` (see `fit_problems`), or the base's state alone), for
+    `ranks` (None: every rank)."""
     names = {m.name for m in store.manifests(warn=False)}
-    own = [p for m in plan.records for p in store.verify_record(m, names, checksums=checksums)]
+    own = [p for m in plan.records for p in store.verify_record(m, names, checksums=checksums, ranks=ranks)]
     if own:
         return own, []
-    fit = [p for m in plan.records for p in fit_problems(store, m, classes, replay=bool(plan.diffs))]
+    fit = [p for m in plan.records for p in fit_problems(store, m, classes, replay=bool(plan.diffs), ranks=ranks)]
     return own, fit
 
 
+def missing_part(store: Store, plan: Plan, ranks: list[int]) -> str | None:
+    """One line, if a record of `plan` holds no part of one of `ranks` here (a node-local
+    --dir, whose other ranks' parts are elsewhere): which ranks it holds, where the rest are."""
+    for m in plan.records:
+        try:
+            held = store.ranks_held(m)
+        except CorruptCheckpoint:
+            return None  # damaged: said as such by the checks
+        if not set(ranks) <= set(held):
+            return store.partial(m, held)
+    return None
+
+
+def _checked_ranks(store: Store, plan: Plan, ranks: list[int] | None) -> list[int] | None:
+    """The ranks whose parts of `plan` are checked: every rank where all are here (sharded
+    tensors are assembled from all of them), else only `ranks` (a node-local --dir)."""
+    if ranks is None or missing_part(store, plan, list(range(plan.base.world_size))) is None:
+        return None
+    return ranks
+
+
 def newest_good(store: Store, *, at_most: int | None = None, verify: bool = True, checksums: bool = True,
-                classes: dict[str, type] | None = None) -> Plan | None:
+                classes: dict[str, type] | None = None, ranks: list[int] | None = None) -> Plan | None:
     """The newest restorable step (≤ `at_most`) whose records all pass their checks and fit
     together; offline replay (restore) passes the optimizer `classes` it may construct, a
     resumed run (None) replays with its own optimizer. Without `checksums` tensor bytes are not
     read here: the caller reads every byte once, checking them as it goes (a resume that can
-    restart, see `DamagedRecord`)."""
+    restart, see `DamagedRecord`). `ranks`: only those ranks' parts are needed (a node-local
+    --dir); a step whose records do not hold them here is passed over without a warning."""
     bad: set[str] = set()
     for step, plan in reversed(plans(store).items()):
         if at_most is not None and step > at_most or bad & {m.name for m in plan.records}:
             continue
-        own, replay = _problems(store, plan, classes, checksums=checksums) if verify else ([], [])
+        if ranks is not None and missing_part(store, plan, ranks):
+            continue
+        need = _checked_ranks(store, plan, ranks)
+        own, replay = _problems(store, plan, classes, checksums=checksums, ranks=need) if verify else ([], [])
         problems = own + replay
         if not problems:
             return plan
@@ -299,19 +327,26 @@ def newest_good(store: Store, *, at_most: int | None = None, verify: bool = True
     return None
 
 
-def find(store: Store, step: int | str, classes: dict[str, type] | None = None) -> Plan:
-    """The plan for `step` ("latest" falls back past damaged records)."""
+def find(store: Store, step: int | str, classes: dict[str, type] | None = None, rank: int | None = None) -> Plan:
+    """The plan for `step` ("latest" falls back past damaged records), of every rank or only
+    of `rank` (a node-local --dir holds its own node's ranks' parts)."""
+    ranks = None if rank is None else [rank]
     if step == "latest":
-        plan = newest_good(store, classes=classes)
+        plan = newest_good(store, classes=classes, ranks=ranks)
         if plan is None:
-            raise StepNotAvailable(f"no restorable step in {store.root}" + _available(store))
+            newest = max(plans(store).items(), default=(0, None))[1]
+            partial = newest and ranks and missing_part(store, newest, ranks)
+            raise StepNotAvailable(f"rank {rank}: {partial}" if partial else
+                                   f"no restorable step in {store.root}" + _available(store))
         return plan
     plan = plans(store).get(int(step))
     if plan is None:
         raise StepNotAvailable(f"step {step} is not committed in {store.root}" + _available(store))
-    problems = sum(_problems(store, plan, classes), [])
+    if ranks and (partial := missing_part(store, plan, ranks)):
+        raise StepNotAvailable(f"rank {rank}: {partial}")
+    problems = sum(_problems(store, plan, classes, ranks=_checked_ranks(store, plan, ranks)), [])
     if problems:
-        good = newest_good(store, at_most=plan.step, classes=classes)
+        good = newest_good(store, at_most=plan.step, classes=classes, ranks=ranks)
         hint = f"; the newest good step before it is {good.step}" if good else "; no good step precedes it"
         raise CorruptCheckpoint(f"step {plan.step} cannot be restored ({problems[0]}){hint}")
     return plan

@@ -224,31 +224,57 @@ class Store:
         meta: dict[str, Any] | None = None,
         fault: FaultHook = _no_fault,
         layout: str = "records",
+        parts: dict[int, tuple[str, int]] | None = None,
     ) -> Manifest | None:
-        """Publish the manifest of `name` if every rank's part (in `layout`) is there; else None."""
+        """Publish the manifest of `name` if every rank's part (in `layout`) is there; else None.
+        `parts`: each rank's (index checksum, data bytes) as its engine reported them (a node-local
+        --dir holds only its node's parts), instead of read here."""
         rdir = self.root / name
         if (rdir / MANIFEST).exists():
             fsync_dir(rdir)  # a retry after a failed directory fsync makes the commit durable
             return self.manifest(name)
-        if self.ranks_present(name, layout) != list(range(world_size)):
+        if parts is None:
+            if self.ranks_present(name, layout) != list(range(world_size)):
+                return None
+            parts = {r: self.part_summary(name, r, layout) for r in range(world_size)}
+        if sorted(parts) != list(range(world_size)):
             return None
-        sums, sizes = {}, []
-        for r in range(world_size):
-            if layout == "file":
-                fd = self._open(name, rankfile.file_name(r), f"rank {r} file")
-                try:
-                    raw, head = rankfile.read_header(fd, f"{name}: rank {r} file")
-                finally:
-                    os.close(fd)
-                nbytes = head.data_nbytes
-            else:
-                raw = (rdir / rank_files(r)[1]).read_bytes()
-                nbytes = json.loads(raw)["data_nbytes"]
-            sums[str(r)] = checksum(raw)
-            sizes.append(nbytes)
+        sizes = [parts[r][1] for r in range(world_size)]
         m = Manifest(name, kind, step, first_step, world_size, sum(sizes), list(depends_on or []),
-                     dict(meta or {}), sums, time.time(), layout=layout, rank_bytes=sizes)
+                     dict(meta or {}), {str(r): parts[r][0] for r in range(world_size)}, time.time(),
+                     layout=layout, rank_bytes=sizes)
         publish_json(rdir / MANIFEST, m.to_json(), fault=fault, name="manifest")
+        return m
+
+    def part_summary(self, name: str, rank: int, layout: str = "records") -> tuple[str, int]:
+        """(checksum of its index, its data bytes) of rank `rank`'s part of uncommitted record
+        `name`, as written here by this run's own engine: what the manifest pins."""
+        if layout == "file":
+            fd = self._open(name, rankfile.file_name(rank), f"rank {rank} file")
+            try:
+                raw, head = rankfile.read_header(fd, f"{name}: rank {rank} file")
+            finally:
+                os.close(fd)
+            return checksum(raw), head.data_nbytes
+        raw = (self.root / name / rank_files(rank)[1]).read_bytes()
+        return checksum(raw), json.loads(raw)["data_nbytes"]
+
+    def adopt_manifest(self, name: str, raw: bytes, ranks: list[int]) -> Manifest:
+        """Publish in this --dir (a node-local one) the manifest global rank 0 committed `name`
+        with (`raw`, through the job store), once it names `name` and pins exactly the indexes
+        of `ranks`, this node's parts of it written here; CorruptCheckpoint (nothing published)
+        otherwise."""
+        try:
+            m = Manifest.from_json(json.loads(raw))
+        except (ValueError, RecursionError):
+            raise CorruptCheckpoint(f"{name}: the committed manifest is not valid JSON") from None
+        if m.name != name:
+            raise CorruptCheckpoint(f"{name}: the committed manifest names {m.name}")
+        for r in ranks:
+            if m.index_checksums.get(str(r)) != self.part_summary(name, r, m.layout)[0]:
+                raise CorruptCheckpoint(f"{name}: the committed manifest pins another rank {r} part than {self.root}'s")
+        if not self.is_committed(name):
+            publish_json(self.root / name / MANIFEST, m.to_json(), name="manifest")
         return m
 
     # ---- reading: the directory is untrusted input (DESIGN invariant 7) -------------------
@@ -356,22 +382,33 @@ class Store:
             raise CorruptCheckpoint(f"{name}: rank {rank} skeleton: {e}") from None
         return body
 
-    def _check_ranks(self, m: Manifest) -> None:
+    def ranks_held(self, m: Manifest) -> list[int]:
+        """The ranks whose part of committed record `m` this directory holds: all of them, except
+        where --dir is node-local (each node's holds its own ranks' parts) or a part was lost.
+        CorruptCheckpoint if it holds a rank the manifest does not have (never read)."""
         if m.layout == "region" or (m.name, m.world_size) in self._ranks_ok:
-            return
+            return list(range(m.world_size))
         present = self.ranks_present(m.name, m.layout)
-        if present != list(range(m.world_size)):
-            raise CorruptCheckpoint(f"{m.name}: world_size {m.world_size}, but it holds "
-                                    f"{len(present)} rank index file(s)")
-        self._ranks_ok.add((m.name, m.world_size))
+        if present and not 0 <= present[-1] < m.world_size:
+            raise CorruptCheckpoint(f"{m.name}: world_size {m.world_size}, but it holds a part of rank {present[-1]}")
+        if present == list(range(m.world_size)):
+            self._ranks_ok.add((m.name, m.world_size))
+        return present
 
-    def open_rank(self, m: Manifest, rank: int, *, every_rank_here: bool = True) -> tuple[dict, int, int]:
+    def partial(self, m: Manifest, held: list[int]) -> str:
+        """One line: record `m` holds only the ranks `held` here, and where the others would be."""
+        return (f"{m.name}: holds the part(s) of rank(s) {_ranks_text(held)} of {m.world_size}; the others' "
+                f"are not in {self.root} (node-local --dir: see the other nodes' --dir, --durable or "
+                "partners' memory)")
+
+    def open_rank(self, m: Manifest, rank: int) -> tuple[dict, int, int]:
         """(index, open data file, offset of the data in it) of one rank of committed record `m`
         after every check that does not read tensor bytes: restore and verify both start here, so
-        they cannot disagree. Tensor offsets in the index are relative to that offset. Without
-        `every_rank_here`, the other ranks' parts may be elsewhere (a node-local --dir)."""
-        if every_rank_here:
-            self._check_ranks(m)
+        they cannot disagree. Tensor offsets in the index are relative to that offset. The other
+        ranks' parts may be elsewhere (a node-local --dir): `ranks_held` says which are here."""
+        held = self.ranks_held(m)
+        if rank not in held and 0 <= rank < m.world_size:
+            raise CorruptCheckpoint(self.partial(m, held))
         index = self.read_index(m.name, rank, m)
         if m.layout == "region":
             fd, base = self.regions.open_data(m, rank, index["data_nbytes"])
@@ -420,16 +457,25 @@ class Store:
             tensors[spec.key] = view(buf, spec)
         return index, tensors
 
-    def verify_record(self, m: Manifest, committed: set[str] | None = None, *, checksums: bool = True) -> list[str]:
+    def verify_record(self, m: Manifest, committed: set[str] | None = None, *, checksums: bool = True,
+                      ranks: list[int] | None = None) -> list[str]:
         """Problems found re-checking everything a restore of `m` relies on: its dependencies, every
         field (`open_rank`) and, with `checksums`, every tensor checksum, streaming the data with
         bounded memory (`committed`: the names of the committed records, when the caller has them
-        already). Without `checksums` the caller checks them as it reads the data (`read_rank`)."""
+        already). Without `checksums` the caller checks them as it reads the data (`read_rank`).
+        `ranks`: only those ranks' parts are needed (a node-local --dir's); None: every rank's,
+        and a record holding only some is a problem, said after every part it holds is checked."""
         names = committed if committed is not None else {x.name for x in self.manifests(warn=False)}
         problems = [f"{m.name}: depends on {d}, which is not committed" for d in m.depends_on if d not in names]
         sizes: list[int] = []
         chunk = memoryview(bytearray(CHUNK)) if checksums else None
-        for r in range(m.world_size):
+        checked = ranks
+        if ranks is None:
+            try:
+                checked = self.ranks_held(m)
+            except CorruptCheckpoint as e:
+                return [*problems, str(e)]
+        for r in checked:
             try:
                 index, fd, base = self.open_rank(m, r)
                 sizes.append(index["data_nbytes"])
@@ -442,6 +488,11 @@ class Store:
                 return [*problems, str(e)]
             except OSError as e:
                 return [*problems, f"{m.name}: rank {r}: {e.strerror}"]
+        if checked != list(range(m.world_size)):  # the parts checked, against what the manifest says of them
+            if m.rank_bytes and sizes != [m.rank_bytes[r] for r in checked]:
+                problems.append(f"{m.name}: manifest says {m.rank_bytes} bytes per rank, rank(s) {checked} hold "
+                                f"{sizes}")
+            return problems if ranks is not None else [*problems, self.partial(m, checked)]
         total = sum(sizes)
         if total != m.bytes or m.rank_bytes and m.rank_bytes != sizes:
             problems.append(f"{m.name}: manifest says {m.bytes} bytes ({m.rank_bytes or 'per rank: not recorded'}), "
@@ -470,20 +521,23 @@ class Store:
         fsync_dir(rdir)
         shutil.rmtree(rdir, ignore_errors=True)
 
-    def prune(self, keep: int, *, incomplete_grace_s: float = 60.0, protect: frozenset[str] = frozenset()
-              ) -> list[str]:
+    def prune(self, keep: int, *, incomplete_grace_s: float = 60.0, protect: frozenset[str] = frozenset(),
+              upto: int | None = None) -> list[str]:
         """Drop full checkpoints beyond the newest `keep` (0 keeps all) and what only they need.
 
         Runs after a commit: the newest committed record is never a candidate, and a record a
-        kept one depends on is kept, as is one in `protect` (being copied to --durable). Torn
-        directories older than the newest commit go too.
+        kept one depends on is kept, as is one in `protect` (being copied to --durable). With
+        `upto`, only records of steps up to it count (a node-local --dir: the newest step every
+        node has committed), and every newer one is kept. Torn directories older than the newest
+        commit go too.
         """
         ms = self.manifests(warn=False)
         removed: list[str] = []
         if not ms:
             return removed
-        if keep > 0:
-            kept = retained(ms, keep) | protect
+        counted = ms if upto is None else [m for m in ms if m.step <= upto]
+        if keep > 0 and counted:
+            kept = retained(counted, keep) | protect | {m.name for m in ms[len(counted):]}
             for m in ms:  # region slots are reused by their writer, never removed from here
                 if m.name not in kept and m.layout != "region":
                     self.remove(m.name)
@@ -519,6 +573,10 @@ def rank_index(name: str, rank: int, data: memoryview, tensors: dict[str, dict],
             for k, spec in tensors.items()}
     return {"format": FORMAT, "record": name, "rank": rank, "data": rank_files(rank)[0],
             "data_nbytes": len(data), "tensors": sums, "skeleton": skeleton, "meta": meta}
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks)) if ranks else "none"
 
 
 def _hash_range(fd: int, offset: int, nbytes: int, chunk: memoryview) -> str:

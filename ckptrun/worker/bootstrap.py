@@ -6,6 +6,8 @@ to resume from, installs the hooks, then runs the user's script unmodified with 
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import runpy
 import signal
@@ -61,7 +63,8 @@ def _set_aside(store: Store, names: list[str]) -> None:
             continue
         log.warning(f"moving {name} (not restorable) aside to {store.root}/damaged/")
         (store.root / "damaged").mkdir(exist_ok=True)
-        os.replace(store.root / name, store.root / "damaged" / f"{name}-{int(time.time())}")
+        with contextlib.suppress(FileNotFoundError):  # (a rank of the same node moved it just now)
+            os.replace(store.root / name, store.root / "damaged" / f"{name}-{int(time.time())}")
 
 
 def _decide(rt: Runtime, store: Store, *, checksums: bool) -> Plan | None:
@@ -112,12 +115,11 @@ def _agreed_resume(rt: Runtime, store: Store, *, checksums: bool = True) -> Plan
         return held or _decide(rt, store, checksums=checksums)
     kv = job_store(rt.restart_count)
     kv.set(f"flushed/{rt.rank}", str(held[0]) if held else "-")
+    if rt.cfg.node_local_dir:  # every rank decides alike, each from its own node's --dir
+        return held if _all_hold(kv, rt.world_size) else _agreed_node_local(rt, store, kv, checksums=checksums)
     if rt.rank == 0:
-        keys = [f"flushed/{r}" for r in range(rt.world_size)]
-        kv.wait(keys)
-        steps = {kv.get(k).decode() for k in keys}
-        if len(steps) == 1 and steps != {"-"}:
-            kv.set("resume", f"memory:{steps.pop()}")
+        if (step := _all_hold(kv, rt.world_size)) is not None:
+            kv.set("resume", f"memory:{step}")
         else:
             plan = _decide(rt, store, checksums=checksums)
             kv.set("resume", str(plan.step) if plan else "")
@@ -125,6 +127,40 @@ def _agreed_resume(rt: Runtime, store: Store, *, checksums: bool = True) -> Plan
     if step.startswith("memory:"):
         return held
     return plans(store)[int(step)] if step else None
+
+
+def _all_hold(kv, world_size: int) -> str | None:
+    """The step every rank's engine holds in memory, once every engine has flushed; None if not one."""
+    keys = [f"flushed/{r}" for r in range(world_size)]
+    kv.wait(keys)
+    steps = {kv.get(k).decode() for k in keys}
+    return steps.pop() if len(steps) == 1 and steps != {"-"} else None
+
+
+def _agreed_node_local(rt: Runtime, store: Store, kv, *, checksums: bool) -> Plan | None:
+    """--node-local-dir: the newest step every rank restores from its own node's --dir (where
+    a replaced node's engine has put back what partners held). Each rank says the newest step it
+    can restore at most at the last round's smallest, until all say the same one: every rank
+    decides alike, from the job store's keys. Each rank then moves aside, in its own --dir, the
+    records newer than it (a step some nodes committed and others not: its re-run commits it anew)."""
+    if not rt.cfg.resume and rt.restart_count == 0:
+        return None
+    store.sweep_incomplete()  # every engine has flushed (`_all_hold`): no record is on its way
+    at_most = None
+    for i in itertools.count():
+        plan = newest_good(store, at_most=at_most, checksums=checksums, ranks=[rt.rank])
+        kv.set(f"local/{i}/{rt.rank}", str(plan.step if plan else -1))
+        keys = [f"local/{i}/{r}" for r in range(rt.world_size)]
+        kv.wait(keys)
+        steps = {int(kv.get(k)) for k in keys}
+        if len(steps) == 1:
+            break
+        at_most = min(steps)
+    newest = steps.pop()
+    _set_aside(store, [m.name for m in store.manifests(warn=False) if m.step > newest] + list(store.unreadable()))
+    if newest < 0 or rt.cfg.on_restart == "fresh" and rt.restart_count > 0:
+        return None
+    return plans(store)[newest]
 
 
 def _error_file(cfg: RunConfig, rank: int) -> Path:

@@ -53,6 +53,20 @@ def job_store(restart_count: int, namespace: str = "") -> dist.PrefixStore:
     return dist.PrefixStore(f"{prefix}/{namespace}" if namespace else prefix, _server_or_client())
 
 
+def meet(restart_count: int, name: str, rank: int, world_size: int, *, wait: bool, timeout_s: float) -> bool:
+    """Say `name` for this rank; with `wait`, wait until every rank has said it (False: not
+    within `timeout_s`)."""
+    kv = job_store(restart_count)
+    kv.set(f"{name}/{rank}", "1")
+    if not wait:
+        return True
+    try:
+        kv.wait([f"{name}/{r}" for r in range(world_size)], timedelta(seconds=timeout_s))
+    except RuntimeError:  # (torch's DistStoreError: the wait timed out)
+        return False
+    return True
+
+
 def endpoint(restart_count: int) -> dict:
     """Where another process of this node (the engine) finds this attempt's store: its address,
     port and key prefix. The store is up once this returns (rank 0 hosts it without the agent's)."""

@@ -29,7 +29,8 @@ from .. import faults
 from ..config import RunConfig
 from ..errors import CkptrunError, no_optimizer
 from ..ipc.client import EngineClient
-from ..ipc.messages import Bye, Hello, Message
+from ..ipc.messages import Bye, CommitPending, Hello, Message
+from ..log import log
 from ..restore import replay
 from ..strategies import REGISTRY, checkpoints_every_optimizer, names_where
 from . import decisions, jobstore, sharded
@@ -44,6 +45,7 @@ from .slots import Staging
 from .state import TrainingState
 
 _current: Runtime | None = None
+FINAL_COMMIT_S = 60.0  # --node-local-dir: how long the end of a run waits for every node's last commits
 
 
 def current() -> Runtime | None:
@@ -62,7 +64,8 @@ class Runtime(StepHooks):
         super().__init__(interval)
         entry = REGISTRY[cfg.strategy]
         cuda = torch.cuda.is_available()
-        self.state = TrainingState(rank, world_size, entry.write_once)
+        # a node-local --dir holds its own ranks' parts only: each rank writes all of its state
+        self.state = TrainingState(rank, world_size, entry.write_once and not cfg.node_local_dir)
         self.loading = Loader(self.state, cfg.dir, self.retuner.observe_replay)
         self.handoff = Handoff(cfg, rank, world_size, self.metrics, self.retuner, self.fault)
         self.staging = Staging(cfg, rank, self.metrics, self.handoff.check, self.handoff.lost, pin=cuda)
@@ -75,7 +78,8 @@ class Runtime(StepHooks):
             strategy=cfg.strategy, engine_handler=entry.engine_handler, writers=cfg.writers,
             io_threads=cfg.io_threads,
             fault=self.fault.text if self.fault else None, io_engine=cfg.io_engine,
-            replication=self._replication(restart_count)))
+            replication=self._replication(restart_count),
+            node_local=jobstore.endpoint(restart_count) if cfg.node_local_dir and world_size > 1 else None))
         self.engine_pid = hello["pid"]
         self.staging.start(hello["slots"])
         strategy = entry.load()
@@ -172,12 +176,27 @@ class Runtime(StepHooks):
             raise no_optimizer("the script never created a torch.optim optimizer")
         self.strategy.finish()
         self.handoff.drain()
+        if self.cfg.node_local_dir and self.world_size > 1 and not self.handoff.lost.is_set():
+            self._committed_on_every_node()
         self.staging.pool.close()
         if self.metrics.last_memory_step is not None:  # reached after the last step's record
             self.metrics.emit(type="in_memory", step=self.metrics.last_memory_step)
         self.metrics.close()
         self.client.send(Bye()) if not self.handoff.lost.is_set() else None
         self.client.close()
+
+
+    def _committed_on_every_node(self) -> None:
+        """--node-local-dir: the last steps commit on every node through the job store, which
+        rank 0's worker hosts; so each worker waits for its engine to have nothing left to commit
+        (or publish), and rank 0's for every worker, before it ends (FINAL_COMMIT_S at most)."""
+        deadline = time.monotonic() + FINAL_COMMIT_S
+        while self.client.request(CommitPending()).get("pending") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not jobstore.meet(self.restart_count, "finished", self.rank, self.world_size, wait=self.rank == 0,
+                             timeout_s=FINAL_COMMIT_S):
+            log.warning(f"not every node published the last steps in its --dir within {FINAL_COMMIT_S:.0f} s; "
+                        "those nodes resume from an earlier step")
 
 
 def install(rt: Runtime) -> None:

@@ -71,20 +71,32 @@ def _fetch(tier: Tier, dest: Path, name: str, file: str, size: int) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def fill(tier: Tier, store: Store, name: str) -> list[str]:
-    """Copy into record `name`, committed in `store`, the rank parts it lacks that `tier` holds
-    (its manifest, which pins their checksums, is left as it is), then check the record through
-    `Store`; a part that fails is removed again. Returns the files copied; CorruptCheckpoint
-    (nothing left behind) when the record still does not verify."""
-    m = store.manifest(name)
-    present = set(store.ranks_present(name))
-    files = {f: size for f, size in tier.listing()[0].get(name, {}).items()
-             if f != MANIFEST and int(f[5:10]) not in present}
+def fill(tier: Tier, store: Store, name: str, ranks: list[int] | None = None) -> list[str]:
+    """Copy into record `name` of `store` the parts of `ranks` (all when None) it lacks that
+    `tier` holds, then check the record through `Store`; what was copied is removed again if
+    it fails. A record committed in `store` keeps its manifest (it pins their checksums) and is
+    checked whole; one `store` lacks (a node-local --dir that lost it) gets the tier's manifest
+    last, and only `ranks` are checked (the others are on other nodes). Returns the files
+    copied; CorruptCheckpoint (nothing left behind) when the record does not verify."""
+    committed = store.is_committed(name)
+    present = set(store.ranks_present(name)) if committed else set()
+    listed = tier.listing()[0].get(name, {})
+    if not committed and MANIFEST not in listed:
+        raise CorruptCheckpoint(f"{name}: {tier.url} holds no manifest of it")
+    files = {f: size for f, size in listed.items() if f != MANIFEST and int(f[5:10]) not in present
+             and (ranks is None or int(f[5:10]) in ranks)}
+    (store.root / name).mkdir(exist_ok=True)
     for file, size in files.items():
         _fetch(tier, store.root, name, file, size)
     fsync_dir(store.root / name)
-    problems = store.verify_record(m, {x.name for x in store.manifests(warn=False)})
+    if not committed:
+        _fetch(tier, store.root, name, MANIFEST, listed[MANIFEST])
+        fsync_dir(store.root / name)
+    problems = store.verify_record(store.manifest(name), {x.name for x in store.manifests(warn=False)},
+                                   ranks=None if committed else ranks)
     if problems:
+        if not committed:
+            store.remove(name)
         for file in files:
             (store.root / name / file).unlink(missing_ok=True)
         raise CorruptCheckpoint(problems[0])

@@ -29,18 +29,16 @@ def record_parts(store: Store, m: Manifest, ranks: Iterable[int] | None = None
     record `m` (with `ranks`, --dir may hold only theirs); every file it reads stays open until
     the block ends (retention may unlink it meanwhile)."""
     with contextlib.ExitStack() as stack:
-        parts = [rank_part(store, m, r, stack, every_rank_here=ranks is None)
+        parts = [rank_part(store, m, r, stack)
                  for r in (range(m.world_size) if ranks is None else ranks)]
         remote = dataclasses.replace(m, layout="records") if m.layout == "region" else m
         yield parts, json.dumps(remote.to_json(), indent=1).encode()
 
 
-def rank_part(store: Store, m: Manifest, r: int, stack: contextlib.ExitStack, *,
-              every_rank_here: bool = True) -> Part:
-    """Rank `r`'s objects of committed record `m`, checked by `Store.open_rank` (which, with
-    `every_rank_here` False, lets --dir hold only some ranks' parts); the data file stays open
-    until `stack` closes."""
-    index, fd, base = store.open_rank(m, r, every_rank_here=every_rank_here)
+def rank_part(store: Store, m: Manifest, r: int, stack: contextlib.ExitStack) -> Part:
+    """Rank `r`'s objects of committed record `m`, checked by `Store.open_rank` (--dir may hold
+    only some ranks' parts); the data file stays open until `stack` closes."""
+    index, fd, base = store.open_rank(m, r)
     stack.callback(os.close, fd)
     spans = index_spans(index)
     what = f"{m.name}: rank {r}"
