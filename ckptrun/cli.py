@@ -73,13 +73,16 @@ MtbfProcess = Annotated[str, typer.Option(help="MTBF of process failures (a work
                                                "Taken as given; --mtbf, if given, counts them too.")]
 MtbfNode = Annotated[str, typer.Option(help="MTBF of node failures (a machine lost with its memory and local "
                                             "disk): they resume from partners (--replicas > 1), else from "
-                                            "--dir with --shared-dir, else from --durable.")]
+                                            "--dir unless --node-local-dir, else from --durable.")]
 MtbfJob = Annotated[str, typer.Option(help="MTBF of job failures (the whole job, or --dir's storage, lost): "
                                            "they resume from --durable.")]
-SharedDir = Annotated[bool, typer.Option("--shared-dir", help="--dir outlives a lost node (a shared file "
-                                                              "system): node failures resume from it, not from "
-                                                              "--durable, in the tiers' model (--durable-every "
-                                                              "auto).")]
+NodeLocalDir = Annotated[bool, typer.Option(help="Each node's --dir is its own (a node-local disk), lost with "
+                                                 "its node: on several nodes a step commits once every rank's "
+                                                 "part is written on its node (said through the job's store), "
+                                                 "each node's --dir then holds the step's manifest and its own "
+                                                 "ranks' parts, and every rank writes all of its state; node "
+                                                 "failures resume from partners or --durable, not --dir (the "
+                                                 "tiers' model). Only the strategies --replicas takes.")]
 
 
 def _rates(mtbf_s: float, kinds: dict[str, str], source: str = "",
@@ -169,7 +172,6 @@ def run(
     mtbf_process: MtbfProcess = "",
     mtbf_node: MtbfNode = "",
     mtbf_job: MtbfJob = "",
-    shared_dir: SharedDir = False,
     max_steps: Annotated[int, typer.Option(min=0, help="Stop the script cleanly after this many optimizer "
                                                        "steps (0: no limit); its checkpoints are finished.")] = 0,
     recipe: Annotated[str, typer.Option(is_eager=True, callback=_recipe_defaults,
@@ -184,8 +186,8 @@ def run(
                                                     "many steps past the last copied one; auto: the tiers' model "
                                                     "(as `ckptrun tune` prints it): Daly's interval for the "
                                                     "measured upload time against the failures that resume from "
-                                                    "--durable (job; node too unless --replicas > 1 or "
-                                                    "--shared-dir), never more often than the uploads drain.")]
+                                                    "--durable (job; node too with --node-local-dir and "
+                                                    "--replicas 1), never more often than the uploads drain.")]
     = "auto",
     durable_keep: Annotated[int, typer.Option(help="Full checkpoints retained on --durable (0 keeps all); one "
                                                    "goes only after a newer one is committed there.")] = 2,
@@ -200,12 +202,7 @@ def run(
     replica_jump: Annotated[int, typer.Option(help="--replicas: a rank's copies go to every J-th node after its "
                                                    "own (1: the next nodes); nodes must be a multiple of "
                                                    "replicas x jump.")] = 1,
-    node_local_dir: Annotated[bool, typer.Option(help="Each node's --dir is its own (a node-local disk): a step "
-                                                      "commits once every rank's part is written on its node "
-                                                      "(said through the job's store), each node's --dir then "
-                                                      "holds the step's manifest and its own ranks' parts, and "
-                                                      "every rank writes all of its state. Only the strategies "
-                                                      "--replicas takes.")] = False,
+    node_local_dir: NodeLocalDir = False,
     resume: Annotated[bool, typer.Option(help="Resume from the latest committed step in --dir.")] = True,
     on_save_error: Annotated[str, typer.Option(help="warn: report a failed save and train on; fail: stop.")]
     = "warn",
@@ -309,7 +306,7 @@ def run(
                     strategy=strategy, dir=dir, every=1 if every == "auto" else int(every), keep=keep,
                     resume=resume, on_save_error=on_save_error, max_inflight=max_inflight, writers=writers,
                     io_threads=io_threads, io_engine=io_engine, metrics_dir=metrics_dir, every_auto=every == "auto",
-                    mtbf=mtbf_s, mtbf_kinds=mtbf_kinds, shared_dir=shared_dir, max_steps=max_steps,
+                    mtbf=mtbf_s, mtbf_kinds=mtbf_kinds, max_steps=max_steps,
                     on_restart=on_restart, dist_env=dist_env,
                     every_given=every_given, durable=durable, durable_keep=durable_keep,
                     durable_every=0 if durable_every == "auto" else int(durable_every),
@@ -610,7 +607,7 @@ def tune(
                                                           "job): the kinds logged then split it.")] = None,
     replicas: Annotated[int, typer.Option(min=1, help="The run's --replicas: with K > 1 node failures resume "
                                                       "from partners' memory in the tiers' model.")] = 1,
-    shared_dir: SharedDir = False,
+    node_local_dir: NodeLocalDir = False,
     max_overhead: Annotated[str, typer.Option(help="Overhead budget in percent of step time (PCcheck's "
                                                    "slowdown bound; no interval is chosen above it).")] = "5",
     dir: Annotated[str, typer.Option("--dir", help="Checkpoint directory whose filesystem is measured "
@@ -657,7 +654,7 @@ def tune(
     result = run_tune(script, list(script_args or []), strategies=choose_strategies(strategies),
                       profile_steps=profile_steps, rates=rates, max_overhead=budget, ckpt_dir=dir,
                       progress=lambda line: err.print(f"tune: {line}", markup=False, soft_wrap=True),
-                      repeat_budget_s=repeat_s, layout=Layout(replicas, shared_dir), upload_Bps=upload_mbps * 1e6,
+                      repeat_budget_s=repeat_s, layout=Layout(replicas, node_local_dir), upload_Bps=upload_mbps * 1e6,
                       durable_every=None if durable_every == "auto" else int(durable_every))
     print_report(out, result)
     if json_file:

@@ -51,10 +51,9 @@ class RunConfig:
     # restorable once the run ends; a strategy maps it onto its own intervals (Entry.explicit_every)
     every_given: bool = False
     mtbf: float = 0.0  # seconds, --mtbf; 0: not given (--every auto then assumes decisions.DEFAULT_MTBF_S)
-    # --mtbf-process/-node/-job (seconds; 0: not given) and --shared-dir: the tiers' model
-    # (ckptrun/tuning/levels.py) behind --durable-every auto
+    # --mtbf-process/-node/-job (seconds; 0: not given): with --replicas and --node-local-dir, the
+    # tiers' model (ckptrun/tuning/levels.py) behind --durable-every auto
     mtbf_kinds: dict = field(default_factory=dict)
-    shared_dir: bool = False
     max_steps: int = 0  # --max-steps: stop the script cleanly after this many optimizer steps; 0: no limit
     on_restart: str = "resume"  # --on-restart: resume | fresh | fail, for scripts that do not resume themselves
     # --durable: the remote tier committed steps are drained to (s3://bucket/prefix or a path; "" none),
@@ -67,8 +66,9 @@ class RunConfig:
     # --replica-jump J: a rank's group spans every J-th node (ckptrun/storage/tiers/group.py)
     replicas: int = 1
     replica_jump: int = 1
-    # --node-local-dir: each node's --dir is its own (no node reads another's files); a step commits
-    # through the job store (ckptrun/engine/nodecommit.py), and each node's --dir holds its ranks' parts
+    # --node-local-dir: each node's --dir is its own, lost with the node (no node reads another's
+    # files); a step commits through the job store (ckptrun/engine/nodecommit.py), and each node's
+    # --dir holds its ranks' parts
     node_local_dir: bool = False
     options: dict = field(default_factory=dict)  # strategy-specific settings
     dist_env: bool = True  # --no-dist-env: the script sees none of torchrun's variables (one process)

@@ -455,9 +455,9 @@ def test_ls_shows_each_steps_tiers(tmp_path, monkeypatch):
 def test_auto_interval_follows_bandwidth_and_failure_rate(tmp_path):
     """--durable-every auto: as soon as the last upload is done until the bandwidth and the step
     time are measured, then the tiers' model (`levels.durable_every`, as tune prints it):
-    Daly's interval for an upload against the failures that lose --dir (node and job failures:
-    half of --mtbf's by default), never more often than the uploads drain; an explicit value
-    wins."""
+    Daly's interval for an upload against the failures that lose --dir (with --node-local-dir,
+    node and job failures: half of --mtbf's by default; else job failures), never more often
+    than the uploads drain; an explicit value wins."""
     store = _local_steps(tmp_path / "ckpts", steps=(1,))
     metrics = tmp_path / "metrics"
     d = _drain(store, str(tmp_path / "remote"), 0, metrics)
@@ -472,11 +472,14 @@ def test_auto_interval_follows_bandwidth_and_failure_rate(tmp_path):
     # 1 s a step and 1 MB a step, as measured:
     ms = [dataclasses.replace(m, committed_at=float(m.step), bytes=1 << 20, rank_bytes=[1 << 20])
           for m in store.manifests()]
-    d.upload_Bps, d.rates = 1 << 20, failure_rates(3600.0, {})  # 1 s an upload, a failure losing --dir every 2 h
-    assert d.auto_every(ms) == round(daly_interval(1.0, 7200.0)) == durable_every(1.0, 1.0, d.rates, Layout())[0]
-    d.layout = Layout(replicas=2)  # a lost node comes back from partners: only job failures need the remote tier
+    d.upload_Bps, d.rates = 1 << 20, failure_rates(3600.0, {})  # 1 s an upload, 1 h between failures
+    d.layout = local = Layout(node_local_dir=True)  # a failure losing --dir every 2 h
+    assert d.auto_every(ms) == round(daly_interval(1.0, 7200.0)) == durable_every(1.0, 1.0, d.rates, local)[0]
+    d.layout = Layout(replicas=2, node_local_dir=True)  # a lost node comes back from partners: only job failures
     assert d.auto_every(ms) == round(daly_interval(1.0, 36000.0)) > 2 * round(daly_interval(1.0, 7200.0))
-    d.upload_Bps, d.rates, d.layout = 1 << 14, failure_rates(30.0, {}), Layout()  # 64 s an upload: the bound
+    d.layout = Layout()  # a shared --dir outlives a lost node: the same
+    assert d.auto_every(ms) == round(daly_interval(1.0, 36000.0))
+    d.upload_Bps, d.rates, d.layout = 1 << 14, failure_rates(30.0, {}), local  # 64 s an upload: the bound
     assert d.auto_every(ms) == 64
     d.log.flush()
     said = [e for e in map(json.loads, (metrics / "engine-0.jsonl").read_text().splitlines())

@@ -43,7 +43,7 @@ def test_one_level_is_daly_and_near_young(cost_s, step_s, mtbf_h):
     """One tier that every failure resumes from: Daly's interval in steps, within Daly's
     correction of Young's; its waste is the classic first-order one."""
     r = failure_rates(mtbf_h * H, {})
-    plan = plan_levels([Level("remote", "--durable-every", cost_s, 0.0)], r, Layout(), step_s)
+    plan = plan_levels([Level("remote", "--durable-every", cost_s, 0.0)], r, Layout(node_local_dir=True), step_s)
     (lp,) = plan.levels
     assert lp.kinds == ("process", "node", "job") and lp.rate_per_h == pytest.approx(1 / mtbf_h)
     assert lp.every == max(1, round(daly_interval(cost_s, mtbf_h * H) / step_s))
@@ -58,11 +58,11 @@ def test_each_kind_resumes_from_the_fastest_tier_that_survives_it():
     tiers = [Level("memory", "every step", 0.01, 0.0, every=1), Level("disk", "--persist-every", 0.5, 0.5),
              Level("remote", "--durable-every", 5.0, 5.0)]
     kinds = {lay: [lp.kinds for lp in plan_levels(tiers, r, lay, 0.1).levels]
-             for lay in (Layout(), Layout(replicas=2), Layout(shared_dir=True))}
-    assert kinds[Layout()] == [("process",), (), ("node", "job")]
-    assert kinds[Layout(replicas=2)] == kinds[Layout(shared_dir=True)] == [("process",), ("node",), ("job",)]
+             for lay in (Layout(node_local_dir=True), Layout(replicas=2), Layout())}
+    assert kinds[Layout(node_local_dir=True)] == [("process",), (), ("node", "job")]
+    assert kinds[Layout(replicas=2)] == kinds[Layout()] == [("process",), ("node",), ("job",)]
     # without a remote tier nothing survives a lost job (nor, with --dir lost with its node, a lost node)
-    plan = plan_levels(tiers[:2], r, Layout(), 0.1)
+    plan = plan_levels(tiers[:2], r, Layout(node_local_dir=True), 0.1)
     assert plan.uncovered == ("node", "job") and plan.uncovered_per_h == pytest.approx(1 / 5 + 1 / 50)
 
 
@@ -72,14 +72,14 @@ def test_a_tier_no_failure_needs_is_not_copied_more_often_than_needed():
     step = 0.1
     copy = Level("remote", "--durable-every", 2.0, 2.0)
     disk = Level("disk", "--every", 0.01, 0.01, every=10)
-    never = plan_levels([disk, copy], rates(1, 5, 0), Layout(shared_dir=True), step).levels[1]
+    never = plan_levels([disk, copy], rates(1, 5, 0), Layout(), step).levels[1]
     assert never.every is None and never.waste_s_per_h == 0.0 and "end of the run" in never.why
-    intervals = [plan_levels([disk, copy], rates(1, 5, job_h), Layout(shared_dir=True), step).levels[1].every
+    intervals = [plan_levels([disk, copy], rates(1, 5, job_h), Layout(), step).levels[1].every
                  for job_h in (1, 10, 100, 1000)]
     assert intervals == sorted(intervals) and intervals[0] < intervals[-1]
 
 
-@pytest.mark.parametrize("layout", [Layout(), Layout(replicas=2)])
+@pytest.mark.parametrize("layout", [Layout(node_local_dir=True), Layout(replicas=2)])
 def test_intervals_and_waste_grow_with_the_costs(layout):
     r = failure_rates(2 * H, {})
     plans = [plan_levels([Level("disk", "--every", 0.01, 0.01, every=5), Level("remote", "--durable-every", c, c)],
@@ -92,20 +92,21 @@ def test_intervals_and_waste_grow_with_the_costs(layout):
 
 def test_an_interval_given_is_kept():
     r = failure_rates(H, {})
-    auto = plan_levels([Level("remote", "--durable-every", 1.0, 1.0)], r, Layout(), 1.0).levels[0]
-    given = plan_levels([Level("remote", "--durable-every", 1.0, 1.0, every=7)], r, Layout(), 1.0).levels[0]
+    local = Layout(node_local_dir=True)
+    auto = plan_levels([Level("remote", "--durable-every", 1.0, 1.0)], r, local, 1.0).levels[0]
+    given = plan_levels([Level("remote", "--durable-every", 1.0, 1.0, every=7)], r, local, 1.0).levels[0]
     assert auto.every != 7 and (given.every, given.why) == (7, "given")
     assert given.copies_s_per_h == pytest.approx(H / 7)
 
 
 def test_durable_every_is_the_remote_tier_of_the_model():
     """The run's --durable-every auto (the engine's drain calls this) is the remote tier that
-    plan_levels gives; by default half the failures (node + job) resume from it, as the fixed
-    share did before the rates per kind."""
+    plan_levels gives; with --node-local-dir half the failures (node + job) resume from it by
+    default, as the fixed share did before the rates per kind; a shared --dir takes node failures."""
     r = failure_rates(H, {})
-    assert durable_every(1.0, 1.0, r, Layout())[0] == round(daly_interval(1.0, 2 * H))
+    assert durable_every(1.0, 1.0, r, Layout(node_local_dir=True))[0] == round(daly_interval(1.0, 2 * H))
     assert durable_every(1.0, 1.0, r, Layout(replicas=2))[0] == round(daly_interval(1.0, 10 * H))
-    assert durable_every(1.0, 1.0, rates(1, 1, 0), Layout(shared_dir=True)) == (
+    assert durable_every(1.0, 1.0, rates(1, 1, 0), Layout()) == (
         None, "no failure resumes from it: copied at the end of the run only")
 
 
@@ -149,7 +150,7 @@ def measured(monkeypatch):
 
 def test_tune_prints_every_tier_at_80_columns_and_its_json_has_them(tmp_path, measured):
     proc = cli(tmp_path, "tune", "--strategies", "checkfreq", "--mtbf", "2h", "--mtbf-node", "10h",
-               "--upload-mbps", "50", "--json", "t.json", EXAMPLE)
+               "--upload-mbps", "50", "--node-local-dir", "--json", "t.json", EXAMPLE)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     block = lines[next(i for i, ln in enumerate(lines) if ln.startswith("tiers of checkfreq: ")):]
@@ -164,7 +165,8 @@ def test_tune_prints_every_tier_at_80_columns_and_its_json_has_them(tmp_path, me
     upload_s = COSTS.ckpt_bytes / 50e6
     assert remote["level"]["cost_s"] == pytest.approx(upload_s)
     r, lam = tiers["rates"], tiers["rates"]["node"] + tiers["rates"]["job"]
-    run_every = durable_every(upload_s, COSTS.step_s, FailureRates(**r), Layout())[0]  # what the run's drain takes
+    local = Layout(node_local_dir=True)
+    run_every = durable_every(upload_s, COSTS.step_s, FailureRates(**r), local)[0]  # what the run's drain takes
     assert remote["every"] == math.ceil(run_every / disk["every"]) * disk["every"]  # on the steps --dir has
     t = remote["every"] * COSTS.step_s
     assert remote["copies_s_per_h"] == pytest.approx(H * upload_s / t)
@@ -174,7 +176,7 @@ def test_tune_prints_every_tier_at_80_columns_and_its_json_has_them(tmp_path, me
 
 def test_tune_keeps_a_given_durable_every_and_plans_lowdiff_plus_two_local_tiers(tmp_path, measured):
     proc = cli(tmp_path, "tune", "--strategies", "lowdiff+", "--max-overhead", "99", "--upload-mbps", "50",
-               "--durable-every", "9", "--shared-dir", "--json", "t.json", EXAMPLE)
+               "--durable-every", "9", "--json", "t.json", EXAMPLE)
     assert proc.returncode == 0, proc.stderr
     tiers = json.loads((tmp_path / "t.json").read_text())["tiers"]
     assert [(lp["level"]["tier"], lp["kinds"]) for lp in tiers["levels"]] == [
@@ -201,11 +203,11 @@ def test_the_run_takes_the_rates_and_refuses_contradicting_ones(tmp_path, monkey
 
     seen = []
     monkeypatch.setattr(launcher, "run", lambda cfg, *a, **k: seen.append(cfg) or 0)
-    proc = cli(tmp_path, "--mtbf", "1h", "--mtbf-process", "2h", "--shared-dir", "--durable", "r",
+    proc = cli(tmp_path, "--mtbf", "1h", "--mtbf-process", "2h", "--node-local-dir", "--durable", "r",
                "--durable-every", "12", "--max-steps", "1", EXAMPLE)
     assert proc.returncode == 0, proc.stderr
     cfg = seen[0]
-    assert (cfg.mtbf_kinds, cfg.shared_dir, cfg.durable_every) == ({"process": 2 * H}, True, 12)
+    assert (cfg.mtbf_kinds, cfg.node_local_dir, cfg.durable_every) == ({"process": 2 * H}, True, 12)
     assert cfg.options["machine_loss_share"] == pytest.approx(0.5)  # lowdiff+'s --hw-failure-share auto
     proc = cli(tmp_path, "--mtbf-node", "2h", "--mtbf-job", "20h", "--max-steps", "1", EXAMPLE)
     assert proc.returncode == 0, proc.stderr
@@ -221,7 +223,7 @@ def test_a_recipe_from_tune_gives_the_run_the_same_rates(tmp_path, measured, mon
     split), so the run plans its tiers on the rates tune planned on."""
     from ckptrun.launcher import run as launcher
 
-    proc = cli(tmp_path, "tune", "--strategies", "checkfreq", "--mtbf", "2h", "--mtbf-job", "40h", "--shared-dir",
+    proc = cli(tmp_path, "tune", "--strategies", "checkfreq", "--mtbf", "2h", "--mtbf-job", "40h", "--node-local-dir",
                "--write", "r.yaml", "--json", "t.json", EXAMPLE)
     assert proc.returncode == 0, proc.stderr
     tuned = json.loads((tmp_path / "t.json").read_text())["tiers"]["rates"]
@@ -232,7 +234,7 @@ def test_a_recipe_from_tune_gives_the_run_the_same_rates(tmp_path, measured, mon
     run = rates_for(cfg.mtbf, cfg.mtbf_kinds, H)
     for kind in ("process", "node", "job"):
         assert run.of(kind) == pytest.approx(tuned[kind], rel=1e-3), kind
-    assert cfg.shared_dir
+    assert "# Tiers planned with --node-local-dir" in (tmp_path / "r.yaml").read_text()
     proc = cli(tmp_path, "tune", "--strategies", "checkfreq", "--mtbf", "2h", "--write", "d.yaml", EXAMPLE)
     assert "mtbf_" not in (tmp_path / "d.yaml").read_text()  # the default split: --mtbf alone says it
 

@@ -308,4 +308,4 @@ def from_config(store: Store, log: EventLog, fault: Callable[[int], UploadFault]
         return None
     tier = open_tier(cfg.durable, cfg.durable_endpoint or None)
     return Drain(store, tier, cfg.durable_every, cfg.durable_keep, log, fault, rank,
-                 rates_for(cfg.mtbf, cfg.mtbf_kinds, DEFAULT_MTBF_S), Layout(cfg.replicas, cfg.shared_dir)).start()
+                 rates_for(cfg.mtbf, cfg.mtbf_kinds, DEFAULT_MTBF_S), Layout(cfg.replicas, cfg.node_local_dir)).start()

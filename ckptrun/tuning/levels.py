@@ -111,17 +111,17 @@ def rates_for(mtbf_s: float, per_kind: dict[str, float], default_mtbf_s: float, 
 @dataclass(frozen=True)
 class Layout:
     """Where a lost node's part comes back from: partners' memory (--replicas > 1), a --dir that
-    outlives the node (--shared-dir), else only the remote tier."""
+    outlives the node (unless --node-local-dir), else only the remote tier."""
 
     replicas: int = 1
-    shared_dir: bool = False
+    node_local_dir: bool = False
 
     def survives(self, tier: str) -> tuple[str, ...]:
         """The kinds of failure after which `tier` still holds its steps."""
         if tier == "memory":
             return ("process",)
         if tier == "disk":
-            return ("process", "node") if self.replicas > 1 or self.shared_dir else ("process",)
+            return ("process", "node") if self.replicas > 1 or not self.node_local_dir else ("process",)
         return KINDS
 
 

@@ -58,8 +58,8 @@ def tier_lines(tiers: LevelsPlan, strategy: str, width: int = 80) -> list[str]:
     columns at most."""
     r, layout = tiers.rates, tiers.layout
     node_from = (f"partners' memory (--replicas {layout.replicas})" if layout.replicas > 1 else
-                 "--dir (--shared-dir)" if layout.shared_dir else
-                 "--durable (--dir is taken as lost with its node: --shared-dir or --replicas K say otherwise)")
+                 "--durable (--node-local-dir: --dir is lost with its node)" if layout.node_local_dir else
+                 "--dir (taken as outliving its node: --node-local-dir says otherwise)")
     lines = textwrap.wrap(f"tiers of {strategy}: failures per hour: process {r.process * HOUR:.3g}, node "
                           f"{r.node * HOUR:.3g}, job {r.job * HOUR:.3g} ({r.source}); a lost node resumes "
                           f"from {node_from}", width)
@@ -153,8 +153,8 @@ def write_recipe(path: Path, result: TuneResult) -> None:
     ]
     if result.tiers.layout.replicas > 1:
         header.append(f"# Tiers planned with --replicas {result.tiers.layout.replicas}: give the run the same.")
+    if result.tiers.layout.node_local_dir:
+        header.append("# Tiers planned with --node-local-dir: give the run the same.")
     body = {"strategy": best.name, **best.settings, "mtbf": format_duration(plan.mtbf_s),
             **_rate_options(plan.rates, plan.mtbf_s), "dir": prof.dir}
-    if result.tiers.layout.shared_dir:
-        body["shared_dir"] = True
     path.write_text("\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False))
