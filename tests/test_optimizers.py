@@ -2,8 +2,8 @@
 wrapper that delegates to the real optimizer (accelerate), several optimizers (GANs). Every
 registered strategy either restores them bit-exact, also after a kill and restart, or refuses
 at start with one clear line; never a crash mid-run or a silently wrong restore. The refusals are
-checked for every strategy; the killed-and-restored runs for one strategy per family by default
-(conftest.REPRESENTATIVES), for every registered one under --full."""
+checked for every strategy; the killed-and-restored runs of each case for one representative
+(DEFAULT_RESTORES) by default, for every registered strategy under --full."""
 
 from __future__ import annotations
 
@@ -48,11 +48,18 @@ def comparable(state: dict) -> dict:
     return {**state, **state.get("extra", {})}
 
 
+# The killed-and-restored run of each case by default: every family of conftest.REPRESENTATIVES
+# restores some case. A closure (Lightning's optimizer step) and a wrapper (accelerate's
+# AcceleratedOptimizer) under checkfreq and lightcheck also run by default in tests/frameworks.
+DEFAULT_RESTORES = {"closure": "lowdiff", "wrapper": "lowdiff", "lbfgs": "lightcheck", "two-optimizers": "checkfreq"}
+assert set(DEFAULT_RESTORES.values()) == set(REPRESENTATIVES)
+
+
 def _strategy_cases() -> list:
     """(strategy, case) for every registered strategy and case; a run that is not refused is
-    opt-in (--full) outside the representatives."""
+    opt-in (--full) outside DEFAULT_RESTORES."""
     return [pytest.param(s, case, id=f"{s}-{case}",
-                         marks=() if s in REPRESENTATIVES or (refusal and replays(s)) else FULL)
+                         marks=() if DEFAULT_RESTORES[case] == s or (refusal and replays(s)) else FULL)
             for s in REGISTRY for case, (_, _, refusal) in CASES.items()]
 
 
