@@ -4,6 +4,7 @@ and tune's tiers at 80 columns and in --json (profiling replaced by fixed measur
 
 from __future__ import annotations
 
+import io
 import json
 import math
 
@@ -146,6 +147,31 @@ def measured(monkeypatch):
                        COSTS, [s for s in strategies if s.name in names])
 
     monkeypatch.setattr(tune_mod, "profile", fake)
+
+
+def test_tune_at_an_80_column_terminal_keeps_each_strategy_whole_and_says_what_it_left_out(tmp_path, measured,
+                                                                                          monkeypatch):
+    """The per-strategy table at a terminal 80 columns wide: every line fits, every strategy's
+    name and setting are whole, the columns left out are named in one line; the prose wraps
+    between words."""
+    from rich.console import Console
+
+    from ckptrun import cli as entry
+
+    screen = io.StringIO()
+    monkeypatch.setattr(entry, "out", Console(file=screen, width=80, force_terminal=True, color_system=None))
+    proc = cli(tmp_path, "tune", "--strategies", "sync,checkfreq,lowdiff+", "--mtbf", "2h", EXAMPLE)
+    assert proc.returncode == 0, proc.stderr
+    lines = screen.getvalue().splitlines()
+    assert all(len(ln) <= 80 for ln in lines), "\n".join(lines)
+    rows = [ln for ln in lines if ln.startswith("│")]
+    for name in ("sync", "checkfreq", "lowdiff+"):
+        assert any(f" {name} " in row for row in rows), (name, rows)
+    assert any("--every" in row for row in rows) and "…" not in "".join(rows)
+    text = " ".join(ln.strip() for ln in lines)
+    assert sum(ln.startswith("not shown: ") for ln in lines) == 1
+    assert "not shown: δ/ckpt, slowdown, persist, Young, Daly, CheckFreq ≥ (a wider terminal or --json" in text
+    assert all(not ln.startswith(("2 ", "e ")) for ln in lines)  # no word cut at the edge
 
 
 def test_tune_prints_every_tier_at_80_columns_and_its_json_has_them(tmp_path, measured):

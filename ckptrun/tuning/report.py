@@ -12,8 +12,9 @@ from typing import Any
 
 import yaml
 from rich.console import Console
-from rich.table import Table
+from rich.text import Text
 
+from ..widthfit import Col, fit_table, left_out_line
 from .durations import format_duration
 from .levels import HOUR, KINDS, FailureRates, LevelsPlan, failure_rates
 from .model import settings_flags
@@ -86,6 +87,13 @@ def tier_lines(tiers: LevelsPlan, strategy: str, width: int = 80) -> list[str]:
     return lines
 
 
+# The per-strategy table's columns: the strategy identifies a row; at a narrow terminal the
+# model's intermediate intervals go first, the setting and the predicted waste last.
+COLUMNS = (Col("strategy", key=True, justify="left"), Col("δ/ckpt", 3), Col("slowdown", 4), Col("persist", 6),
+           Col("Young", 8), Col("Daly", 7), Col("CheckFreq ≥", 5), Col("setting", justify="left"),
+           Col("overhead", 1), Col("lost/failure", 2), Col("waste"))
+
+
 def print_report(console: Console, result: TuneResult) -> None:
     """The per-strategy table, the model answers, the one-line recommendation and the
     recommended strategy's tiers (80 columns)."""
@@ -93,27 +101,27 @@ def print_report(console: Console, result: TuneResult) -> None:
     if not console.is_terminal and console.width < WIDE:  # a log or a pipe: do not squeeze the table
         console = Console(file=console.file, width=WIDE, highlight=False)
 
-    def say(text: str) -> None:
-        console.print(text, soft_wrap=True, markup=False)
+    def say(text: str) -> None:  # at a terminal, wrapped between words; in a log, one line each
+        console.print(text, soft_wrap=not console.is_terminal, markup=False)
 
     say(f"ckptrun tune: {shlex.join([prof.script, *prof.args])} ({prof.steps} steps measured per run)")
     say(_measured_line(result))
     say(f"MTBF {format_duration(plan.mtbf_s)} of all failures (below: per kind); overhead budget "
         f"{plan.max_overhead:.2%}")
-    table = Table("strategy", "δ/ckpt", "slowdown", "persist", "Young", "Daly", "CheckFreq ≥", "setting",
-                  "overhead", "lost/failure", "waste", title="per strategy (intervals: time = steps)")
     measured = {sc.name: sc for sc in prof.strategies}
+    rows = []
     for sp in plan.strategies:
         p = sp.prediction
-        mark = "→ " if sp.name == plan.recommended else ""
-        table.add_row(mark + sp.name, format_duration(sp.delta_s), _slowdown(measured.get(sp.name)),
-                      format_duration(sp.persist_s),
-                      f"{format_duration(sp.young_s)} = {sp.young_steps}",
-                      f"{format_duration(sp.daly_s)} = {sp.daly_steps}",
-                      str(sp.checkfreq_min_steps), settings_flags(sp.settings), f"{p.overhead:.2%}",
-                      format_duration(p.lost_work_s), f"{p.waste:.2%}",
-                      style="bold" if mark else None)
+        name = Text(f"→ {sp.name}", style="bold") if sp.name == plan.recommended else sp.name
+        rows.append((name, format_duration(sp.delta_s), _slowdown(measured.get(sp.name)),
+                     format_duration(sp.persist_s), f"{format_duration(sp.young_s)} = {sp.young_steps}",
+                     f"{format_duration(sp.daly_s)} = {sp.daly_steps}", str(sp.checkfreq_min_steps),
+                     settings_flags(sp.settings), f"{p.overhead:.2%}", format_duration(p.lost_work_s),
+                     f"{p.waste:.2%}"))
+    table, left_out = fit_table(COLUMNS, rows, console.width, title="per strategy (intervals: time = steps)")
     console.print(table)
+    if left_out:
+        say(left_out_line(left_out, "a wider terminal or --json shows them"))
     for line in plan.notes:  # each registered strategy's tuning model
         say(line)
     say(f"recommendation: {plan.reason}")
