@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 
 from .strategies import DEFAULT
 
 ENV = "CKPTRUN_CONFIG"
 RESUME_ENV = "CKPTRUN_RESUME_STEP"
+SUN_PATH_MAX = 108  # bytes in a Unix socket's address (sockaddr_un.sun_path), its final NUL included
 # What torch elastic sets for a worker (torch 2.13: local_elastic_agent's _start_workers and
 # _set_local_rank_env, the error file of multiprocessing.api, the signal list of launcher.api),
 # besides every TORCHELASTIC_* name. OMP_NUM_THREADS and CUDA_VISIBLE_DEVICES are set from the
@@ -75,7 +77,13 @@ class RunConfig:
     launcher_env: dict = field(default_factory=dict)  # --no-dist-env: those variables as the launcher had them
 
     def engine_address(self, local_rank: int) -> str:
-        return os.path.join(self.engine_dir, f"engine-{local_rank}.sock")
+        """The engine's Unix socket: in the run's private folder, or, where that path is longer
+        than a socket address holds (a long TMPDIR), the same name in Linux's abstract namespace
+        (the connection's authkey guards it there)."""
+        path = os.path.join(self.engine_dir, f"engine-{local_rank}.sock")
+        if len(os.fsencode(path)) < SUN_PATH_MAX or not sys.platform.startswith("linux"):
+            return path
+        return f"\0{os.path.basename(self.engine_dir)}-engine-{local_rank}"
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))

@@ -56,8 +56,10 @@ DDP_STEPS = 8
 
 def clean_env(fault: str | None) -> dict[str, str]:
     """The test process's environment without ckptrun's own variables, plus a fault if asked.
-    CKPTRUN_IO_ENGINE stays: it chooses the engines' file writer for a whole test run."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTRUN_") or k == "CKPTRUN_IO_ENGINE"}
+    CKPTRUN_IO_ENGINE and CKPTRUN_STAGING_DIR stay: machine settings (the engines' file writer,
+    where staging files live) for a whole test run, or for one test that sets them."""
+    kept = ("CKPTRUN_IO_ENGINE", "CKPTRUN_STAGING_DIR")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTRUN_") or k in kept}
     if fault:
         env["CKPTRUN_FAULT"] = fault
     return env

@@ -17,6 +17,7 @@ import psutil
 import pytest
 from conftest import EXAMPLE, TINY, ckptrun, kill_tree, ok, spawn
 
+from ckptrun.config import RunConfig
 from ckptrun.ipc.staging import shm_root
 from ckptrun.storage.leftovers import Owner, new_tag, owned, run_name, staging_path, sweep_stale
 from ckptrun.storage.store import Store
@@ -85,7 +86,18 @@ def test_names_carry_their_owner():
     assert not Owner(me.pid, me.start - 1000).alive()  # the pid reused by another process
 
 
-def test_whole_tree_kill_leftovers_are_swept_by_the_next_run(tmp_path):
+@pytest.fixture
+def private_roots(tmp_path, monkeypatch):
+    """Staging files and temporary folders under this test's own folders: a run in another test
+    process sweeps what it finds stale in the shared ones, this test's leftovers included."""
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir(), tmp.mkdir()
+    monkeypatch.setenv("CKPTRUN_STAGING_DIR", str(shm))
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+
+
+def test_whole_tree_kill_leftovers_are_swept_by_the_next_run(tmp_path, private_roots):
     proc = start_and_commit(tmp_path / "killed", "--strategy", "checkfreq")
     left = owned_by(proc.pid)
     kill_tree(proc.pid)
@@ -140,3 +152,18 @@ def test_engines_end_with_their_launcher(engine, tmp_path):
                 os.kill(pid, signal.SIGKILL)
     sweep_stale()  # the temporary folder, left for the next run
     assert owned_by(proc.pid) == []
+
+
+def test_a_staging_dir_that_is_not_a_writable_folder_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTRUN_STAGING_DIR", str(tmp_path / "missing"))
+    run = ckptrun(tmp_path, "--dir", "ckpts", EXAMPLE, *TINY)
+    assert run.returncode == 2 and run.stderr.strip().count("\n") == 0, run.stderr
+    assert "CKPTRUN_STAGING_DIR" in run.stderr and "writable folder" in run.stderr
+    assert not (tmp_path / "ckpts").exists()
+
+
+def test_an_engine_socket_under_a_long_temporary_folder_takes_an_abstract_name():
+    """A socket's address holds 107 bytes: under a longer TMPDIR the engine listened nowhere."""
+    short, long = RunConfig(engine_dir="/tmp/ckptrun-x"), RunConfig(engine_dir="/tmp/" + "d" * 90 + "/ckptrun-x")
+    assert short.engine_address(0) == "/tmp/ckptrun-x/engine-0.sock"
+    assert long.engine_address(1) == "\0ckptrun-x-engine-1"

@@ -1,6 +1,7 @@
 """Preallocated staging slots shared by a worker and its engine.
 
-A slot is a file in shared memory (/dev/shm) that the engine creates and owns, so its bytes
+A slot is a file in shared memory (/dev/shm, or CKPTRUN_STAGING_DIR: a container's /dev/shm is
+often too small) that the engine creates and owns, so its bytes
 outlive a crashed worker; the worker maps it as a flat uint8 tensor and copies state into it.
 On a GPU the worker page-locks its mapping so device-to-host copies run asynchronously.
 """
@@ -12,8 +13,20 @@ import os
 import tempfile
 from pathlib import Path
 
+from ..errors import UsageError
+
+ENV = "CKPTRUN_STAGING_DIR"
+
 
 def shm_root() -> Path:
+    """Where staging files live: CKPTRUN_STAGING_DIR when set, else /dev/shm where writable, else
+    the temporary folder."""
+    if chosen := os.environ.get(ENV):
+        root = Path(chosen)
+        if not (root.is_dir() and os.access(root, os.W_OK)):
+            raise UsageError(f"{ENV}={chosen} is not a writable folder; create it (a tmpfs mount keeps "
+                             "staging in memory) or unset it")
+        return root
     root = Path("/dev/shm")
     return root if root.is_dir() and os.access(root, os.W_OK) else Path(tempfile.gettempdir())
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..config import ENV, RunConfig, is_torchrun_var
 from ..errors import CkptrunError, UsageError
 from ..ipc.messages import Shutdown
+from ..ipc.staging import shm_root
 from ..log import configure as configure_log
 from ..log import log
 from ..memory_budget import Budget
@@ -73,7 +74,8 @@ class EngineSupervisor:
         from ..engine.server import main as engine_main
 
         address = self.cfg.engine_address(local_rank)
-        Path(address).unlink(missing_ok=True)
+        if not address.startswith("\0"):  # a dead engine's abstract name went with its socket
+            Path(address).unlink(missing_ok=True)
         # The kernel's parent-death signal only for engines started from the main thread: it fires
         # when the starting thread ends, and a restart comes from the monitor thread.
         p = self.ctx.Process(target=engine_main, name=f"ckptrun-engine-{local_rank}",
@@ -170,6 +172,7 @@ def run(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str]
     if not cfg.dist_env:
         _one_process(opts)
     replicas.check(cfg, opts.nnodes)
+    shm_root()  # a CKPTRUN_STAGING_DIR that cannot hold staging files stops the run before it writes
     lock = preflight(cfg, script, per_host_lock=opts.nnodes != "1")
     try:
         return _launch(cfg, opts, script, script_args, str(lock.engines_path), output, metrics_file)
