@@ -95,6 +95,7 @@ def private_roots(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPTRUN_STAGING_DIR", str(shm))
     monkeypatch.setenv("TMPDIR", str(tmp))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    return tmp
 
 
 def test_whole_tree_kill_leftovers_are_swept_by_the_next_run(tmp_path, private_roots):
@@ -117,6 +118,8 @@ def test_whole_tree_kill_leftovers_are_swept_by_the_next_run(tmp_path, private_r
         assert len(freed) == 1 and int(freed[0].split()[2].replace(",", "")) > 0, run.stderr
         assert not any(p.exists() for p in left + reused), [p for p in left + reused if p.exists()]
         assert all(p.exists() for p in live)
+        left_here = [p for p in private_roots.iterdir() if p != live[1] and not p.name.startswith("torchinductor_")]
+        assert not left_here, f"a run left {left_here} (torch's compile cache, for every run, is not a leftover)"
     finally:
         live[0].unlink(missing_ok=True)
         live[1].rmdir()

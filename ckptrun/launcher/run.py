@@ -10,7 +10,7 @@ import shutil
 import signal
 import tempfile
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Client
 from pathlib import Path
 
@@ -44,7 +44,6 @@ class LaunchOptions:
     max_restarts: int = 0
     standalone: bool = False
     term_timeout: float = 30.0  # seconds from SIGTERM/SIGINT to exit (ckptrun's own, not torchrun's)
-    extra: list[str] = field(default_factory=list)
 
     def torchrun_argv(self) -> list[str]:
         argv = ["--nproc-per-node", self.nproc_per_node, "--nnodes", self.nnodes,
@@ -57,7 +56,7 @@ class LaunchOptions:
                 argv += [flag, str(value)]
         if self.standalone:
             argv.append("--standalone")
-        return argv + self.extra
+        return argv
 
 
 class EngineSupervisor:
@@ -233,11 +232,14 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
     # On SIGTERM/SIGINT the elastic agent forwards the signal and gives the workers this long to
     # hand over their newest finished step; the engines then get the rest of the grace period.
     worker_grace = max(1, int(opts.term_timeout * 2 / 3))
-    argv = [*opts.torchrun_argv(), "--shutdown-timeout", str(worker_grace)]
+    # The agent's folder (error files; the workers' output when live) in the run's own temporary
+    # folder, removed with it: left to torch, every run left a torchelastic_* folder in /tmp.
+    log_dir = os.path.join(engine_dir, "logs")
+    argv = [*opts.torchrun_argv(), "--shutdown-timeout", str(worker_grace), "--log-dir", log_dir]
     logs = None
     if live:  # workers write to files that are echoed above the panel
-        argv += torchrun_args(os.path.join(engine_dir, "logs"))
-        logs = WorkerLogTailer(os.path.join(engine_dir, "logs"), console)
+        argv += torchrun_args()
+        logs = WorkerLogTailer(log_dir, console)
         logs.start()
     dash = Dashboard(cfg.metrics_dir, metrics_file, live=live, console=console, sampler=HostSampler() if live else None,
                      top=logs.open_lines if logs else None, wide=output.wide, log_interval=output.log_interval)

@@ -32,14 +32,14 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.text import Text
 
-def torchrun_args(log_dir: str) -> list[str]:
-    """torchrun's arguments for live mode: every worker's output into files under `log_dir`. Also
+def torchrun_args() -> list[str]:
+    """torchrun's arguments for live mode: every worker's output into files under its --log-dir. Also
     asks the workers (through the environment they inherit) to write both streams, unbuffered, into
     the stdout file: torchrun opens stdout.log and stderr.log separately, and a block-buffered
     stdout would hold back prints for kilobytes."""
     os.environ[MERGE_ENV] = "1"
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    return ["--redirects", "3", "--log-dir", log_dir]
+    return ["--redirects", "3"]
 
 
 def last_state(line: str) -> str:
