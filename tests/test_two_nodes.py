@@ -243,12 +243,10 @@ def _held(cwd: Path, owner: int) -> list[int]:
     return [e["step"] for e in map(json.loads, lines) if e.get("type") == "replica_held" and e["owner"] == owner]
 
 
-def _lose_node1(cwd: Path, head: Node, other: Node, strategy: str, *, fault: str | None = None,
-                lost: Callable[[int], bool], extra: tuple[str, ...] = REPLICAS) -> tuple[int, float]:
-    """A run with --replicas 2 (and `extra`) in which node 1's whole tree is killed once node 0
-    holds a copy of step REPLICATED or later, node 1's part of the steps `lost(step)` picks is
-    deleted (its disk lost; with --node-local-dir its whole --dir) and node 1 starts again.
-    Returns (newest step node 0 held, when node 1 was killed)."""
+def _start_replicated(cwd: Path, head: Node, other: Node, strategy: str, *, fault: str | None = None,
+                      extra: tuple[str, ...] = REPLICAS) -> list[subprocess.Popen]:
+    """Both nodes started in a new folder `cwd`; returned once node 0's engine holds a copy of
+    rank 1's part of step REPLICATED or later."""
     cwd.mkdir()
     procs = [head.start(cwd, head.addr, strategy, extra=extra, fault=fault),
              other.start(cwd, head.addr, strategy, extra=extra)]
@@ -256,6 +254,16 @@ def _lose_node1(cwd: Path, head: Node, other: Node, strategy: str, *, fault: str
     while not (cwd / "metrics-node0" / "engine-0.jsonl").exists() or max(_held(cwd, 1), default=-1) < REPLICATED:
         assert time.monotonic() < deadline and procs[1].poll() is None, _logs(cwd)
         time.sleep(0.05)
+    return procs
+
+
+def _lose_node1(cwd: Path, head: Node, other: Node, strategy: str, *, fault: str | None = None,
+                lost: Callable[[int], bool], extra: tuple[str, ...] = REPLICAS) -> tuple[int, float]:
+    """A run with --replicas 2 (and `extra`) in which node 1's whole tree is killed once node 0
+    holds a copy of step REPLICATED or later, node 1's part of the steps `lost(step)` picks is
+    deleted (its disk lost; with --node-local-dir its whole --dir) and node 1 starts again.
+    Returns (newest step node 0 held, when node 1 was killed)."""
+    procs = _start_replicated(cwd, head, other, strategy, fault=fault, extra=extra)
     other.kill()
     t_kill = time.time()
     assert procs[1].wait(timeout=30) == -signal.SIGKILL
@@ -364,3 +372,29 @@ def test_node_local_dirs_a_lost_node_resumes_from_partner_memory(strategy, nodes
     assert Store(lost / other.own_dir).manifests()[-1].step == STOP
     print(f"two nodes, {strategy}, --node-local-dir --replicas 2: rank 1 took step {held} back (manifest and "
           f"part) from rank 0's memory in {restored['seconds']:.2f} s")
+
+
+@pytest.mark.parametrize("strategy", REPLICABLE)
+def test_both_nodes_lost_resume_from_disk(strategy, nodes, tmp_path, tmp_path_factory):
+    """--replicas 2, both nodes' whole trees killed (every engine's memory, copies included, is
+    gone): started again, neither engine takes anything back from memory, both ranks resume from
+    the newest step committed on disk, and the final states equal an uninterrupted run's."""
+    head, other = nodes
+    plain = _uninterrupted(strategy, nodes, tmp_path_factory)
+    cwd = tmp_path / "both"
+    procs = _start_replicated(cwd, head, other, strategy)
+    for node in nodes:
+        node.kill()
+    t_kill = time.time()
+    assert [p.wait(timeout=30) for p in procs] == [-signal.SIGKILL] * 2
+    on_disk = _newest(cwd)
+    assert REPLICATED <= on_disk < STOP, f"killed with step {on_disk} committed"
+    procs = [node.start(cwd, head.addr, strategy, extra=REPLICAS) for node in nodes]
+    assert _finish(procs, cwd) == [0, 0], _logs(cwd)
+    assert _resumed_at(cwd, nodes, t_kill) == on_disk
+    for node in nodes:
+        events = (cwd / f"metrics-node{node.rank}" / "engine-0.jsonl").read_text()
+        assert '"replica_restored"' not in events, f"node {node.rank} took a step back from memory"
+    for rank in (0, 1):
+        assert_training_state(load(cwd / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
+    assert _committed_with_both_parts(cwd)[-1] == STOP
