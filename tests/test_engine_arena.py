@@ -42,3 +42,29 @@ def arenas(limit: bool) -> int:
 def test_one_arena_for_every_thread():
     assert arenas(limit=False) > 1  # the probe does make per-thread arenas without the limit
     assert arenas(limit=True) == 1
+
+
+# A heap left in pieces: 100 MB of small blocks, 99 of each 100 freed, the rest pinning the heap's
+# top so that glibc's own trimming at free() cannot give the pages back.
+TRIM_PROBE = """
+from ckptrun.engine.arena import HeapTrimmer, one_arena
+one_arena()
+trimmer = HeapTrimmer(grow_bytes=8 << 20, every_s=0)
+blocks = [bytearray(1000) for _ in range(100_000)]
+kept = blocks[::100]
+del blocks
+before = trimmer.rss()
+trimmer.maybe_trim()
+print(before, trimmer.rss(), trimmer.trims)
+trimmer.maybe_trim()
+print(trimmer.trims)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs glibc (malloc_trim) and /proc")
+def test_a_grown_heap_gives_its_free_pages_back_once():
+    proc = subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (before, after, trims), (again,) = (map(int, line.split()) for line in proc.stdout.splitlines())
+    assert trims == 1 and before - after > 50 << 20, (before, after)
+    assert again == 1  # no growth since: no second trim

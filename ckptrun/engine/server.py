@@ -51,7 +51,7 @@ from ..storage.fsutil import FaultHook, _no_fault
 from ..storage.leftovers import exit_with_owner, remove_staging, staging_path
 from ..storage.store import Manifest, Store
 from . import drain
-from .arena import one_arena
+from .arena import HeapTrimmer, one_arena
 from .handlers import EngineContext, engine_handler
 from .nodecommit import Board
 
@@ -550,8 +550,10 @@ class Engine:
 
     def commit_loop(self) -> None:
         """Retry pending commits that wait on other ranks' files or on a back-off (rank 0), or
-        watch for them (other ranks)."""
+        watch for them (other ranks); give freed heap pages back when the RSS grew (arena.py)."""
+        trimmer = HeapTrimmer()
         while not self.stopping.wait(0.05):
+            trimmer.maybe_trim()
             if self.handler is not None and self.store is not None:
                 try:
                     self.handler.tick()
