@@ -54,9 +54,10 @@ blocks = [bytearray(1000) for _ in range(100_000)]
 kept = blocks[::100]
 del blocks
 before = trimmer.rss()
-trimmer.maybe_trim()
+said = trimmer.maybe_trim()
+assert said == (said[0], trimmer.rss()) and said[0] >= before, said
 print(before, trimmer.rss(), trimmer.trims)
-trimmer.maybe_trim()
+assert trimmer.maybe_trim() is None
 print(trimmer.trims)
 """
 

@@ -62,12 +62,16 @@ class HeapTrimmer:
         except (OSError, IndexError, ValueError):
             return 0
 
-    def maybe_trim(self) -> None:
+    def maybe_trim(self) -> tuple[int, int] | None:
+        """Trim if due and grown: (RSS before, RSS after) when it trimmed, else None."""
         now = time.monotonic()
         if self._trim is None or now < self._next:
-            return
+            return None
         self._next = now + self.every_s
-        if self.rss() > self.base + self.grow_bytes:
-            self._trim(0)
-            self.trims += 1
-            self.base = self.rss()
+        before = self.rss()
+        if before <= self.base + self.grow_bytes:
+            return None
+        self._trim(0)
+        self.trims += 1
+        self.base = self.rss()
+        return before, self.base

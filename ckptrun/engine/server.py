@@ -553,7 +553,8 @@ class Engine:
         watch for them (other ranks); give freed heap pages back when the RSS grew (arena.py)."""
         trimmer = HeapTrimmer()
         while not self.stopping.wait(0.05):
-            trimmer.maybe_trim()
+            if trimmed := trimmer.maybe_trim():  # the metrics say when and what it gave back
+                self.log.emit(type="heap_trim", rank=self.rank, rss_before=trimmed[0], rss_after=trimmed[1])
             if self.handler is not None and self.store is not None:
                 try:
                     self.handler.tick()
