@@ -295,6 +295,10 @@ def _back_from_partner(cwd: Path, plain: Path, nodes: tuple[Node, Node], held: i
     restored = [e for e in back if e.get("type") == "replica_restored"]
     assert [(e["step"], e["holder"]) for e in restored] == [(held, 0)], _logs(cwd)
     assert _resumed_at(cwd, nodes, t_kill) == held
+    # Node 0 shipped to a partner that died, maybe mid-copy, and went on; the replacement holds
+    # its copies of the steps after the resume.
+    again = [e["step"] for e in back if e.get("type") == "replica_held" and e["owner"] == 0 and e["t"] > t_kill]
+    assert again and max(again) > held, f"node 1's new engine held no copy of rank 0's newer steps: {again}"
     for rank in (0, 1):
         assert_training_state(load(cwd / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
     return restored[0]
