@@ -171,3 +171,17 @@ def test_prune_drops_old_torn_records_after_the_grace_period(store):
     assert store.incomplete() == [full_name(2)]
     assert store.prune(0, incomplete_grace_s=0) == [full_name(2)]
     assert store.incomplete() == [] and [m.step for m in store.manifests()] == [1, 3]
+
+
+def test_a_part_whose_data_was_removed_is_not_committed(store):
+    """A resume's sweep of records without a manifest once removed a part's data file while its
+    index stayed (two-node pccheck, ranks swapped): the commit then pinned an index whose data
+    was gone. An index alone is not a part; written again, the part commits."""
+    write(store, 1, make_state(1))
+    name = full_name(1)
+    data = store.root / name / rank_files(0)[0]
+    data.unlink()
+    assert store.try_commit(name, kind="full", step=1, first_step=1, world_size=1) is None
+    assert not (store.root / name / MANIFEST).exists()
+    commit(store, 1, make_state(1))
+    assert_same(stored(store, 1), make_state(1))

@@ -58,11 +58,20 @@ class RegionHandler(EngineHandler):
         self.adopted = False  # earlier generations of this rank looked for (once)
         self.jobs: dict[int, Any] = {}  # step -> the subclass's job in flight
         self.replacing = False  # a new worker is replacing a dead one: a job waiting for a slot gives up
+        # Move-outs wait for this handler's worker to announce a checkpoint: until then a resume may
+        # be deciding, and its sweep of records without a manifest must find no part being written.
+        self.worker_resumed = False
 
     def next_counter(self) -> int:
         with self.cond:
             self.counter += 1
             return self.counter
+
+    def announce(self) -> int:
+        """The counter of a checkpoint the worker announced: it has resumed (move-outs may run)."""
+        with self.cond:
+            self.worker_resumed = True
+        return self.next_counter()
 
     def tick(self) -> None:
         if self._work_left():
@@ -151,6 +160,9 @@ class RegionHandler(EngineHandler):
         commit would ever free before the new worker runs); then those steps are retracted, so
         that they hold no slot and never count beside the parts the new workers write again."""
         self._end_jobs()
+        with self.cond:
+            self.worker_resumed = False
+        self.movers.submit(lambda: None).result()  # a move-out under way lands before the resume
         with self.cond:
             self._retract()
 
@@ -253,7 +265,7 @@ class RegionHandler(EngineHandler):
         if self.ctx.rank in present:
             return False  # this rank's part is out; the other ranks' parts are on their way
         key = (writer.path.name, slot, step)
-        if key not in self.moving and time.time() >= self.retry_at.get(key, 0.0):
+        if self.worker_resumed and key not in self.moving and time.time() >= self.retry_at.get(key, 0.0):
             self.moving.add(key)
             self.movers.submit(self._move_out, writer, slot, step)
         return False

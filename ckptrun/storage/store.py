@@ -234,7 +234,8 @@ class Store:
             fsync_dir(rdir)  # a retry after a failed directory fsync makes the commit durable
             return self.manifest(name)
         if parts is None:
-            if self.ranks_present(name, layout) != list(range(world_size)):
+            every_rank = self.ranks_present(name, layout) == list(range(world_size))
+            if not every_rank or not self._data_present(name, world_size, layout):
                 return None
             parts = {r: self.part_summary(name, r, layout) for r in range(world_size)}
         if sorted(parts) != list(range(world_size)):
@@ -245,6 +246,12 @@ class Store:
                      layout=layout, rank_bytes=sizes)
         publish_json(rdir / MANIFEST, m.to_json(), fault=fault, name="manifest")
         return m
+
+    def _data_present(self, name: str, world_size: int, layout: str) -> bool:
+        """Every rank's data file beside its index: a part is published data first, so an index
+        alone means its data was removed since (never pinned by a manifest)."""
+        return layout != "records" or all(os.path.isfile(self.root / name / rank_files(r)[0])
+                                           for r in range(world_size))
 
     def part_summary(self, name: str, rank: int, layout: str = "records") -> tuple[str, int]:
         """(checksum of its index, its data bytes) of rank `rank`'s part of uncommitted record

@@ -73,7 +73,7 @@ class LightCheckHandler(RegionHandler):
                 return
             self.waiting.pop(0)
             writer.users += 1
-            self.jobs[take.step] = Job(take.step, writer, slot, self.next_counter())
+            self.jobs[take.step] = Job(take.step, writer, slot, self.announce())
             g = writer.geometry
             self.ctx.reply(take, file=writer.path.name, file_bytes=g.file_bytes, data_at0=g.data_at(0),
                            data_at=g.data_at(slot), slot_bytes=g.slot_bytes)

@@ -76,7 +76,7 @@ class PCcheckHandler(RegionHandler):
             self.cond.notify_all()
 
     def _start(self, job: Job) -> None:
-        job.counter = self.next_counter()
+        job.counter = self.announce()
         self.jobs[job.step] = job
         self.ctx.run(self._persist, job)
 
