@@ -53,7 +53,6 @@ class HeapTrimmer:
         self._page = os.sysconf("SC_PAGE_SIZE")
         self._next = time.monotonic() + every_s
         self.base = self.rss()
-        self.trims = 0
 
     def rss(self) -> int:
         try:
@@ -72,6 +71,5 @@ class HeapTrimmer:
         if before <= self.base + self.grow_bytes:
             return None
         self._trim(0)
-        self.trims += 1
         self.base = self.rss()
         return before, self.base
