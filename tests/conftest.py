@@ -25,6 +25,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from filelock import FileLock
 
 from ckptrun.log import log
 from ckptrun.storage import rankfile
@@ -77,7 +78,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "repeats of slow end-to-end modes (frameworks, kill loop, two nodes, ...) for every "
                           "strategy, not only a representative few (README, Testing)")
     parser.addoption("--soak", type=int, default=0, metavar="N",
-                     help="test_kill_loop: N whole-tree kills per strategy instead of 5, for every strategy "
+                     help="test_kill_loop: N whole-tree kills per strategy instead of 3, for every strategy "
                           "(long soak mode)")
     parser.addoption("--kill-seed", type=int, default=None, metavar="S",
                      help="test_kill_loop: seed of the random kill delays (default: a new one, printed on failure)")
@@ -429,17 +430,46 @@ def tear(ckpt_dir: Path, record: int | str, how: str) -> None:
         raise ValueError(how)
 
 
+def session_folder(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], Any]) -> Path:
+    """The folder `name` that `make` fills once per test session: the pytest-xdist workers share
+    it (the first to ask makes it while the others wait, then all read it), so a run that test
+    files on both workers need is made once. Read-only once made."""
+    base = factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "session"
+    root.mkdir(exist_ok=True)
+    path, done = root / name, root / f"{name}.done"
+    with FileLock(root / f"{name}.lock"):
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)  # a failed attempt's
+            path.mkdir()
+            make(path)
+            done.touch()
+    return path
+
+
+def session_cache(factory: pytest.TempPathFactory, prefix: str, make: Callable[[Path, Any], Any]) -> Callable:
+    """`get(key)`: the session folder `prefix-key`, made by `make(folder, key)` (memoized)."""
+    cache: dict = {}
+
+    def get(key: Any) -> Path:
+        if key not in cache:
+            name = "-".join(map(str, (prefix, *(key if isinstance(key, tuple) else (key,)))))
+            cache[key] = session_folder(factory, name, lambda cwd: make(cwd, key))
+        return cache[key]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def example_truth(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], dict]:
     """The example's own saves after step N of an uninterrupted plain-python run (one run saving
     every step, on first use; cached)."""
-    root = tmp_path_factory.mktemp("truth")
+    root = session_folder(tmp_path_factory, "truth", lambda cwd: python(
+        cwd, EXAMPLE, *TINY, "--save-every", 1, "--save-path", cwd / "truth-{step}.pt"))
     cache: dict[int, dict] = {}
 
     def get(step: int) -> dict:
         if step not in cache:
-            if not (root / "truth-0.pt").exists():
-                python(root, EXAMPLE, *TINY, "--save-every", 1, "--save-path", root / "truth-{step}.pt")
             cache[step] = load(root / f"truth-{step}.pt")
         return cache[step]
 
@@ -450,17 +480,9 @@ def example_truth(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], d
 def long_truth(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], dict]:
     """The state after step N of the example run with LONG arguments (its LR schedule spans
     100000 steps), from a plain-python run that stops there (cached)."""
-    root = tmp_path_factory.mktemp("long-truth")
-    cache: dict[int, dict] = {}
-
-    def get(step: int) -> dict:
-        if step not in cache:
-            out = root / f"truth-{step}.pt"
-            python(root, EXAMPLE, *LONG, "--stop-after", step, "--save-at", step, "--save-path", out)
-            cache[step] = load(out)
-        return cache[step]
-
-    return get
+    folder = session_cache(tmp_path_factory, "long-truth", lambda cwd, step: python(
+        cwd, EXAMPLE, *LONG, "--stop-after", step, "--save-at", step, "--save-path", cwd / "truth.pt"))
+    return lambda step: load(folder(step) / "truth.pt")
 
 
 def example_run_argv(strategy: str, ckpt_dir: Path | str) -> list[Any]:
@@ -474,33 +496,18 @@ def example_run_argv(strategy: str, ckpt_dir: Path | str) -> list[Any]:
 def example_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Checkpoint dir of an uninterrupted ckptrun run of the example keeping every step (cached;
     read-only: copy it with `copy_dir` before changing anything)."""
-    cache: dict[str, Path] = {}
-
-    def get(strategy: str) -> Path:
-        if strategy not in cache:
-            cwd = tmp_path_factory.mktemp(f"run-{strategy}")
-            ok(ckptrun(cwd, *example_run_argv(strategy, "ckpts")))
-            cache[strategy] = cwd / "ckpts"
-        return cache[strategy]
-
-    return get
+    folder = session_cache(tmp_path_factory, "run", lambda cwd, strategy: ok(
+        ckptrun(cwd, *example_run_argv(strategy, "ckpts"))))
+    return lambda strategy: folder(strategy) / "ckpts"
 
 
 @pytest.fixture(scope="session")
 def ddp_truth(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
     """The folder of an uninterrupted DDP run of dp_mlp.py on `ranks` ranks without ckptrun
     (plain torchrun), holding each rank's own save own-{rank}-{DDP_STEPS}.pt (cached)."""
-    runs: dict[int, Path] = {}
-
-    def get(ranks: int) -> Path:
-        if ranks not in runs:
-            cwd = tmp_path_factory.mktemp(f"ddp-truth-{ranks}")
-            ok(run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", ranks, DP_MLP,
-                        "--wrap", "ddp", "--steps", DDP_STEPS, "--save-at", DDP_STEPS], cwd))
-            runs[ranks] = cwd
-        return runs[ranks]
-
-    return get
+    return session_cache(tmp_path_factory, "ddp-truth", lambda cwd, ranks: ok(run_cmd(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", ranks, DP_MLP, "--wrap", "ddp",
+         "--steps", DDP_STEPS, "--save-at", DDP_STEPS], cwd)))
 
 
 @pytest.fixture(scope="session")
@@ -508,15 +515,8 @@ def ddp_killed_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, i
     """The folder (ckpts, metrics, each rank's own save) of a ckptrun DDP run of dp_mlp.py whose
     rank 1 is killed mid-step 5 and restarted once, by (strategy, ranks): one run that the crash
     matrix's DDP tests and the write-once tests share (cached; read-only)."""
-    runs: dict[tuple[str, int], Path] = {}
-
-    def get(strategy: str, ranks: int) -> Path:
-        if (strategy, ranks) not in runs:
-            cwd = tmp_path_factory.mktemp(f"ddp-killed-{strategy}-{ranks}")
-            ok(ckptrun(cwd, "--nproc-per-node", ranks, "--max-restarts", "1", "--strategy", strategy,
-                       *REGISTRY[strategy].short_run_flags, "--dir", "ckpts", "--metrics-dir", "metrics", DP_MLP,
-                       "--wrap", "ddp", "--steps", DDP_STEPS, "--save-at", DDP_STEPS, fault="kill:step=5:rank=1"))
-            runs[strategy, ranks] = cwd
-        return runs[strategy, ranks]
-
-    return get
+    get = session_cache(tmp_path_factory, "ddp-killed", lambda cwd, key: ok(ckptrun(
+        cwd, "--nproc-per-node", key[1], "--max-restarts", "1", "--strategy", key[0],
+        *REGISTRY[key[0]].short_run_flags, "--dir", "ckpts", "--metrics-dir", "metrics", DP_MLP, "--wrap", "ddp",
+        "--steps", DDP_STEPS, "--save-at", DDP_STEPS, fault="kill:step=5:rank=1")))
+    return lambda strategy, ranks: get((strategy, ranks))

@@ -6,9 +6,10 @@ kills, run to the end and compare the final state bit for bit. Nothing a killed 
 
 By default two strategies, one per commit protocol: checkfreq (the default; record folders
 committed by a manifest rename) and lightcheck (a preallocated region the trainer copies into,
-committed by a pointer swap); every registered strategy under `--full` or `--soak`. Five kills
-per strategy by default; `--soak N` makes it N (in cycles of five, each in a fresh checkpoint
-directory), `--kill-seed S` replays the kill delays of a reported seed.
+committed by a pointer swap); every registered strategy under `--full` or `--soak`. Three kills
+per strategy by default (each kill's moment drawn as below); `--soak N` makes it N (in cycles of
+five, each in a fresh checkpoint directory), `--kill-seed S` replays the kill delays of a
+reported seed.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ckptrun.strategies import REGISTRY
 
 STEPS = 200
 KILLS_PER_CYCLE = 5
+DEFAULT_KILLS = 3
 # When a kill comes: a third during start-up and resume (a random fraction of the time a run took
 # to commit its first record), the rest a random moment (up to TRAINING_S) after a run's first
 # new commit: training, writes, commits. Relative to what the run shows, not to the clock, so that
@@ -172,7 +174,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def test_kill_loop(strategy, seed, truth, tmp_path, request):
-    kills = request.config.getoption("--soak") or KILLS_PER_CYCLE
+    kills = request.config.getoption("--soak") or DEFAULT_KILLS
     loop, done, cycle = Loop(strategy, seed, truth), 0, 0
     while done < kills:
         assert cycle <= kills, f"the runs end before the kills (seed {seed}): {loop.history}"

@@ -3,20 +3,14 @@ and restarted, end bit-identical to an uninterrupted plain-python run."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 from conftest import (
     SCRIPTS,
     STEPS,
-    TIMEOUT_S,
     assert_training_state,
     ckptrun,
-    clean_env,
     error_line,
     load,
-    ok,
     restore,
     resumed_beside_plain,
 )
@@ -30,7 +24,6 @@ from ckptrun.worker.patches import BACKWARDS_WITHOUT_OPTIMIZER
     ("batchnorm_sgd.py", "checkfreq", "kill:step=7:phase=write"),
     ("tracked_ema.py", "checkfreq", "kill:step=7"),
     ("orphan_param.py", "checkfreq", "kill:step=7"),
-    ("orphan_param.py", "lowdiff", "kill:step=7"),
 ])
 def test_script_resumes_exactly_after_a_kill(script, strategy, fault, tmp_path):
     args = ["--steps", STEPS, "--save-at", STEPS, "--save-path"]
@@ -57,13 +50,15 @@ def test_script_without_optimizer_fails_clearly_once(iterations, ran, when, tmp_
     assert store.manifests() == [] and store.incomplete() == []
 
 
-def test_module_less_parameter_is_restored_by_offline_replay(tmp_path):
-    """`restore` of a lowdiff step replays the free-standing tensor too (it has no model key)."""
-    ok(subprocess.run([sys.executable, str(SCRIPTS / "orphan_param.py"), "--steps", str(STEPS), "--save-at", "8",
-                       "--save-path", "truth.pt"], cwd=tmp_path, env=clean_env(None), capture_output=True,
-                      timeout=TIMEOUT_S))
-    ok(ckptrun(tmp_path, "--strategy", "lowdiff", "--full-every", "5", "--batch", "3", "--keep", "0", "--dir",
-               "ckpts", SCRIPTS / "orphan_param.py", "--steps", STEPS))
-    truth, (restored, _) = load(tmp_path / "truth.pt"), restore(tmp_path, tmp_path / "ckpts", 8)
+def test_module_less_parameter_resumes_and_is_restored_by_offline_replay(tmp_path):
+    """lowdiff, killed at step 7: the free-standing tensor (no model key) resumes exactly, and
+    `restore` of a step that is a diff replays it too."""
+    args = ["--steps", STEPS, "--save-at", STEPS, "--save-path"]
+    flags = ["--strategy", "lowdiff", "--full-every", "5", "--batch", "3", "--keep", "0", "--dir", "ckpts"]
+    plain, managed = resumed_beside_plain(tmp_path, SCRIPTS / "orphan_param.py", args, flags, "kill:step=7")
+    truth = load(plain / "truth.pt")
+    assert_training_state(load(managed / "resumed.pt"), truth)
+    assert Store(managed / "ckpts").manifests()[-1].kind == "diff"
+    restored, _ = restore(tmp_path, managed / "ckpts", STEPS)
     (scale,) = restored["extra"]["ckptrun.orphan_params.optimizer"].values()
     assert_training_state({**restored, "model": {**restored["model"], "scale": scale}}, truth)

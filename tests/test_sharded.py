@@ -74,14 +74,22 @@ def test_assemble_refuses_shards_that_do_not_make_a_tensor():
         assemble([half[0], other], "k")
 
 
+def killed_run(cwd: Path, strategy: str, *extra: str) -> None:
+    """A 2-rank FSDP2 run of `strategy` into cwd/ckpts whose rank 1 is killed mid-step 5 and
+    restarted; the script saves its final state (full-STEPS.pt)."""
+    ok(ckptrun(cwd, "--nproc-per-node", "2", "--strategy", strategy, *REGISTRY[strategy].short_run_flags,
+               "--dir", "ckpts", *extra, "--max-restarts", "1", "--metrics-dir", "metrics", SCRIPT, "--steps", STEPS,
+               "--save-at", STEPS, fault="kill:step=5:rank=1"))
+
+
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory) -> Path:
-    """The unsharded reference (plain/full-N.pt) and an uninterrupted 2-rank FSDP2 run (ckpts)."""
+    """The unsharded reference (plain/full-N.pt) and checkfreq's killed 2-rank FSDP2 run keeping
+    every step (ckpts): what the restore and resharding tests read, and checkfreq's case below."""
     cwd = tmp_path_factory.mktemp("fsdp")
     (cwd / "plain").mkdir()
     python(cwd / "plain", SCRIPT, "--wrap", "plain", "--steps", STEPS, "--save-at", f"{EARLY},{STEPS}")
-    ok(ckptrun(cwd, "--nproc-per-node", "2", "--keep", "0", "--strategy", "checkfreq", "--dir", "ckpts", SCRIPT,
-               "--steps", STEPS))
+    killed_run(cwd, "checkfreq", "--keep", "0")
     return cwd
 
 
@@ -127,24 +135,30 @@ def test_unsharded_state_and_replay_chains_are_not_resharded(tmp_path, strategy,
     assert says in line and "this run has 2" in line and "launch 1 ranks" in line, line
 
 
-# Every refusal by default; the killed 2-rank runs for the representatives that support sharded
-# state, for every such strategy under --full.
+# The killed 2-rank runs for the representatives that support sharded state, and one strategy's
+# refusal (the check is one for every strategy: worker/runtime.py, on the registry's `sharded`);
+# every strategy under --full.
+REFUSAL = "lowdiff"
+assert not REGISTRY[REFUSAL].sharded
+
+
 @pytest.mark.parametrize("strategy", [
-    pytest.param(s, marks=() if s in REPRESENTATIVES or not REGISTRY[s].sharded else FULL) for s in STRATEGIES])
+    pytest.param(s, marks=() if s == REFUSAL or (s in REPRESENTATIVES and REGISTRY[s].sharded) else FULL)
+    for s in STRATEGIES])
 def test_every_strategy_resumes_sharded_state_exactly_or_refuses_it(strategy, fsdp_run, tmp_path):
     """A strategy that supports sharded state: rank 1 killed mid-run resumes at 2 ranks bit-exact,
     and restore of the last step is the unsharded run's; one that does not refuses at start."""
-    entry = REGISTRY[strategy]
-    flags = ["--nproc-per-node", "2", "--strategy", strategy, *entry.short_run_flags, "--dir", "ckpts"]
-    if not entry.sharded:
-        line = error_line(ckptrun(tmp_path, *flags, SCRIPT, "--steps", STEPS))
+    if not REGISTRY[strategy].sharded:
+        line = error_line(ckptrun(tmp_path, "--nproc-per-node", "2", "--strategy", strategy, "--dir", "ckpts",
+                                  SCRIPT, "--steps", STEPS))
         assert f"--strategy {strategy} cannot checkpoint sharded parameters" in line, line
         return
-    ok(ckptrun(tmp_path, *flags, "--max-restarts", "1", "--metrics-dir", "metrics", SCRIPT, "--steps", STEPS,
-               "--save-at", STEPS, fault="kill:step=5:rank=1"))
-    assert [e["restart_count"] for e in run_events(tmp_path / "metrics", 1)] == [0, 1], "the fault did not fire"
-    assert_training_state(load(tmp_path / f"full-{STEPS}.pt"), truth(fsdp_run, STEPS))
-    state, _ = restore(tmp_path, tmp_path / "ckpts", STEPS)
+    run = fsdp_run if strategy == "checkfreq" else tmp_path
+    if run is tmp_path:
+        killed_run(tmp_path, strategy)
+    assert [e["restart_count"] for e in run_events(run / "metrics", 1)] == [0, 1], "the fault did not fire"
+    assert_training_state(load(run / f"full-{STEPS}.pt"), truth(fsdp_run, STEPS))
+    state, _ = restore(tmp_path, run / "ckpts", STEPS)
     assert_training_state(state, truth(fsdp_run, STEPS))
 
 

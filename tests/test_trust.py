@@ -208,6 +208,8 @@ def test_a_signal_commits_the_last_finished_step_and_exits_in_time(sig, code, lo
     step = int(last.split("step ")[1].split()[0])
     assert restorable(Store(ckpt))[-1] == step and step >= 5
     ok(verify(tmp_path, ckpt))
+    if sig != signal.SIGTERM:  # the stop is the same whichever signal; its resume is checked once
+        return
     # resumed for a few more steps: bit-exact with the uninterrupted run
     ok(ckptrun(tmp_path, "--strategy", "checkfreq", "--every", "5", "--max-steps", step + 2, "--dir", ckpt,
                EXAMPLE, *LONG))
