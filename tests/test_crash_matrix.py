@@ -35,9 +35,10 @@ from ckptrun.strategies import REGISTRY
 
 K = 7  # the step the restore and damage tests look at
 
-# One run per strategy goes through each fault in turn, one per attempt (faults.py): the worker killed
-# mid-step, the worker killed while a checkpoint is written, the engine killed mid-write.
-FAULTS = {3: "kill:step=3", 6: "kill:step=6:phase=write", 9: "kill-engine:step=9:phase=write"}
+# One run per strategy starts past a torn newest record (step K + 1), then goes through each fault in
+# turn, one per attempt (faults.py): the worker killed mid-step, the worker killed while a checkpoint
+# is written, the engine killed mid-write.
+FAULTS = {9: "kill:step=9", 10: "kill:step=10:phase=write", 11: "kill-engine:step=11:phase=write"}
 
 
 def resume_run(cwd: Path, strategy: str, ckpt_dir: Path, *extra: str, fault: str | None = None):
@@ -83,26 +84,10 @@ def test_restore_any_step_equals_script_save(strategy, example_run, example_trut
         assert_training_state(state, example_truth(step))
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_killed_run_finishes_exactly(strategy, example_truth, tmp_path):
-    proc = resume_run(tmp_path, strategy, tmp_path / "ckpts", "--max-restarts", len(FAULTS),
-                      fault=";".join(FAULTS.values()))
-    attempts = run_events(tmp_path / "metrics")
-    assert [e["restart_count"] for e in attempts] == list(range(len(FAULTS) + 1)), "a fault did not fire"
-    resumed = [e["resume_step"] for e in attempts[1:]]
-    for at, (step, fault) in zip(resumed, FAULTS.items(), strict=True):
-        assert 0 < at <= step, f"after {fault} the run resumed at step {at}"
-    assert resumed == sorted(resumed), f"a resume went back past a committed step: {resumed}"
-    assert "checkpoint engine of local rank 0 died" in proc.stderr
-    assert_training_state(load(tmp_path / "final.pt"), example_truth(STEPS))
-    assert_clean_and_final(tmp_path / "ckpts", example_truth(STEPS))
-
-
 HOWS = ["no-manifest", "truncated", "bad-manifest"]
-# Each strategy resumes after one kind of damage by default, the kinds taken in turn along the
-# registry so that each is resumed from by several layouts; --full resumes after every kind.
-RESUMES = [pytest.param(s, how, marks=() if i % len(HOWS) == HOWS.index(how) else FULL)
-           for i, s in enumerate(STRATEGIES) for how in HOWS]
+# The damage each strategy's killed run starts past, the kinds taken in turn along the registry so
+# that each is resumed from by several layouts; --full also resumes (without faults) after the others.
+TORN = {s: HOWS[i % len(HOWS)] for i, s in enumerate(STRATEGIES)}
 
 
 def torn_copy(example_run, strategy: str, how: str, dst: Path) -> tuple[Path, str, int]:
@@ -114,6 +99,22 @@ def torn_copy(example_run, strategy: str, how: str, dst: Path) -> tuple[Path, st
     return ckpt, target, fallback
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_killed_run_finishes_exactly(strategy, example_run, example_truth, tmp_path):
+    ckpt, target, fallback = torn_copy(example_run, strategy, TORN[strategy], tmp_path / "ckpts")
+    proc = resume_run(tmp_path, strategy, ckpt, "--max-restarts", len(FAULTS), fault=";".join(FAULTS.values()))
+    attempts = run_events(tmp_path / "metrics")
+    assert [e["restart_count"] for e in attempts] == list(range(len(FAULTS) + 1)), "a fault did not fire"
+    assert attempts[0]["resume_step"] == fallback, f"the first attempt did not resume past the torn {target}"
+    resumed = [e["resume_step"] for e in attempts[1:]]
+    for at, (step, fault) in zip(resumed, FAULTS.items(), strict=True):
+        assert fallback <= at <= step, f"after {fault} the run resumed at step {at}"
+    assert resumed == sorted(resumed), f"a resume went back past a committed step: {resumed}"
+    assert "checkpoint engine of local rank 0 died" in proc.stderr
+    assert_training_state(load(tmp_path / "final.pt"), example_truth(STEPS))
+    assert_clean_and_final(ckpt, example_truth(STEPS), damaged=target)
+
+
 @pytest.mark.parametrize("how", HOWS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_torn_newest_record_is_ignored(strategy, how, example_run, example_truth, tmp_path):
@@ -123,7 +124,8 @@ def test_torn_newest_record_is_ignored(strategy, how, example_run, example_truth
     assert_training_state(state, example_truth(fallback))
 
 
-@pytest.mark.parametrize("strategy, how", RESUMES)
+@pytest.mark.parametrize("strategy, how", [pytest.param(s, how, marks=FULL) for s in STRATEGIES for how in HOWS
+                                            if how != TORN[s]])
 def test_run_resumes_past_a_torn_record(strategy, how, example_run, example_truth, tmp_path):
     ckpt, target, fallback = torn_copy(example_run, strategy, how, tmp_path / "ckpts")
     resume_run(tmp_path, strategy, ckpt)

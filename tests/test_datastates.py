@@ -31,7 +31,7 @@ from conftest import (
     error_line,
     ok,
     restore,
-    run_events,
+    resumed_beside_plain,
     verify,
 )
 from torch import nn
@@ -347,27 +347,18 @@ def test_providers_split_the_state_into_a_stream_that_rebuilds_it(tmp_path):
 
 def test_a_tracked_object_resumes_exactly(tmp_path):
     """The script's EMA (tracked) is its own object in the stream: a killed run resumes to the
-    same final state as an uninterrupted one."""
-    script = SCRIPTS / "tracked_ema.py"
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    ok(ckptrun(plain, "--strategy", "datastates", "--dir", "ckpts", script, "--save-at", "12",
-               "--save-path", "final.pt"))
-    killed = tmp_path / "killed"
-    killed.mkdir()
-    ok(ckptrun(killed, "--strategy", "datastates", "--dir", "ckpts", "--max-restarts", "1", "--metrics-dir", "m",
-               script, "--save-at", "12", "--save-path", "final.pt", fault="kill:step=5"))
-    assert [e["restart_count"] for e in run_events(killed / "m")] == [0, 1]
-    assert_same(torch.load(killed / "final.pt"), torch.load(plain / "final.pt"), "final state")
+    same final state as an uninterrupted plain-python one."""
+    plain, killed = resumed_beside_plain(tmp_path, SCRIPTS / "tracked_ema.py", ["--save-at", "12", "--save-path"],
+                                         ["--strategy", "datastates", "--dir", "ckpts"], "kill:step=5")
+    assert_same(torch.load(killed / "resumed.pt"), torch.load(plain / "truth.pt"), "final state")
     newest = Store(killed / "ckpts").manifests()[-1]
     index = Store(killed / "ckpts").read_index(newest.name, 0)
     assert "ema" in index["skeleton"]["extra"]
 
 
-def test_snapshot_done_is_reported_apart_from_persist_done(tmp_path):
-    cwd = tmp_path
-    ok(ckptrun(cwd, "--strategy", "datastates", "--dir", "ckpts", "--metrics-dir", "m", EXAMPLE, *TINY))
-    events = [json.loads(line) for line in (cwd / "m" / "worker-0.jsonl").read_text().splitlines()]
+def test_snapshot_done_is_reported_apart_from_persist_done(example_run):
+    metrics = example_run("datastates").parent / "metrics"
+    events = [json.loads(line) for line in (metrics / "worker-0.jsonl").read_text().splitlines()]
     done = defaultdict(list)
     for e in events:
         if e["type"] in ("snapshot_done", "persist_done"):

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE, TINY, assert_training_state, kill_tree, load, python, spawn, strategy_params
+from conftest import EXAMPLE, TINY, assert_training_state, kill_tree, load, run_in_process, spawn, strategy_params
 
 from ckptrun.cli import main as cli
 from ckptrun.restore.export import export
@@ -55,7 +55,7 @@ class Hang(AssertionError):
 def truth(tmp_path_factory) -> Callable[[int], dict]:
     """step -> the example's own save after `step` of one uninterrupted plain-python run."""
     root = tmp_path_factory.mktemp("kill-loop-truth")
-    python(root, *ARGS, "--save-every", 1, "--save-path", root / "{step}.pt")
+    run_in_process(root, *ARGS, "--save-every", 1, "--save-path", root / "{step}.pt")
     return lambda step: load(root / f"{step}.pt")
 
 

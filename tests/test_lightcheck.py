@@ -281,18 +281,29 @@ def test_crash_at_each_stage_of_a_slot_write_keeps_the_other_slot(stage, tmp_pat
         wait_for(lambda: handler.ctx.of("committed") == [1, 3])
 
 
-# The default mode ("layer", with the region the short-run flags ask for) is the crash matrix's run.
-MODES = {"whole": ["--copy-to", "region", "--layer-wait", "whole"], "host": ["--copy-to", "host"]}
+@pytest.fixture(scope="module")
+def host_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The crash matrix's mid-write kill for --copy-to host (the CPU default; the contract suite
+    runs the mapped-region path, the registry's short-run flags), keeping every step."""
+    cwd = tmp_path_factory.mktemp("host")
+    resume_run(cwd, "lightcheck", cwd / "ckpts", "--copy-to", "host", "--keep", "0", "--max-restarts", "1",
+               fault="kill:step=7:phase=write")
+    return cwd
 
 
-def test_modes_save_the_same_states(example_run, tmp_path):
-    """--layer-wait whole and --copy-to host checkpoint exactly what the default does."""
+def test_a_killed_run_with_host_copies_finishes_exactly(host_run, example_truth):
+    assert [e["restart_count"] for e in run_events(host_run / "metrics")] == [0, 1], "the fault did not fire"
+    assert_training_state(load(host_run / "final.pt"), example_truth(STEPS))
+    assert_clean_and_final(host_run / "ckpts", example_truth(STEPS))
+
+
+def test_modes_save_the_same_states(example_run, host_run, tmp_path):
+    """--layer-wait whole and --copy-to host (killed and resumed) checkpoint exactly what the
+    default mode ("layer", in the region the short-run flags ask for: the crash matrix's run) does."""
     assert REGISTRY["lightcheck"].short_run_flags == ("--copy-to", "region")
-    dirs = {"layer": example_run("lightcheck")}
-    for mode, flags in MODES.items():
-        dirs[mode] = tmp_path / f"ck-{mode}"
-        ok(ckptrun(tmp_path, "--strategy", "lightcheck", *flags, "--dir", dirs[mode], "--keep", "0",
-                   "--no-dashboard", EXAMPLE, *TINY))
+    dirs = {"layer": example_run("lightcheck"), "host": host_run / "ckpts", "whole": tmp_path / "ck-whole"}
+    ok(ckptrun(tmp_path, "--strategy", "lightcheck", "--copy-to", "region", "--layer-wait", "whole", "--dir",
+               dirs["whole"], "--keep", "0", "--no-dashboard", EXAMPLE, *TINY))
     for step in (3, 6, 12):
         states = {m: restore(tmp_path, d, step)[0] for m, d in dirs.items()}
         for mode in ("whole", "host"):
@@ -307,16 +318,6 @@ def test_a_bad_mode_is_refused_before_anything_starts(tmp_path):
     assert proc.returncode == 2
     assert "--copy-to is auto, region or host (got 'disk')" in proc.stderr
     assert not (tmp_path / "ckpts").exists()
-
-
-def test_a_killed_run_with_host_copies_finishes_exactly(example_truth, tmp_path):
-    """The contract suite runs the mapped-region path (the registry's short-run flags); this is
-    the crash matrix's mid-write kill for --copy-to host (the CPU default)."""
-    resume_run(tmp_path, "lightcheck", tmp_path / "ckpts", "--copy-to", "host", "--max-restarts", "1",
-               fault="kill:step=7:phase=write")
-    assert [e["restart_count"] for e in run_events(tmp_path / "metrics")] == [0, 1], "the fault did not fire"
-    assert_training_state(load(tmp_path / "final.pt"), example_truth(STEPS))
-    assert_clean_and_final(tmp_path / "ckpts", example_truth(STEPS))
 
 
 def test_a_failed_write_of_host_copies_gives_the_staging_slot_back(tmp_path, monkeypatch):

@@ -12,10 +12,7 @@ where a full checkpoint starts a new chain, and at the end of training).
 from __future__ import annotations
 
 import json
-import os
 import re
-import runpy
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +30,10 @@ from conftest import (
     ok,
     restore,
     run_events,
+    run_in_process,
     verify,
 )
 
-from ckptrun.config import RESUME_ENV
 from ckptrun.restore.export import export
 from ckptrun.restore.recovery import READ_AHEAD_RECORDS, diff_states, find
 from ckptrun.storage.store import Store, diff_name, full_name, rank_files
@@ -72,20 +69,6 @@ FAULTS = {
     "kill:step=9:phase=write": 9,  # killed while diff 9 was written; the engine finishes it
     "kill-engine:step=9:phase=write": 8,  # diff 9 torn; what the engine held in memory is gone
 }
-
-
-def run_in_process(script: Path, *args: Any) -> None:
-    """Run a script as plain python (no ckptrun) inside the test process: its own saves are the
-    ground truth, and no torch import per run (~1 s instead of ~5 s on 2 cores)."""
-    argv, threads, resume = sys.argv, torch.get_num_threads(), os.environ.pop(RESUME_ENV, None)
-    sys.argv = [str(script), *map(str, args)]
-    try:
-        runpy.run_path(str(script), run_name="__main__")
-    finally:
-        sys.argv = argv
-        torch.set_num_threads(threads)
-        if resume is not None:
-            os.environ[RESUME_ENV] = resume
 
 
 def exported(ckpt_dir: Path, step: int | str, out_dir: Path) -> dict:
@@ -135,7 +118,7 @@ def gpt_truth(tmp_path_factory: pytest.TempPathFactory):
     def get(optimizer: str, step: int) -> dict:
         if (optimizer, step) not in cache:
             out = root / f"{optimizer}-{step}.pt"
-            run_in_process(EXAMPLE, *TINY, "--optimizer", optimizer, "--save-at", step, "--save-path", out)
+            run_in_process(root, EXAMPLE, *TINY, "--optimizer", optimizer, "--save-at", step, "--save-path", out)
             cache[optimizer, step] = load(out)
         return cache[optimizer, step]
 
@@ -186,7 +169,7 @@ def test_restore_replays_exactly(optimizer, gpt_run, gpt_truth, tmp_path):
 def test_restore_replays_exactly_sgd_steplr_batchnorm(tmp_path):
     """Nesterov SGD in two parameter groups, StepLR changing lr inside a batch, BatchNorm buffers,
     and a parameter without a gradient on odd steps."""
-    run_in_process(SCRIPT, "--steps", STEPS, "--save-at", ",".join(map(str, CHECKED_STEPS)),
+    run_in_process(tmp_path, SCRIPT, "--steps", STEPS, "--save-at", ",".join(map(str, CHECKED_STEPS)),
                    "--save-path", tmp_path / "truth-{step}.pt")
     ok(ckptrun(tmp_path, *LOWDIFF, "--keep", "0", "--dir", "ckpts", SCRIPT, "--steps", STEPS))
     assert [(m.kind, m.first_step, m.step) for m in Store(tmp_path / "ckpts").manifests()] == \

@@ -26,6 +26,7 @@ from conftest import (
     ok,
     restore,
     run_events,
+    run_in_process,
 )
 
 from ckptrun.storage.store import Store
@@ -73,7 +74,7 @@ def _strategy_cases() -> list:
 @pytest.fixture(scope="module")
 def truths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The uninterrupted plain-python save of each case, by case: the same for every strategy,
-    run once (beside the first ckptrun run that needs it)."""
+    run once (in process, before the first ckptrun run that needs it)."""
     return {case: tmp_path_factory.mktemp(f"truth-{case}") / "truth.pt" for case in CASES}
 
 
@@ -87,15 +88,10 @@ def test_optimizer_shapes_restore_exactly_or_are_refused(strategy, case, truths,
         assert refusal in line and f"--strategy {names_where(checkpoints_every_optimizer)}" in line, line
         assert Store(tmp_path / "ckpts").manifests() == []
         return
-    plain = None if truths[case].exists() else subprocess.Popen(
-        [sys.executable, *map(str, args), truths[case]], cwd=truths[case].parent, env=clean_env(None),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    proc = ckptrun(tmp_path, "--strategy", strategy, "--dir", "ckpts", "--keep", "0", "--max-restarts", "1",
-                   "--metrics-dir", "metrics", *args, "resumed.pt", fault="kill:step=7")
-    if plain is not None:
-        _, err = plain.communicate(timeout=TIMEOUT_S)
-        assert plain.returncode == 0, err
-    ok(proc)
+    if not truths[case].exists():
+        run_in_process(truths[case].parent, *args, truths[case])
+    ok(ckptrun(tmp_path, "--strategy", strategy, "--dir", "ckpts", "--keep", "0", "--max-restarts", "1",
+               "--metrics-dir", "metrics", *args, "resumed.pt", fault="kill:step=7"))
     assert [e["restart_count"] for e in run_events(tmp_path / "metrics")] == [0, 1], "the fault did not fire"
     truth = load(truths[case])
     assert_training_state(load(tmp_path / "resumed.pt"), truth)

@@ -243,7 +243,8 @@ sys.exit(3)
 """
 
 
-@pytest.mark.parametrize("restarts", ["0", "1"])
+# The code comes through the restart too: without one, under --full.
+@pytest.mark.parametrize("restarts", [pytest.param("0", marks=FULL), "1"])
 def test_the_scripts_exit_code_is_the_runs(restarts, tmp_path):
     (tmp_path / "exit3.py").write_text(EXIT3)
     proc = ckptrun(tmp_path, "--max-restarts", restarts, "--dir", "ckpts", "exit3.py")
