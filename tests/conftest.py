@@ -79,7 +79,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "repeats of slow end-to-end modes (frameworks, kill loop, two nodes, ...) for every "
                           "strategy, not only a representative few (README, Testing)")
     parser.addoption("--soak", type=int, default=0, metavar="N",
-                     help="test_kill_loop: N whole-tree kills per strategy instead of 3, for every strategy "
+                     help="test_kill_loop: N whole-tree kills per strategy instead of 2, for every strategy "
                           "(long soak mode)")
     parser.addoption("--kill-seed", type=int, default=None, metavar="S",
                      help="test_kill_loop: seed of the random kill delays (default: a new one, printed on failure)")

@@ -6,7 +6,7 @@ kills, run to the end and compare the final state bit for bit. Nothing a killed 
 
 By default two strategies, one per commit protocol: checkfreq (the default; record folders
 committed by a manifest rename) and lightcheck (a preallocated region the trainer copies into,
-committed by a pointer swap); every registered strategy under `--full` or `--soak`. Three kills
+committed by a pointer swap); every registered strategy under `--full` or `--soak`. Two kills
 per strategy by default (each kill's moment drawn as below); `--soak N` makes it N (in cycles of
 five, each in a fresh checkpoint directory), `--kill-seed S` replays the kill delays of a
 reported seed.
@@ -31,7 +31,7 @@ from ckptrun.strategies import REGISTRY
 
 STEPS = 200
 KILLS_PER_CYCLE = 5
-DEFAULT_KILLS = 3
+DEFAULT_KILLS = 2
 # When a kill comes: a third during start-up and resume (a random fraction of the time a run took
 # to commit its first record), the rest a random moment (up to TRAINING_S) after a run's first
 # new commit: training, writes, commits. Relative to what the run shows, not to the clock, so that
