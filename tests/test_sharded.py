@@ -74,6 +74,9 @@ def test_assemble_refuses_shards_that_do_not_make_a_tensor():
         assemble([half[0], other], "k")
 
 
+FSDP_RUN = "checkfreq"  # the strategy of the module's FSDP2 run (`fsdp_run`)
+
+
 def killed_run(cwd: Path, strategy: str, *extra: str) -> None:
     """A 2-rank FSDP2 run of `strategy` into cwd/ckpts whose rank 1 is killed mid-step 5 and
     restarted; the script saves its final state (full-STEPS.pt)."""
@@ -84,12 +87,12 @@ def killed_run(cwd: Path, strategy: str, *extra: str) -> None:
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory) -> Path:
-    """The unsharded reference (plain/full-N.pt) and checkfreq's killed 2-rank FSDP2 run keeping
-    every step (ckpts): what the restore and resharding tests read, and checkfreq's case below."""
+    """The unsharded reference (plain/full-N.pt) and FSDP_RUN's killed 2-rank FSDP2 run keeping
+    every step (ckpts): what the restore and resharding tests read, and FSDP_RUN's case below."""
     cwd = tmp_path_factory.mktemp("fsdp")
     (cwd / "plain").mkdir()
     python(cwd / "plain", SCRIPT, "--wrap", "plain", "--steps", STEPS, "--save-at", f"{EARLY},{STEPS}")
-    killed_run(cwd, "checkfreq", "--keep", "0")
+    killed_run(cwd, FSDP_RUN, "--keep", "0")
     return cwd
 
 
@@ -153,9 +156,9 @@ def test_every_strategy_resumes_sharded_state_exactly_or_refuses_it(strategy, fs
                                   SCRIPT, "--steps", STEPS))
         assert f"--strategy {strategy} cannot checkpoint sharded parameters" in line, line
         return
-    run = fsdp_run if strategy == "checkfreq" else tmp_path
-    if run is tmp_path:
-        killed_run(tmp_path, strategy)
+    run = fsdp_run if strategy == FSDP_RUN else tmp_path
+    if strategy != FSDP_RUN:
+        killed_run(run, strategy)
     assert [e["restart_count"] for e in run_events(run / "metrics", 1)] == [0, 1], "the fault did not fire"
     assert_training_state(load(run / f"full-{STEPS}.pt"), truth(fsdp_run, STEPS))
     state, _ = restore(tmp_path, run / "ckpts", STEPS)
