@@ -12,7 +12,7 @@ import sys
 import types
 
 import pytest
-from conftest import EXAMPLE, assert_training_state, ckptrun, load, ok, python
+from conftest import EXAMPLE, FULL, assert_training_state, ckptrun, load, ok, python, run_in_process
 from rich.console import Console
 
 from ckptrun.bench import BenchOptions, figures, plan, report, stats
@@ -170,11 +170,12 @@ REF_ARGS = ["--layers", "1", "--d-model", "32", "--steps", 6, "--threads", 1, "-
 @pytest.fixture(scope="module")
 def no_dropout_truth(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("ref-truth")
-    python(root, EXAMPLE, *REF_ARGS, "--save-at", 6, "--save-path", root / "truth.pt")
+    run_in_process(root, EXAMPLE, *REF_ARGS, "--save-at", 6, "--save-path", root / "truth.pt")
     return load(root / "truth.pt")
 
 
-@pytest.mark.parametrize("ref", ["torch", "dcp-thread", "dcp-process"])
+# dcp-thread under --full: it differs from dcp-process only in where DCP's async save runs.
+@pytest.mark.parametrize("ref", ["torch", pytest.param("dcp-thread", marks=FULL), "dcp-process"])
 def test_reference_resumes_from_its_newest_save_like_an_uninterrupted_run(tmp_path, ref, no_dropout_truth):
     """Saves at 2, 4, 6 (the newest two kept); without the one of step 6, a resumed run restores
     step 4, takes steps 5 and 6, and ends where the uninterrupted run did."""
@@ -217,7 +218,7 @@ def test_the_compressed_reference_trains_exactly_as_lowdiff_does(tmp_path, no_dr
     """The fair reference is fair only if it computes what lowdiff+topk computes: the example
     script's own `--compress` and lowdiff's `--compress` end in the same state, bit for bit."""
     args = [*REF_ARGS, "--save-at", 6]
-    python(tmp_path, EXAMPLE, *args, "--compress", "topk:0.05", "--save-path", tmp_path / "plain.pt")
+    run_in_process(tmp_path, EXAMPLE, *args, "--compress", "topk:0.05", "--save-path", tmp_path / "plain.pt")
     ok(ckptrun(tmp_path, "--strategy", "lowdiff", "--compress", "topk:0.05", "--dir", "ck", EXAMPLE, *args,
                "--save-path", tmp_path / "lowdiff.pt"))
     assert_training_state(load(tmp_path / "lowdiff.pt"), load(tmp_path / "plain.pt"))

@@ -61,13 +61,15 @@ AFTER_FULL, MID_BATCH, END_BATCH = 6, 7, 8
 CHECKED_STEPS = (AFTER_FULL, MID_BATCH, END_BATCH, STEPS)
 TOPK = "topk:0.01"
 RESIDUAL_LOST = "without the top-k error-feedback residual"
-# Every fault hits step 9, the first of batch 9-10; the step the restarted worker resumes from.
+# Every fault hits step 9, the first of batch 9-10; the steps the restarted workers resume from.
 # The crash-matrix runs use one engine writer, so records become durable in order and the
 # engine dying while it writes step 9 always leaves batch 6-8 committed (resume from step 8).
+# The two worker faults go in one run, one per attempt (the engine survives both).
 FAULTS = {
-    "kill:step=9": 8,  # diffs up to 8 were handed to the engine, which writes them for the restart
-    "kill:step=9:phase=write": 9,  # killed while diff 9 was written; the engine finishes it
-    "kill-engine:step=9:phase=write": 8,  # diff 9 torn; what the engine held in memory is gone
+    # diffs up to 8 were handed to the engine, which writes them for the restart; then killed
+    # while diff 9 was written: the engine finishes it
+    "kill:step=9;kill:step=9:phase=write": [8, 9],
+    "kill-engine:step=9:phase=write": [8],  # diff 9 torn; what the engine held in memory is gone
 }
 
 
@@ -262,13 +264,15 @@ def test_topk_changes_training_and_replays_exactly(topk_run, gpt_truth, tmp_path
     assert_store_restores(topk_run / "ckpts", final, tmp_path)
 
 
-@pytest.mark.parametrize("fault, resume_step", FAULTS.items())
+@pytest.mark.parametrize(("fault", "resume_steps"), [pytest.param(f, r, id=f.replace(";", "+"))
+                                                     for f, r in FAULTS.items()])
 @pytest.mark.parametrize("compress", [TOPK], ids=["topk"])  # dense: the registry-wide crash matrix
-def test_killed_run_finishes_exactly(compress, fault, resume_step, gpt_truth, request, tmp_path):
-    proc = finish_run(tmp_path, "--max-restarts", "1", *(["--compress", compress] if compress else []), fault=fault)
+def test_killed_run_finishes_exactly(compress, fault, resume_steps, gpt_truth, request, tmp_path):
+    proc = finish_run(tmp_path, "--max-restarts", len(resume_steps), *(["--compress", compress] if compress else []),
+                      fault=fault)
     attempts = run_events(tmp_path / "metrics")
-    assert [e["restart_count"] for e in attempts] == [0, 1], "the fault did not fire"
-    assert attempts[1]["resume_step"] == resume_step
+    assert [e["restart_count"] for e in attempts] == list(range(len(resume_steps) + 1)), "a fault did not fire"
+    assert [e["resume_step"] for e in attempts[1:]] == resume_steps
     if fault.startswith("kill-engine"):
         assert "checkpoint engine of local rank 0 died" in proc.stderr
     truth = load(request.getfixturevalue("topk_run") / "final.pt") if compress else gpt_truth("adamw", STEPS)
@@ -276,7 +280,7 @@ def test_killed_run_finishes_exactly(compress, fault, resume_step, gpt_truth, re
     if compress and fault.startswith("kill-engine"):
         # The residual of step 8 lived only in the dead engine's memory (it is written with full
         # checkpoints, not with diffs): the run says so and goes on, no longer bit-exact.
-        assert f"resumed step {resume_step} {RESIDUAL_LOST}" in proc.stderr
+        assert f"resumed step {resume_steps[0]} {RESIDUAL_LOST}" in proc.stderr
         assert models_differ(final, truth)
     else:  # a surviving engine hands the residual to the restarted worker
         assert RESIDUAL_LOST not in proc.stderr

@@ -7,8 +7,6 @@ checked for every strategy; the killed-and-restored runs of each case for one re
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,10 +15,8 @@ from conftest import (
     REPRESENTATIVES,
     SCRIPTS,
     STEPS,
-    TIMEOUT_S,
     assert_training_state,
     ckptrun,
-    clean_env,
     error_line,
     load,
     ok,
@@ -104,8 +100,7 @@ def test_optimizer_shapes_restore_exactly_or_are_refused(strategy, case, truths,
 def test_a_script_that_does_not_resume_itself_is_handled_by_policy(policy, tmp_path):
     args = [SCRIPTS / "no_resume.py", "--steps", STEPS, "--save-at", STEPS, "--save-path"]
     if policy == "fresh":  # the one policy compared with the uninterrupted run
-        subprocess.run([sys.executable, *map(str, args), tmp_path / "truth.pt"], cwd=tmp_path, env=clean_env(None),
-                       check=True, timeout=TIMEOUT_S)
+        run_in_process(tmp_path, *args, tmp_path / "truth.pt")
     proc = ckptrun(tmp_path, "--on-restart", policy, "--dir", "ckpts", "--keep", "0", "--max-restarts", "1",
                    *args, "final.pt", fault="kill:step=7")
     warning = "does not call ckptrun.resume_step()"

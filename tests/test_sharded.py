@@ -26,9 +26,9 @@ from conftest import (
     error_line,
     load,
     ok,
-    python,
     restore,
     run_events,
+    run_in_process,
     verify,
 )
 from test_untrusted_dir import reseal
@@ -91,7 +91,7 @@ def fsdp_run(tmp_path_factory) -> Path:
     every step (ckpts): what the restore and resharding tests read, and FSDP_RUN's case below."""
     cwd = tmp_path_factory.mktemp("fsdp")
     (cwd / "plain").mkdir()
-    python(cwd / "plain", SCRIPT, "--wrap", "plain", "--steps", STEPS, "--save-at", f"{EARLY},{STEPS}")
+    run_in_process(cwd / "plain", SCRIPT, "--wrap", "plain", "--steps", STEPS, "--save-at", f"{EARLY},{STEPS}")
     killed_run(cwd, FSDP_RUN, "--keep", "0")
     return cwd
 
