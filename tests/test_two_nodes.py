@@ -25,9 +25,23 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import EXAMPLE, FULL, LONG, assert_training_state, clean_env, cli, error_line, load, ok, restore, verify
+from conftest import (
+    EXAMPLE,
+    FULL,
+    LONG,
+    assert_training_state,
+    clean_env,
+    cli,
+    error_line,
+    load,
+    ok,
+    restore,
+    run_cmd,
+    verify,
+)
 
 from ckptrun.config import RunConfig
 from ckptrun.storage.store import Store
@@ -58,7 +72,7 @@ class Node:
     other_addr: str  # a second address of its own (a replacement node that sorts elsewhere)
 
     def start(self, cwd: Path, host: str, strategy: str, *, addr: str | None = None, extra: tuple[str, ...] = (),
-              fault: str | None = None) -> subprocess.Popen:
+              fault: str | None = None, args: list[Any] = ARGS) -> subprocess.Popen:
         """Its launcher (`ckptrun run`, node rank `rank`, with `extra` flags and `fault`), under a
         host name of its own, as a node has. The rendezvous ranks nodes by their address
         (`--local-addr`, default `self.addr`). --dir is `ckpts`, shared, or with
@@ -72,7 +86,7 @@ class Node:
                 "--dir", self.own_dir if "--node-local-dir" in extra else "ckpts",
                 "--keep", "0", "--metrics-dir", f"metrics-node{self.rank}", "--strategy", strategy,
                 *REGISTRY[strategy].short_run_flags, *extra, EXAMPLE,
-                *map(str, ARGS)]
+                *map(str, args)]
         env = {**clean_env(fault), "GLOO_SOCKET_IFNAME": self.link, "OMP_NUM_THREADS": "1"}
         with open(cwd / f"node{self.rank}.log", "ab") as out:
             return subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -396,3 +410,53 @@ def test_both_nodes_lost_resume_from_disk(strategy, nodes, tmp_path, tmp_path_fa
     for rank in (0, 1):
         assert_training_state(load(cwd / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
     assert _committed_with_both_parts(cwd)[-1] == STOP
+
+
+DURABLE_STOP = 150  # long enough for several remote commits before node 1 is lost
+
+
+def test_node_local_dirs_a_lost_node_resumes_from_the_durable_tier(nodes, tmp_path):
+    """--node-local-dir --durable (no --replicas), each node keeping its newest 2 steps: node 1
+    is killed once a step past REPLICATED is in the durable tier, and its whole --dir deleted;
+    started again, it copies its rank's part of the tier's newest step, node 0 (whose own --dir
+    has retired that step) takes its part from the tier too, both resume from it, and the final
+    states equal an uninterrupted run's (plain torchrun, 2 ranks) bit for bit. Each node's
+    engine uploads its own rank's part only. The tier is a plain path here, through the same
+    code as `s3://` (the loopback S3 endpoint of tests/s3server.py is not reachable from inside
+    a namespace)."""
+    head, other = nodes
+    strategy = RunConfig.strategy
+    args = [a if a != STOP else DURABLE_STOP for a in ARGS]
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    ok(run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", 2, EXAMPLE, *args], plain))
+    cwd, remote = tmp_path / "lost", tmp_path / "remote"
+    extra = ("--node-local-dir", "--durable", str(remote), "--durable-every", "2", "--keep", "2")
+    cwd.mkdir()
+    procs = [node.start(cwd, head.addr, strategy, extra=extra, args=args) for node in nodes]
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while max((m.step for m in Store(remote).manifests(warn=False)), default=-1) <= REPLICATED:
+        assert time.monotonic() < deadline and procs[1].poll() is None, _logs(cwd)
+        time.sleep(0.05)
+    other.kill()
+    t_kill = time.time()
+    assert procs[1].wait(timeout=30) == -signal.SIGKILL
+    time.sleep(1)  # no step is committed in the tier without node 1's part
+    durable = max(m.step for m in Store(remote).manifests())
+    assert durable < DURABLE_STOP and not (cwd / "own-0.pt").exists(), "the node was killed after the run ended"
+    shutil.rmtree(cwd / other.own_dir)
+    procs[1] = other.start(cwd, head.addr, strategy, extra=extra, args=args)
+    assert _finish(procs, cwd) == [0, 0], _logs(cwd)
+
+    assert _resumed_at(cwd, nodes, t_kill) == durable
+    for rank in (0, 1):
+        assert_training_state(load(cwd / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
+    for node in nodes:
+        lines = (cwd / f"metrics-node{node.rank}" / "engine-0.jsonl").read_text().splitlines()
+        parts = [e for e in map(json.loads, lines) if e["type"] == "durable_part"]
+        assert parts and {(e["rank"], e["by"]) for e in parts} == {(node.rank, node.rank)}, parts
+    ok(verify(cwd, remote))
+    assert Store(remote).manifests()[-1].step == DURABLE_STOP
+    for rank in (0, 1):
+        state, _ = restore(cwd, remote, "latest", rank)
+        assert_training_state(state, load(cwd / f"own-{rank}.pt"))

@@ -13,7 +13,10 @@ remote step restorable. The listing is the coordination because it is what every
 reader will find; the job's c10d store is the workers', made again at each rendezvous round,
 which the engines outlive. A part that is not up PART_WAIT_S (or twice the leader's own upload
 time) after the last one came is uploaded by the leader itself where --dir is shared, else the
-round fails and is retried. At start the leader aborts the partial uploads of a dead engine;
+round fails and is retried. With --node-local-dir (no other node's part can come from here), the
+leader says on the round's board, in advance, the first step its next round takes (`_say_next`),
+and every engine keeps its record of that step until then: a node would otherwise prune its part
+before its next poll of the listing. At start the leader aborts the partial uploads of a dead engine;
 after each remote commit it removes the records left without one and applies `--durable-keep`.
 Each part is a `durable_part` event, each upload a `durable` event in the metrics (step, bytes,
 seconds, lag), each failure a `durable_error` (retried with back-off; the previous remote step
@@ -26,8 +29,9 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import ENV, RunConfig
 from ..errors import CorruptCheckpoint
@@ -40,6 +44,9 @@ from ..storage.tiers.base import MANIFEST, UploadFault
 from ..storage.tiers.parts import Part, record_parts
 from ..tuning.levels import FailureRates, Layout, durable_every, rates_for
 from ..worker.decisions import DEFAULT_MTBF_S
+
+if TYPE_CHECKING:
+    from .nodecommit import Board
 
 POLL_S = 0.1  # the leader's rounds (a local check first)
 FOLLOW_POLL_S = 1.0  # the other engines' polls of the listing (one LIST request each)
@@ -73,6 +80,9 @@ class Drain:
         self._adopted = False  # the tier's earlier records read, its dead uploads swept
         self.busy: frozenset[str] = frozenset()  # the records of the round under way: local retention keeps them
         self._held: frozenset[str] = frozenset()  # what the last `retain_local` said it held
+        # --node-local-dir: the round's commit keys (set by the server at each round), where the
+        # leader says which step it takes next (`_say_next`)
+        self.board: Board | None = None
 
     def start(self) -> Drain:
         self._thread.start()
@@ -109,7 +119,8 @@ class Drain:
 
     def round(self, *, final: bool = False) -> None:
         """The leader: upload the newest committed step if it is due (`final`: whatever the
-        interval). The others: upload their part of each record the leader has begun."""
+        interval; with --node-local-dir, the step it said on the board in advance). The others:
+        upload their part of each record the leader has begun."""
         if self.rank != 0:
             self._follow()
             return
@@ -120,18 +131,22 @@ class Drain:
             return
         newest, last = ms[-1], self.newest_remote()
         every = self.every or self.auto_every(ms)
-        if newest.step <= last or (not final and last >= 0 and (every is None or newest.step < last + every)):
+        board = None if final else self.board
+        if board is not None:  # the step said in advance (`_say_next`), which every node kept
+            start = board.taken_from()
+            newest = None if start is None else next((m for m in ms if m.step >= start), None)
+            if newest is None or newest.step <= last:
+                if start is None or newest is not None:
+                    self._say_next(board, ms[-1].step, last, every)
+                return
+        elif newest.step <= last or (not final and last >= 0 and (every is None or newest.step < last + every)):
             return
         local = {m.name: m for m in ms}
-        need, todo = [newest.name], []
-        while need:
-            name = need.pop()
-            if name in self.remote or name in todo:
-                continue
-            if name not in local:
-                return  # a dependency neither here nor there: this step cannot be restorable there
-            todo.append(name)
-            need += local[name].depends_on
+        todo = _needed(newest.name, local, self.remote)
+        if todo is None:  # a dependency neither here nor there: this step cannot be restorable there
+            if board is not None:
+                self._say_next(board, ms[-1].step, last, every)
+            return
         t0, nbytes = time.time(), 0
         self.busy = frozenset(todo)
         try:
@@ -144,6 +159,9 @@ class Drain:
                     return  # removed before it was protected: the next round takes a newer step
         finally:
             self.busy = frozenset()
+            if board is not None:
+                now = self.store.manifests(warn=False)
+                self._say_next(board, now[-1].step if now else newest.step, self.newest_remote(), every)
         took = time.time() - t0
         if nbytes and took > 0:
             self.upload_Bps = nbytes / took
@@ -152,6 +170,23 @@ class Drain:
                       lag_steps=(newest_now[-1].step if newest_now else newest.step) - newest.step,
                       lag_s=time.time() - (newest.committed_at or t0))
         self._tidy()
+
+    @staticmethod
+    def _say_next(board: Board, newest: int, last: int, every: int | None) -> None:
+        """--node-local-dir: say on the board the first step the next round takes (past every step
+        committed now, and --durable-every past the newest remote one). A node commits a step only
+        after rank 0's engine, so none has committed it yet: each keeps its record of the first
+        step committed from there (`retain_local`), and has its part when the round comes; a
+        step taken only once it is committed could be gone from a node that pruned it first."""
+        if every is not None:
+            board.take_from(max(newest + 1, last + every if last >= 0 else 0))
+
+    def _awaited(self, ms: list[Manifest]) -> frozenset[str]:
+        """The records the board says the next round takes: the first step committed at or after
+        its `from`, with the records it depends on that the tier lacks."""
+        start = self.board.taken_from() if self.board is not None else None
+        first = None if start is None else next((m for m in ms if m.step >= start), None)
+        return frozenset(_needed(first.name, {m.name: m for m in ms}, self.remote) or ()) if first else frozenset()
 
     def auto_every(self, ms: list[Manifest]) -> int | None:
         """--durable-every auto: `levels.durable_every` (the tiers' model, as `ckptrun tune`
@@ -276,10 +311,10 @@ class Drain:
         hold ends with the round, and a failed round's step may then go). A hold that keeps what
         --keep would remove is said once, as a `durable_hold` event and a warning."""
         busy = self.busy
-        ms = self.store.manifests(warn=False) if busy and keep > 0 else []
+        ms = self.store.manifests(warn=False) if keep > 0 and (busy or self.board is not None) else []
         kept = retained(ms, keep) if ms else set()
         held = frozenset(m.name for m in ms if m.name in busy and m.name not in kept and m.layout != "region")
-        removed = self.store.prune(keep, protect=busy | protect, upto=upto)
+        removed = self.store.prune(keep, protect=busy | self._awaited(ms) | protect, upto=upto)
         if held and held != self._held:
             self.log.emit(type="durable_hold", records=sorted(held), keep=keep)
             log.warning(f"--keep {keep}: {len(held)} record(s) kept in {self.store.root} until {self.tier.url} "
@@ -299,6 +334,21 @@ class Drain:
                     self._follow_to_the_end()
         except Exception as e:  # noqa: BLE001 - reported; the previous remote step stays
             self.log.emit(type="durable_error", error=f"{type(e).__name__}: {e}", retry_s=None)
+
+
+def _needed(name: str, local: dict[str, Manifest], remote: Container[str]) -> list[str] | None:
+    """Record `name` and the records it depends on that `remote` lacks; None when one of them is
+    in neither `local` nor `remote`."""
+    need, todo = [name], []
+    while need:
+        name = need.pop()
+        if name in remote or name in todo:
+            continue
+        if name not in local:
+            return None
+        todo.append(name)
+        need += local[name].depends_on
+    return todo
 
 
 def from_config(store: Store, log: EventLog, fault: Callable[[int], UploadFault], rank: int) -> Drain | None:

@@ -104,6 +104,15 @@ class Board:
         """Rank `rank`'s engine holds its partners' copies of `step` or newer (--replicas)."""
         self._set(f"held/{rank}", str(step))
 
+    def take_from(self, step: int) -> None:
+        """--durable: the leader's drain uploads the first step committed at or after `step` next
+        (engine/drain.py); every node keeps its record of that step until then."""
+        self._set("durable/from", str(step))
+
+    def taken_from(self) -> int | None:
+        raw = self._get("durable/from")
+        return None if raw is None else int(raw)
+
     def safe_step(self, world_size: int, *, replicated: bool = False) -> int:
         """The newest step every rank's --dir has committed and, when `replicated`, every engine
         holds its partners' copies of (-1 while a rank has said none)."""

@@ -179,6 +179,8 @@ class Engine:
             self.strategy, self.handler = msg.strategy, engine_handler(msg.engine_handler, ServerContext(self))
             self.handler.restart()  # what an earlier engine (a replaced node's) left uncommitted goes too
         self._join_board(msg.node_local)
+        if self.drain is not None:
+            self.drain.board = self.board
         if msg.replication is not None:
             self._replicate(msg)
         newest = max((s.nbytes for s in self.slots.values()), default=0)

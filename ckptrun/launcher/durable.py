@@ -5,15 +5,11 @@ committed step."""
 
 from __future__ import annotations
 
-import tempfile
-import time
-
 from ..config import RunConfig
 from ..errors import UsageError
-from ..log import log
+from ..restore.pull import pull_newest
 from ..storage.store import Store
-from ..storage.tiers import Tier, open_tier
-from ..storage.tiers.mirror import mirror
+from ..storage.tiers import open_tier
 from ..storage.tiers.recorded import record
 
 
@@ -26,26 +22,7 @@ def prepare(cfg: RunConfig, store: Store) -> None:
     tier.probe()
     record(store.root, cfg.durable, cfg.durable_endpoint)
     if cfg.resume:
-        pull_newer(tier, store)
+        pull_newest(tier, store)
     elif tier.committed():
         raise UsageError(f"--no-resume, but --durable {cfg.durable} already holds committed steps; "
                          "pass another --durable or remove them")
-
-
-def pull_newer(tier: Tier, store: Store) -> list[str]:
-    """Copy into `store` the records of the newest step `tier` can restore, if --dir has none as
-    new; returns the records copied."""
-    from ..restore.recovery import plans
-
-    local = max(plans(store), default=-1)
-    with tempfile.TemporaryDirectory(prefix="ckptrun-durable-") as tmp:
-        view = Store(tmp)
-        mirror(tier, view.root, data=False)
-        remote = plans(view)
-    if not remote or max(remote) <= local:
-        return []
-    t0, step = time.time(), max(remote)
-    names = mirror(tier, store.root, [m.name for m in remote[step].records])
-    log.info(f"resuming from {tier.url}: step {step} ({len(names)} record(s)) copied into {store.root} "
-             f"in {time.time() - t0:.1f} s")
-    return names

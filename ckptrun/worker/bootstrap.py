@@ -22,8 +22,10 @@ from ..ipc.messages import CommitPending
 from ..ipc.stdio import merge_stderr
 from ..log import log
 from ..restore.consolidate import resharded
+from ..restore.pull import pull_newest
 from ..restore.recovery import CHECK_AHEAD_BYTES, DamagedRecord, Plan, newest_good, plans, resume_state
 from ..storage.store import Store
+from ..storage.tiers import open_tier
 from .hooks import StopRun
 from .jobstore import job_store
 from .loading import ResumeState, fetch_held
@@ -141,7 +143,8 @@ def _agreed_node_local(rt: Runtime, store: Store, kv, *, checksums: bool) -> Pla
     """--node-local-dir: the newest step every rank restores from its own node's --dir (where
     a replaced node's engine has put back what partners held). Each rank says the newest step it
     can restore at most at the last round's smallest, until all say the same one: every rank
-    decides alike, from the job store's keys. Each rank then moves aside, in its own --dir, the
+    decides alike, from the job store's keys; with --durable, a rank whose --dir lacks a step
+    the tier has up to that smallest takes it back (`_pulled`). Each rank then moves aside, in its own --dir, the
     records newer than it (a step some nodes committed and others not: its re-run commits it anew)."""
     if not rt.cfg.resume and rt.restart_count == 0:
         return None
@@ -149,6 +152,8 @@ def _agreed_node_local(rt: Runtime, store: Store, kv, *, checksums: bool) -> Pla
     at_most = None
     for i in itertools.count():
         plan = newest_good(store, at_most=at_most, checksums=checksums, ranks=[rt.rank])
+        if at_most is not None and (plan is None or plan.step < at_most) and _pulled(rt.cfg, store, at_most):
+            plan = newest_good(store, at_most=at_most, checksums=checksums, ranks=[rt.rank])
         kv.set(f"local/{i}/{rt.rank}", str(plan.step if plan else -1))
         keys = [f"local/{i}/{r}" for r in range(rt.world_size)]
         kv.wait(keys)
@@ -161,6 +166,19 @@ def _agreed_node_local(rt: Runtime, store: Store, kv, *, checksums: bool) -> Pla
     if newest < 0 or rt.cfg.on_restart == "fresh" and rt.restart_count > 0:
         return None
     return plans(store)[newest]
+
+
+def _pulled(cfg: RunConfig, store: Store, at_most: int) -> bool:
+    """--durable: this node's --dir lacks the step another rank can reach at most (it kept only
+    its newest steps): copy the tier's newest step up to it, if the tier has one newer than
+    --dir's. A tier that cannot give it is said, and the ranks go on agreeing on an older step."""
+    if not cfg.durable:
+        return False
+    try:
+        return bool(pull_newest(open_tier(cfg.durable, cfg.durable_endpoint or None), store, at_most=at_most))
+    except (CkptrunError, OSError) as e:
+        log.warning(f"--durable {cfg.durable}: cannot take step {at_most} or older back ({e})")
+        return False
 
 
 def _error_file(cfg: RunConfig, rank: int) -> Path:
