@@ -185,3 +185,24 @@ def test_a_part_whose_data_was_removed_is_not_committed(store):
     assert not (store.root / name / MANIFEST).exists()
     commit(store, 1, make_state(1))
     assert_same(stored(store, 1), make_state(1))
+
+
+def test_abandon_removes_an_uncommitted_record_and_never_a_committed_one(store, monkeypatch):
+    """`abandon` checks that a record is not committed, then removes it: a commit landing between
+    the two (the check made before it) finds the record put back whole, and a leftover of an
+    abandon cut short is swept once no writer is left."""
+    write(store, 1, make_state(1))
+    store.abandon(full_name(1))
+    assert not (store.root / full_name(1)).exists() and store.incomplete() == []
+    commit(store, 2, make_state(2))
+    files = sorted(p.name for p in (store.root / full_name(2)).iterdir())
+    monkeypatch.setattr(Store, "is_committed", lambda self, name: False)  # the check ran before the commit
+    store.abandon(full_name(2))
+    monkeypatch.undo()
+    assert sorted(p.name for p in (store.root / full_name(2)).iterdir()) == files
+    assert_same(stored(store, 2), make_state(2))
+    left = store.root / ".abandoned-step-00000003-1"
+    left.mkdir()
+    (left / "rank-00000.data").write_bytes(b"x")
+    store.sweep_incomplete()
+    assert not left.exists() and [m.step for m in store.manifests()] == [2]

@@ -54,6 +54,7 @@ __all__ = ["FORMAT", "MANIFEST", "MARKER", "Manifest", "Store", "checksum", "dif
 
 MANIFEST = "MANIFEST.json"
 MARKER = "ckptrun.json"
+ABANDONED = ".abandoned-"  # an uncommitted record on its way out (`Store.abandon`)
 CHUNK = 1 << 20  # verify hashes data files in pieces of this size (bounded memory)
 _RANK_PART = {"records": re.compile(r"rank-([0-9]{5})\.json"), "file": re.compile(r"rank-([0-9]{5})\.ckpt")}
 _RANK_FAILED = re.compile(r"rank-([0-9]{5})\.failed")
@@ -202,8 +203,19 @@ class Store:
         """Remove an uncommitted record whose commit will never happen (a rank failed to write
         it, or it depends on one that did). Never a committed one."""
         rdir = self._own_record_dir(name)
-        if rdir is not None:
-            shutil.rmtree(rdir, ignore_errors=True)
+        if rdir is None:
+            return
+        # Moved aside before it is removed, and put back if it was committed between the check
+        # and the move: a commit never lands in a directory on its way out.
+        aside = rdir.with_name(f"{ABANDONED}{name}-{os.getpid()}")
+        try:
+            os.rename(rdir, aside)
+        except OSError:  # gone already
+            return
+        if os.path.lexists(aside / MANIFEST):
+            os.rename(aside, rdir)
+            return
+        shutil.rmtree(aside, ignore_errors=True)
 
     def ranks_present(self, name: str, layout: str = "records") -> list[int]:
         """The ranks whose part of record `name` (in `layout`: records or file) is published."""
@@ -516,6 +528,9 @@ class Store:
         names = self.incomplete()
         for name in names:
             self.abandon(name)
+        for left in self.root.glob(f"{ABANDONED}*"):  # an abandon cut short by a kill
+            if left.is_dir() and not left.is_symlink():
+                shutil.rmtree(left, ignore_errors=True)
         return names
 
     # ---- retention ---------------------------------------------------------------------
