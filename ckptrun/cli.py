@@ -569,6 +569,10 @@ def bench(
     wide: Annotated[bool, typer.Option("--wide", help="Every column of the tables, however narrow the terminal "
                                                       "(by default the less important ones are left out where "
                                                       "they do not fit, and said so).")] = False,
+    durable: Annotated[str, typer.Option(help="A --durable URL (s3://bucket/prefix, or a path): each strategy "
+                                              "also runs draining to it (each run under a prefix of its own), "
+                                              "as NAME+durable, whose ratio is against NAME: what the remote "
+                                              "tier adds.")] = "",
 ) -> None:
     """Measure every strategy against no checkpointing, torch.save and DCP async_save; with
     --failures, their goodput when failures really happen.
@@ -586,7 +590,7 @@ def bench(
 
     raise typer.Exit(run_bench(BenchOptions(model, strategies, every, steps, repeat, device, trainer_threads,
                                             warmup, dir, json_file, plot, io_engine, failures, mtbf, duration,
-                                            seed, failure_log, traces, wide), out, err))
+                                            seed, failure_log, traces, wide, durable), out, err))
 
 
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})

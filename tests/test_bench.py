@@ -273,3 +273,18 @@ def psutil_children(pid: int) -> list:
         return psutil.Process(pid).children(recursive=True)
     except psutil.Error:
         return []
+
+
+def test_durable_twins_are_measured_against_their_plain_runs(tmp_path):
+    """`bench --durable URL`: each strategy's configuration is followed by NAME+durable, the same
+    run draining to URL, its ratio against NAME; each launch drains under a prefix of its own
+    (a run never resumes from another's remote steps)."""
+    configs = {c.name: c for c in plan.configurations("torch.save,checkfreq", "1", durable="s3://b/p/")}
+    assert list(configs) == ["none", "torch.save", "checkfreq", "checkfreq+durable"]
+    twin = configs["checkfreq+durable"]
+    assert (twin.method, twin.reference, twin.durable) == ("checkfreq", "checkfreq", "s3://b/p/")
+    work = plan.Workload(EXAMPLE, "tiny", "cpu", 1)
+    urls = [argv[argv.index("--durable") + 1] for argv in
+            (plan.launch(twin, work, tmp_path / "r0", 4).argv for _ in range(2))]
+    assert all(u.startswith("s3://b/p/r0-") for u in urls) and urls[0] != urls[1]
+    assert "--durable" not in plan.launch(configs["checkfreq"], work, tmp_path / "r0", 4).argv

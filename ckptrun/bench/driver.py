@@ -29,7 +29,7 @@ def run_bench(o: BenchOptions, console: Console | None = None, progress: Console
     o.validate()
     if o.failures:
         return run_failure_bench(o, console, progress)
-    configs = plan.configurations(o.strategies, o.every, o.io_engine)
+    configs = plan.configurations(o.strategies, o.every, o.io_engine, o.durable)
     if o.plot:
         report.require_matplotlib()
     work = plan.Workload(plan.example_script(), o.model, o.device, o.trainer_threads)

@@ -33,6 +33,7 @@ class BenchOptions:
     failure_log: str = ""  # replay this failure trace instead of drawing kills
     traces: str = ""  # write each kill schedule here as a failure trace
     wide: bool = False  # every column of the tables, however narrow the terminal
+    durable: str = ""  # a --durable URL: each strategy also runs draining to it (plan.configurations)
 
     def validate(self) -> None:
         if self.model not in plan.MODELS:
@@ -51,6 +52,10 @@ class BenchOptions:
             self.mtbf_s()
         elif self.failure_log or self.traces:
             raise UsageError("--failure-log and --traces belong to the goodput mode: add --failures worker|node")
+        if self.durable:  # unusable: one line now, not a failure per run
+            from ..storage.tiers import open_tier
+
+            open_tier(self.durable).probe()
 
     def duration_s(self) -> float:
         return _durations("--duration", self.duration)[0]
@@ -67,8 +72,8 @@ class BenchOptions:
         if self.failures:
             argv += ["--failures", self.failures, "--duration", self.duration, "--seed", str(self.seed)]
             argv += ["--failure-log", self.failure_log] if self.failure_log else ["--mtbf", self.mtbf]
-        for flag, value in (("--dir", self.dir), ("--json", self.json), ("--plot", self.plot),
-                            ("--traces", self.traces)):
+        for flag, value in (("--durable", self.durable), ("--dir", self.dir), ("--json", self.json),
+                            ("--plot", self.plot), ("--traces", self.traces)):
             argv += [flag, value] if value else []
         return " ".join(argv)
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import CkptrunError, UsageError
@@ -49,6 +50,7 @@ class Configuration:
     every: int | None
     flags: tuple[str, ...] = ()  # a strategy's own run options (VARIANTS); a baseline's script flags
     reference: str = BASELINE  # the configuration its overhead ratio is measured against
+    durable: str = ""  # `bench --durable`: the tier its runs drain to, each under a prefix of its own
 
 
 @dataclass(frozen=True)
@@ -105,11 +107,13 @@ def parse_io_engines(text: str) -> list[str]:
     return values
 
 
-def configurations(methods: str, every: str, io_engines: str = "auto") -> list[Configuration]:
+def configurations(methods: str, every: str, io_engines: str = "auto", durable: str = "") -> list[Configuration]:
     """`none` first, then each chosen reference and strategy at each interval (and each writer,
     strategies only), in that order. `default` stands for DEFAULT_REFERENCES and every registered
     strategy at its defaults (what each strategy costs against what one would use otherwise);
-    `all` for every reference, strategy and VARIANTS entry."""
+    `all` for every reference, strategy and VARIANTS entry. With `durable` (a --durable URL),
+    each strategy's configuration is followed by NAME+durable, the same run draining to it,
+    whose ratio is against NAME: what the remote tier adds."""
     from ..strategies import REGISTRY
 
     known = [*REFERENCES, *REGISTRY, *VARIANTS]
@@ -132,8 +136,12 @@ def configurations(methods: str, every: str, io_engines: str = "auto") -> list[C
             reference = matching_baseline(base, flags)
             baselines.setdefault(reference.name, reference)
             for io in engines:
-                configs.append(Configuration(name if len(engines) == 1 else f"{name}:{io}", base, "ckptrun", e,
-                                             (*flags, "--io-engine", io), reference.name))
+                plain = Configuration(name if len(engines) == 1 else f"{name}:{io}", base, "ckptrun", e,
+                                      (*flags, "--io-engine", io), reference.name)
+                configs.append(plain)
+                if durable:
+                    configs.append(replace(plain, name=f"{plain.name}+durable", reference=plain.name,
+                                           durable=durable))
     return [*baselines.values(), *configs]
 
 
@@ -196,7 +204,9 @@ def _ckptrun_argv(cfg: Configuration, work: Workload, run_dir: Path, steps: int,
     # variant sets them). A given --every N is honoured as given (every multiple of N restorable),
     # which pins those intervals to N, or refuses a variant that cannot honour it.
     every = ["--every", str(cfg.every)] if cfg.every != 1 else []
-    return [sys.executable, "-m", "ckptrun", "run", "--strategy", cfg.method, *cfg.flags,
+    # A prefix of its own per run: a run never resumes from, or is refused over, another's steps.
+    durable = ["--durable", f"{cfg.durable.rstrip('/')}/{run_dir.name}-{uuid.uuid4().hex[:8]}"] if cfg.durable else []
+    return [sys.executable, "-m", "ckptrun", "run", "--strategy", cfg.method, *cfg.flags, *durable,
             "--dir", str(run_dir / "ckpt"), *every, "--max-restarts", str(max_restarts),
             "--metrics-dir", str(run_dir / "metrics"), str(work.script),
             *work.script_args(steps, run_dir / "timing.jsonl")]
