@@ -54,6 +54,7 @@ PARTS_POLL_S = 0.25  # the leader's polls of the listing while it waits for the 
 PART_WAIT_S = 30.0
 TIMED_COMMITS = 8  # auto: the step time is measured over this many newest commits
 BACKOFF_MAX_S = 30.0
+SAID_CHANGE = 0.25  # a `durable_interval` event when auto's interval moves by more than this fraction
 
 
 class _Stopping(Exception):
@@ -71,7 +72,7 @@ class Drain:
         self.rank, self.layout = rank, layout
         self.rates = rates or rates_for(0.0, {}, DEFAULT_MTBF_S)
         self.upload_Bps: float | None = None  # measured by the last round (all ranks' bytes / its time)
-        self._auto: int | None = None  # the interval auto chose last
+        self._auto: int | None = None  # the interval auto said last (a `durable_interval` event)
         self._part_s = 0.0  # how long the last part this engine uploaded took
         self.remote: dict[str, Manifest] = {}
         self._stop = threading.Event()
@@ -193,14 +194,16 @@ class Drain:
         prints it) for an upload of the newest step at the measured bandwidth, the step time of
         the newest commits and the failure rates; 1 (as soon as the last upload is done) until
         both are measured; None where no failure resumes from the remote tier (the final round
-        only). A change is a `durable_interval` event."""
+        only). A change of more than SAID_CHANGE since the last one said is a `durable_interval`
+        event (the step time moves a little every round)."""
         timed = [m for m in ms[-TIMED_COMMITS:] if m.committed_at]
         if self.upload_Bps is None or len(timed) < 2 or timed[-1].committed_at <= timed[0].committed_at:
             return 1
         step_s = (timed[-1].committed_at - timed[0].committed_at) / (timed[-1].step - timed[0].step)
         upload_s = max(ms[-1].bytes / self.upload_Bps, 1e-3)
         every, why = durable_every(upload_s, step_s, self.rates, self.layout)
-        if every != self._auto:
+        said = self._auto
+        if (every is None) != (said is None) or every is not None and abs(every - said) > SAID_CHANGE * said:
             self._auto = every
             self.log.emit(type="durable_interval", every=every, reason=why, upload_s=upload_s, step_s=step_s)
         return every
