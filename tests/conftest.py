@@ -121,9 +121,27 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "full: opt-in (a slow mode's registry-wide repeat); run only under --full")
     config.addinivalue_line("markers", "cuda: exercises a CUDA path (pytest -m cuda; skipped, saying so, without "
                                        "a GPU); scripts/gpu-check runs them on a device")
+    # pytest-xdist hands out files by their number of tests unless told not to: keep the order
+    # of the collection (LONGEST_FIRST).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+# The test files whose runs take longest, longest first (seconds on 2 cores, measured): with
+# `--dist loadfile` a file is one unit, handed to whichever xdist worker is free, so a long file
+# handed out last keeps one worker busy while the other idles. Collected first, and handed out
+# in collection order (`pytest_configure`), they leave the short files to even the end out
+# (longest processing time first). A stale list costs balance, never a result.
+LONGEST_FIRST = ("test_crash_matrix.py", "test_trust.py", "test_two_nodes.py", "test_durable.py",
+                 "test_optimizers.py", "test_lowdiff.py", "test_writeonce.py", "test_lowdiff_plus.py",
+                 "test_sharded.py", "test_scripts.py", "test_hf_trainer.py", "test_kill_loop.py",
+                 "test_bench.py", "test_tune.py", "test_gockpt.py", "test_host_memory.py",
+                 "test_untrusted_dir.py", "test_accelerate.py", "test_lightning.py", "test_goodput.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order kept
     if full(config):
         return
     opt_in = [item for item in items if item.get_closest_marker("full")]
