@@ -4,7 +4,9 @@ Forms: `kill:step=7` (the worker SIGKILLs itself mid-step 7: after backward, bef
 update), `kill:step=7:phase=write` (the worker dies while step 7's checkpoint is being
 written), `kill-engine:step=7:phase=write` (the engine dies mid-write, leaving a torn record),
 `kill-engine:step=7:phase=upload:at=part|commit|committed` (the engine dies while uploading step
-7 or a later one to --durable: after a piece, before the commit object, after it).
+7 or a later one to --durable: after a piece, before the commit object, after it),
+`kill-engine:step=7:phase=receive` (--replicas: the engine dies while it receives a partner's
+copy of step 7 or later, the copy's manifest in and its files not).
 `enospc:step=7:at=manifest.synced[:times=3]` makes the engine's writes fail with ENOSPC at that
 point of the durable-write sequence (data|index|manifest . open|written|synced|renamed|dir-synced)
 for records of step 7 and later, `times` times in all (default 1): a full disk for a while.

@@ -4,6 +4,8 @@ and the refusals at start. The two-node runs are in tests/test_two_nodes.py."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -123,11 +125,13 @@ def test_refused_at_start(tmp_path):
 
 
 # One engine's replicator, as the engine drives it: each round (PREFIX[@RANK]=RECORD,...) joined,
-# as RANK if given, and its committed records offered; then THEN: "-" closes, "hang" waits to be killed, a record name
-# awaits the test's word that the partner is gone, then is offered.
+# as RANK if given (the first with the fault PEER_FAULT names), and its committed records offered;
+# then THEN: "-" closes, "hang" waits to be killed, a record name awaits the test's word that the
+# partner is gone, then is offered.
 PEER = """
 import os, sys, time
 from ckptrun.engine.replicate import Replicator
+from ckptrun.faults import Fault
 from ckptrun.ipc.events import EventLog
 from ckptrun.storage.schema import record_step
 from ckptrun.storage.store import Store
@@ -137,7 +141,8 @@ for i, spec in enumerate(rounds):
     head, _, offers = spec.partition("=")
     prefix, _, as_rank = head.partition("@")
     rep.join({"addr": "127.0.0.1", "port": port, "prefix": prefix, "replicas": 2, "jump": 1, "local": 1},
-             int(as_rank or rank), 2, Store(root), None)
+             int(as_rank or rank), 2, Store(root), Fault.parse(os.environ["PEER_FAULT"]) if i == 0 and
+             os.environ.get("PEER_FAULT") else None)
     for name in filter(None, offers.split(",")):
         rep.offer(name, record_step(name))
         while rep._offered is not None:
@@ -151,6 +156,11 @@ for i, spec in enumerate(rounds):
         time.sleep(1)
 rep.close()
 """
+
+
+def _peer(root: Path, master: dist.TCPStore, rank: int, then: str, *rounds: str, fault: str = "") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", PEER, root, str(rank), str(master.port), then, *rounds],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PEER_FAULT": fault})
 
 
 def _events(tmp_path: Path, kind: str) -> list[dict]:
@@ -169,8 +179,7 @@ def test_engines_ship_hold_and_give_back_over_gloo(swap, tmp_path):
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
 
     def peer(rank: int, then: str, *rounds: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-c", PEER, store.root, str(rank), str(master.port), then, *rounds],
-                                stderr=subprocess.PIPE, text=True)
+        return _peer(store.root, master, rank, then, *rounds)
 
     first = peer(0, full_name(3), f"r1={names}", "r2@1=" if swap else "r2=")
     second = peer(1, "hang", f"r1={names}")
@@ -193,3 +202,27 @@ def test_engines_ship_hold_and_give_back_over_gloo(swap, tmp_path):
     restored = _events(tmp_path, "replica_restored")
     assert [(e["rank"], e["step"], e["holder"]) for e in restored] == [(1, 2, 1 if swap else 0)], said
     assert newest_good(Store(store.root)).step == 2
+
+
+def test_a_partner_killed_mid_copy_is_dropped_and_the_next_round_copies_to_its_replacement(tmp_path):
+    """Rank 1's engine dies while it receives rank 0's copy of step 2 (its manifest in, its files
+    not: `kill-engine:step=2:phase=receive`). Rank 0's engine drops it with one line, shipping
+    on (the trainer never waits on it), and in the next round ships its next step to the
+    replacement, which holds it."""
+    store = _steps(tmp_path / "ckpts", [1, 2, 3])
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+    first = _peer(store.root, master, 0, full_name(3), f"r1={full_name(1)},{full_name(2)}", f"r2={full_name(3)}")
+    second = _peer(store.root, master, 1, "hang", "r1=", fault="kill-engine:step=2:phase=receive")
+    assert second.wait(120) == -signal.SIGKILL, second.stderr.read()
+    (tmp_path / "gone").touch()
+    third = _peer(store.root, master, 1, "hang", "r2=")
+    try:
+        assert first.wait(120) == 0, first.stderr.read() + third.stderr.read()
+    finally:
+        third.kill()
+    said = first.stderr.read()
+    assert said.count("replicas to rank 1 stopped") == 1, said
+    held = [(e["rank"], e["owner"], e["step"]) for e in _events(tmp_path, "replica_held")]
+    assert (1, 0, 2) not in held and (1, 0, 3) in held, held
+    sent = [e for e in _events(tmp_path, "replica_sent") if e["rank"] == 0 and e["step"] == 3]
+    assert sent and sent[-1]["partners"] == [1], sent

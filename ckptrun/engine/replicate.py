@@ -27,7 +27,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import CkptrunError, CorruptCheckpoint
-from ..faults import Fault
+from ..faults import Fault, die
 from ..ipc.events import EventLog
 from ..log import log
 from ..storage.schema import MAX_FILE_BYTES, MAX_METADATA_BYTES, rank_files
@@ -81,8 +81,10 @@ class Round:
         for t in self.threads:
             t.join(timeout=5)
 
-    def recv(self, src: int, tag: int, timeout: float | None = None) -> tuple[int, list[bytes]] | None:
-        """(owner, [manifest, *files]) of the next copy from `src`; None: it said STOP."""
+    def recv(self, src: int, tag: int, timeout: float | None = None,
+             on_manifest: Callable[[bytes], None] | None = None) -> tuple[int, list[bytes]] | None:
+        """(owner, [manifest, *files]) of the next copy from `src`; None: it said STOP.
+        `on_manifest` sees the manifest before the files are received."""
         import torch
 
         wait = timedelta(seconds=timeout) if timeout else timedelta(days=365)
@@ -97,7 +99,10 @@ class Round:
         if not (isinstance(meta["owner"], int) and len(sizes) == 3 and 0 < sizes[0] <= MAX_METADATA_BYTES
                 and all(isinstance(n, int) and 0 <= n <= MAX_FILE_BYTES for n in sizes)):
             raise CorruptCheckpoint(f"rank {src} sent a copy header out of range ({meta})")
-        return meta["owner"], [self._recv_bytes(src, tag, n, wait) for n in sizes]
+        manifest = self._recv_bytes(src, tag, sizes[0], wait)
+        if on_manifest is not None:
+            on_manifest(manifest)
+        return meta["owner"], [manifest, *(self._recv_bytes(src, tag, n, wait) for n in sizes[1:])]
 
     def _recv_bytes(self, src: int, tag: int, n: int, wait: timedelta) -> bytes:
         import torch
@@ -312,7 +317,7 @@ class Replicator:
         breaks (it died: no more copies go to it either)."""
         while True:
             try:
-                got = r.recv(src, SHIP)
+                got = r.recv(src, SHIP, on_manifest=self._die_if_asked)
             except (RuntimeError, ValueError, KeyError, TypeError, CorruptCheckpoint) as e:
                 self._drop(r, src, e)
                 return
@@ -334,6 +339,16 @@ class Replicator:
                 continue
             self.log.emit(type="replica_held", rank=r.rank, owner=owner, step=m.step, bytes=sum(map(len, files)))
             self._say_held(r)
+
+    def _die_if_asked(self, manifest: bytes) -> None:
+        """The injected fault `kill-engine:step=N:phase=receive` (tests): this engine dies while it
+        receives a partner's copy of step N or later, the copy's manifest in and its files not."""
+        fault = self.fault
+        if fault is None or fault.target != "kill-engine" or fault.phase != "receive":
+            return
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            if json.loads(manifest)["step"] >= fault.step:
+                die()
 
     def _corrupt_if_asked(self, owner: int, step: int) -> None:
         """The injected fault `corrupt-replica:step=N` (tests): a bit flips in the held copy of
