@@ -226,3 +226,14 @@ def test_a_partner_killed_mid_copy_is_dropped_and_the_next_round_copies_to_its_r
     assert (1, 0, 2) not in held and (1, 0, 3) in held, held
     sent = [e for e in _events(tmp_path, "replica_sent") if e["rank"] == 0 and e["step"] == 3]
     assert sent and sent[-1]["partners"] == [1], sent
+
+
+def test_an_engine_whose_partner_closes_while_it_ships_exits_cleanly(tmp_path):
+    """Rank 1's engine leaves each round as soon as it joins (the end of a run), while rank 0's
+    ships it a copy: rank 0's engine still ends with exit code 0 (its shipping thread, left
+    inside gloo, once aborted the process at exit)."""
+    store = _steps(tmp_path / "ckpts", [1, 2, 3])
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+    first = _peer(store.root, master, 0, "-", f"r1={full_name(1)}", f"r2={full_name(3)}")
+    second = _peer(store.root, master, 1, "-", "r1=", "r2=")
+    assert (first.wait(120), second.wait(120)) == (0, 0), first.stderr.read() + second.stderr.read()

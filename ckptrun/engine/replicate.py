@@ -136,7 +136,8 @@ class Replicator:
         self._newest = -1  # the step of the newest record offered
         self._wake = threading.Condition()
         self._closing = False
-        threading.Thread(target=self._ship_loop, name="ckptrun-replicas", daemon=True).start()
+        self._shipper = threading.Thread(target=self._ship_loop, name="ckptrun-replicas", daemon=True)
+        self._shipper.start()
 
     # ---- rounds ------------------------------------------------------------------------
     def join(self, spec: dict, rank: int, world_size: int, store: Store, fault: Fault | None, *,
@@ -364,10 +365,14 @@ class Replicator:
         self.held.objects[f"{name}/{data_file}"] = bytes(data)
 
     def close(self) -> None:
+        """Stop shipping and end the round. The shipping thread is joined once the round's group
+        is aborted (a send still waiting fails then): a thread left inside gloo when the process
+        exits aborts it (SIGABRT), as a partner closing while a copy went to it showed."""
         with self._wake:
             self._closing = True
             self._wake.notify()
         self._end_round()
+        self._shipper.join(timeout=SEND_TIMEOUT_S)
 
 
 def _files(owner: int, blobs: list[bytes]) -> dict[str, bytes]:
