@@ -20,6 +20,7 @@ from ckptrun.launcher.console.dashboard import (
     log_line,
     render,
     render_host_memory,
+    render_rank_table,
     render_summary,
     sparkline,
 )
@@ -438,6 +439,7 @@ def test_compact_view_fits_the_terminal_without_cutting_a_header(width: int) -> 
     state.apply(_run(1))
     state.apply(_step(1, 1, T0 + 1, snapshot=0.001))
     state.apply({"type": "in_memory", "t": T0 + 50, "rank": 0, "step": 99})
+    state.apply({"type": "replica_sent", "t": T0 + 50, "rank": 0, "step": 98, "partners": [1], "of": 1})
     host = HostSampler(nvml_loader=lambda: FakeNvml(fail="nvmlInit"), cpu_percent=lambda: 5.0).sample(
         {"rank0": os.getpid(), "engine0": os.getpid()})
     console = Console(record=True, width=width, file=io.StringIO())
@@ -451,7 +453,7 @@ def test_compact_view_fits_the_terminal_without_cutting_a_header(width: int) -> 
     rows = [ln for ln in lines if re.match(r"^\s+[01]\s+\d+\s", ln)]
     assert len(rows) == 2, "\n".join(lines)  # one line per rank
     shown = re.split(r"\s{2,}", header.strip())
-    missing = [c for c in ("it/s", "in memory", "MB/s", "restarts", "errors") if c not in shown]
+    missing = [c for c in ("it/s", "in memory", "replicated", "MB/s", "restarts", "errors") if c not in shown]
     note = [ln for ln in lines if ln.startswith("not shown: ")]
     assert bool(missing) == bool(note)
     if note:
@@ -459,6 +461,19 @@ def test_compact_view_fits_the_terminal_without_cutting_a_header(width: int) -> 
     assert lines[-1].endswith("GPU -") and "RSS trainers" in lines[-1]
     wide = _text(render(state, host, now=T0 + 50, wide=True), width=400)
     assert "in-flight" in wide and "bandwidth history" in wide and "at risk (machine)" in wide
+    assert "replicated" in wide
+
+
+def test_a_step_counts_as_replicated_once_every_partner_has_it() -> None:
+    """--replicas: a rank's replicated step is the newest its engine shipped to every partner of
+    the round; a copy that went to fewer (a partner dropped) does not move it."""
+    state = MetricsState()
+    state.apply(_run(0))
+    sent = {"type": "replica_sent", "t": T0 + 1, "rank": 0, "bytes": 10, "seconds": 0.1, "of": 2}
+    state.apply({**sent, "step": 4, "partners": [1, 2]})
+    state.apply({**sent, "step": 5, "partners": [2]})
+    assert state.ranks[0].replicated_step == 4
+    assert "replicated" in _text(render_rank_table(state, T0 + 2, None)[0])
 
 
 # --------------------------------------------------------------------------- driver

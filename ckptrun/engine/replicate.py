@@ -303,7 +303,7 @@ class Replicator:
             except RuntimeError as e:
                 self._drop(r, p, e)
         self.log.emit(type="replica_sent", rank=r.rank, step=m.step, bytes=sum(map(len, blobs)),
-                      partners=sorted(r.live), seconds=time.time() - t0)
+                      partners=sorted(r.live), of=len(r.partners), seconds=time.time() - t0)
 
     def _drop(self, r: Round, p: int, e: BaseException) -> None:
         """Partner `p` is dead or stalled: no more copies go to it this round (said once)."""

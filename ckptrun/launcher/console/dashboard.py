@@ -114,8 +114,10 @@ def render_progress_table(state: MetricsState, now: float, width: int | None = N
     """Per rank: progress, durability, work at risk (with an in-memory replica: if the worker
     dies, and if the machine does), restarts; fitted to `width` (None: every column)."""
     memory = any(rs.memory_step is not None for rs in state.ranks.values())
+    replicas = any(rs.replicated_step is not None for rs in state.ranks.values())
     columns = [Col("rank", key=True, justify="left"), Col("step", key=True), Col("it/s", 4), Col("snapshot", 6),
-               *([Col("in memory", 1)] if memory else []), Col("durable", 1), Col("durable age", 3),
+               *([Col("in memory", 1)] if memory else []), *([Col("replicated", 1)] if replicas else []),
+               Col("durable", 1), Col("durable age", 3),
                Col("at risk", 2), *([Col("at risk (machine)", 2)] if memory else []), Col("in-flight", 5),
                Col("queue", 5), Col("restarts", 4), Col("recovery", 4), Col("errors", 2)]
     rows = []
@@ -128,6 +130,7 @@ def render_progress_table(state: MetricsState, now: float, width: int | None = N
             num(rs.steps_per_s, "{:.2f}"),
             f"{opt(rs.last_snapshot_step)}/{opt(rs.last_snapshot_done)}",
             *([opt(rs.memory_step)] if memory else []),
+            *([opt(rs.replicated_step)] if replicas else []),
             opt(durable),
             fmt_duration(state.durable_age(r, now)) if durable is not None else "-",
             risk(*state.at_risk(r, memory=True)),  # a worker crash loses less than a machine loss
@@ -202,8 +205,10 @@ def render_rank_table(state: MetricsState, now: float, width: int | None) -> lis
     risk, stall, bandwidth, errors; at a narrower width the less important columns are left out,
     said in a line. Every figure is in the JSONL metrics and the wide view (--dashboard-wide)."""
     memory = any(rs.memory_step is not None for rs in state.ranks.values())
+    replicas = any(rs.replicated_step is not None for rs in state.ranks.values())
     columns = [Col("rank", key=True, justify="left"), Col("step", key=True), Col("it/s", 3),
-               *([Col("in memory", 1)] if memory else []), Col("durable", 1), Col("at risk", 2),
+               *([Col("in memory", 1)] if memory else []), *([Col("replicated", 3)] if replicas else []),
+               Col("durable", 1), Col("at risk", 2),
                Col("stall ms/step", 1), Col("MB/s", 4), Col("restarts", 5), Col("errors", 2)]
     rows = []
     for r, rs in sorted(state.ranks.items()):
@@ -211,7 +216,8 @@ def render_rank_table(state: MetricsState, now: float, width: int | None) -> lis
         at_risk = risk(*state.at_risk(r, memory=rs.memory_step is not None))
         stall = rs.stall_total.mean if rs.stall_total is not None else None
         rows.append([str(r), opt(rs.step), num(rs.steps_per_s, "{:.2f}"),
-                     *([opt(rs.memory_step)] if memory else []), opt(durable), at_risk,
+                     *([opt(rs.memory_step)] if memory else []),
+                     *([opt(rs.replicated_step)] if replicas else []), opt(durable), at_risk,
                      ms(stall) if stall is not None else "-", num(rs.bw_last_mbps, "{:.0f}"), str(rs.restarts),
                      Text(str(rs.save_errors), style="bold red" if rs.save_errors else "")])
     table, left_out = fit_table(columns, rows, width, box=box.SIMPLE_HEAD, expand=False)

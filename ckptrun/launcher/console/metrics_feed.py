@@ -219,6 +219,9 @@ class RankStats:
     reported_durable_step: int | None = None
     reported_durable_t: float | None = None
     memory_step: int | None = None  # held in the engine's memory (lowdiff+'s replica): survives a worker crash
+    # --replicas: the newest step this rank's engine shipped to every partner (each checks it as
+    # it arrives: `replica_held` in the partner's metrics): survives the loss of its node
+    replicated_step: int | None = None
     writes: int = 0
     write_bytes_total: int = 0
     write_s_total: float = 0.0
@@ -496,6 +499,11 @@ class MetricsState:
     def _on_in_memory(self, e: dict[str, Any], t: float) -> None:
         self._rank(e["rank"]).memory_step = int(e["step"])
 
+    def _on_replica_sent(self, e: dict[str, Any], t: float) -> None:
+        rs = self._rank(e["rank"])
+        if e.get("of") and len(e["partners"]) == int(e["of"]) and int(e["step"]) > (rs.replicated_step or -1):
+            rs.replicated_step = int(e["step"])
+
     def _on_interval(self, e: dict[str, Any], t: float) -> None:
         """Settings chosen at run time (`--every auto`, lowdiff's auto F/B) replace the header's."""
         skip = {"type", "t", "rank", "step", "reason", "strategy"}
@@ -514,6 +522,7 @@ class MetricsState:
         "durable": _on_durable,
         "durable_error": _on_durable_error,
         "in_memory": _on_in_memory,
+        "replica_sent": _on_replica_sent,
         "host_memory": _on_host_memory,
     }
 
