@@ -418,8 +418,9 @@ DURABLE_STOP = 150  # long enough for several remote commits before node 1 is lo
 def test_node_local_dirs_a_lost_node_resumes_from_the_durable_tier(nodes, tmp_path):
     """--node-local-dir --durable (no --replicas), each node keeping its newest 2 steps: node 1
     is killed once a step past REPLICATED is in the durable tier, and its whole --dir deleted;
-    started again, it copies its rank's part of the tier's newest step, node 0 (whose own --dir
-    has retired that step) takes its part from the tier too, both resume from it, and the final
+    started again, the ranks agree on the tier's newest step, each worker whose --dir lacks it
+    (node 1's; node 0's, which has retired it) takes its own rank's part back, both resume from
+    it, and the final
     states equal an uninterrupted run's (plain torchrun, 2 ranks) bit for bit. Each node's
     engine uploads its own rank's part only. The tier is a plain path here, through the same
     code as `s3://` (the loopback S3 endpoint of tests/s3server.py is not reachable from inside
@@ -451,7 +452,10 @@ def test_node_local_dirs_a_lost_node_resumes_from_the_durable_tier(nodes, tmp_pa
     assert _resumed_at(cwd, nodes, t_kill) == durable
     for rank in (0, 1):
         assert_training_state(load(cwd / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
+    # Each worker took its own rank's part back, never the other's (nor the whole record).
+    assert f"step {durable} (rank 1's part)" in (cwd / "node1.log").read_text()
     for node in nodes:
+        assert not list((cwd / node.own_dir).glob(f"step-*/rank-{1 - node.rank:05d}.*")), node
         lines = (cwd / f"metrics-node{node.rank}" / "engine-0.jsonl").read_text().splitlines()
         parts = [e for e in map(json.loads, lines) if e["type"] == "durable_part"]
         assert parts and {(e["rank"], e["by"]) for e in parts} == {(node.rank, node.rank)}, parts

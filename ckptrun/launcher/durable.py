@@ -1,7 +1,8 @@
 """--durable at the start of a run: the tier is usable (else one line, exit 2) and noted in --dir
 (for `ls`), and a resume takes the newest step of any tier: one the durable tier has and --dir
 lacks is copied into --dir first (in parallel), where the workers resume from it as from any
-committed step."""
+committed step. With --node-local-dir the ranks are known only after the rendezvous, so each
+worker takes its own rank's part instead (worker/bootstrap.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def prepare(cfg: RunConfig, store: Store) -> None:
     tier.probe()
     record(store.root, cfg.durable, cfg.durable_endpoint)
     if cfg.resume:
-        pull_newest(tier, store)
+        if not cfg.node_local_dir:  # node-local: each worker takes its own rank's part
+            pull_newest(tier, store)
     elif tier.committed():
         raise UsageError(f"--no-resume, but --durable {cfg.durable} already holds committed steps; "
                          "pass another --durable or remove them")

@@ -22,10 +22,10 @@ from ..ipc.messages import CommitPending
 from ..ipc.stdio import merge_stderr
 from ..log import log
 from ..restore.consolidate import resharded
-from ..restore.pull import pull_newest
+from ..restore.pull import pull_newest, restorable
 from ..restore.recovery import CHECK_AHEAD_BYTES, DamagedRecord, Plan, newest_good, plans, resume_state
 from ..storage.store import Store
-from ..storage.tiers import open_tier
+from ..storage.tiers import Tier, open_tier
 from .hooks import StopRun
 from .jobstore import job_store
 from .loading import ResumeState, fetch_held
@@ -143,18 +143,19 @@ def _agreed_node_local(rt: Runtime, store: Store, kv, *, checksums: bool) -> Pla
     """--node-local-dir: the newest step every rank restores from its own node's --dir (where
     a replaced node's engine has put back what partners held). Each rank says the newest step it
     can restore at most at the last round's smallest, until all say the same one: every rank
-    decides alike, from the job store's keys; with --durable, a rank whose --dir lacks a step
-    the tier has up to that smallest takes it back (`_pulled`). Each rank then moves aside, in its own --dir, the
-    records newer than it (a step some nodes committed and others not: its re-run commits it anew)."""
+    decides alike, from the job store's keys. With --durable, a rank also reaches the steps the
+    tier holds: one whose --dir lacks the agreed step takes its own part of it back from there.
+    Each rank then moves aside, in its own --dir, the records newer than it (a step some nodes
+    committed and others not: its re-run commits it anew)."""
     if not rt.cfg.resume and rt.restart_count == 0:
         return None
     store.sweep_incomplete()  # every engine has flushed (`_all_hold`): no record is on its way
+    tier, remote = _durable(rt.cfg)
     at_most = None
     for i in itertools.count():
         plan = newest_good(store, at_most=at_most, checksums=checksums, ranks=[rt.rank])
-        if at_most is not None and (plan is None or plan.step < at_most) and _pulled(rt.cfg, store, at_most):
-            plan = newest_good(store, at_most=at_most, checksums=checksums, ranks=[rt.rank])
-        kv.set(f"local/{i}/{rt.rank}", str(plan.step if plan else -1))
+        reach = max([plan.step if plan else -1, *(s for s in remote if at_most is None or s <= at_most)])
+        kv.set(f"local/{i}/{rt.rank}", str(reach))
         keys = [f"local/{i}/{r}" for r in range(rt.world_size)]
         kv.wait(keys)
         steps = {int(kv.get(k)) for k in keys}
@@ -162,23 +163,28 @@ def _agreed_node_local(rt: Runtime, store: Store, kv, *, checksums: bool) -> Pla
             break
         at_most = min(steps)
     newest = steps.pop()
+    if tier is not None and newest >= 0 and (plan is None or plan.step != newest):
+        pull_newest(tier, store, at_most=newest, ranks=[rt.rank])
+        if newest not in plans(store):
+            raise CkptrunError(f"--durable {tier.url}: rank {rt.rank}'s part of step {newest}, which the ranks "
+                               f"agreed to resume from, did not come back into {store.root}")
     _set_aside(store, [m.name for m in store.manifests(warn=False) if m.step > newest] + list(store.unreadable()))
     if newest < 0 or rt.cfg.on_restart == "fresh" and rt.restart_count > 0:
         return None
     return plans(store)[newest]
 
 
-def _pulled(cfg: RunConfig, store: Store, at_most: int) -> bool:
-    """--durable: this node's --dir lacks the step another rank can reach at most (it kept only
-    its newest steps): copy the tier's newest step up to it, if the tier has one newer than
-    --dir's. A tier that cannot give it is said, and the ranks go on agreeing on an older step."""
+def _durable(cfg: RunConfig) -> tuple[Tier | None, list[int]]:
+    """--durable: the tier and the steps it can restore (one listing, at the start of a resume
+    every rank can reach); a tier that cannot be read is said, and counts as holding none."""
     if not cfg.durable:
-        return False
+        return None, []
+    tier = open_tier(cfg.durable, cfg.durable_endpoint or None)
     try:
-        return bool(pull_newest(open_tier(cfg.durable, cfg.durable_endpoint or None), store, at_most=at_most))
+        return tier, sorted(restorable(tier))
     except (CkptrunError, OSError) as e:
-        log.warning(f"--durable {cfg.durable}: cannot take step {at_most} or older back ({e})")
-        return False
+        log.warning(f"--durable {cfg.durable}: not read for the resume ({e}); resuming from --dir")
+        return tier, []
 
 
 def _error_file(cfg: RunConfig, rank: int) -> Path:
