@@ -9,8 +9,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FULL, SCRIPTS, ckptrun, ok
+import torch
+from conftest import FULL, SCRIPTS, ckptrun, ok, pack
 
+from ckptrun.storage.store import Store, full_name
 from ckptrun.strategies import REGISTRY
 
 # Engine-side handlers that run an optimizer (lowdiff+'s replica, gockpt's roll-forward): torch is theirs.
@@ -23,6 +25,26 @@ def test_engine_modules_import_no_torch():
         if e.engine_handler and name not in STEPS_AN_OPTIMIZER]
     code = "import importlib, sys\n" + "".join(
         f"importlib.import_module({m!r}); assert 'torch' not in sys.modules, {m!r}\n" for m in modules)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_reading_a_committed_part_imports_no_torch(tmp_path):
+    """What a --durable upload and a partner's copy do in the engine: open a rank's part of a
+    committed record through the reader's checks (the index's skeleton included). That once
+    imported torch into the engine (1.3 s of CPU at the first upload, the trainer stalled)."""
+    store = Store(tmp_path / "ckpts")
+    store.ensure_writable()
+    state = {"model": {"w": torch.ones(3, 4), "b": torch.zeros(2).bfloat16()}, "step": (1, {2: None})}
+    skeleton, data, specs = pack(state)
+    store.write_rank(full_name(1), 0, memoryview(data), specs, skeleton, {"step": 1})
+    assert store.try_commit(full_name(1), kind="full", step=1, first_step=1, world_size=1)
+    code = ("import sys\nfrom ckptrun.storage.store import Store\n"
+            "from ckptrun.storage.tiers.parts import record_parts\n"
+            f"store = Store({str(tmp_path / 'ckpts')!r})\n"
+            "with record_parts(store, store.manifests()[-1], [0]) as (parts, manifest):\n"
+            "    assert parts and manifest\n"
+            "assert 'torch' not in sys.modules\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
 

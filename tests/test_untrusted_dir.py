@@ -405,7 +405,8 @@ def test_check_skeleton_accepts_what_flatten_writes():
     import numpy as np
     import torch
 
-    from ckptrun.storage.tree import check_skeleton, flatten
+    from ckptrun.storage.skeleton import check_skeleton
+    from ckptrun.storage.tree import flatten
 
     state = {"w": torch.ones(2, dtype=torch.bfloat16), "a": np.arange(3), "t": (1, float("nan"), "x"),
              "k": {0: [torch.zeros(1)], (1, 2): None, "__dunder": 1.5}, "d": torch.float8_e4m3fn}
@@ -458,7 +459,7 @@ def _nested(depth: int) -> dict:
     ({"__dtensor__": _shard(placements=["R"])}, "its placements make it [8, 3]"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_check_skeleton_rejects_what_unflatten_cannot_rebuild(skeleton, problem):
-    from ckptrun.storage.tree import check_skeleton
+    from ckptrun.storage.skeleton import check_skeleton
 
     with pytest.raises(ValueError, match=re.escape(problem)):
         check_skeleton(skeleton, {"k": {"dtype": "float32", "shape": [4, 3]}, "b": {"dtype": "bfloat16", "shape": [2]}})

@@ -14,9 +14,10 @@ import math
 import re
 from dataclasses import dataclass
 from itertools import product
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from .schema import MAX_NDIM, MAX_WORLD_SIZE, short
 
@@ -169,6 +170,8 @@ def choose(pieces: list[Sharded], where: str) -> list[Sharded]:
 def assemble(pieces: list[Sharded], where: str) -> torch.Tensor:
     """The full tensor out of every rank's shard of one DTensor (see `choose`)."""
     chosen = choose(pieces, where)
+    import torch  # (the engine, which imports this module, never assembles)
+
     full = torch.empty(chosen[0].shape, dtype=chosen[0].dtype)
     for piece in chosen:
         target = full

@@ -46,6 +46,7 @@ from .schema import (
     problem,
     rank_files,
 )
+from .skeleton import check_skeleton
 
 if TYPE_CHECKING:
     from .layout import ReadBuffer
@@ -366,8 +367,6 @@ class Store:
 
     def read_index(self, name: str, rank: int, manifest: Manifest | None = None) -> dict:
         """Rank `rank`'s index of committed record `name`, every field checked against the manifest."""
-        from .tree import check_skeleton  # torch: not needed to list records
-
         m = manifest or self.manifest(name)
         if not 0 <= rank < m.world_size:
             raise CorruptCheckpoint(f"{name}: has no rank {rank} (world_size {m.world_size})")
