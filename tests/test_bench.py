@@ -288,3 +288,20 @@ def test_durable_twins_are_measured_against_their_plain_runs(tmp_path):
             (plan.launch(twin, work, tmp_path / "r0", 4).argv for _ in range(2))]
     assert all(u.startswith("s3://b/p/r0-") for u in urls) and urls[0] != urls[1]
     assert "--durable" not in plan.launch(configs["checkfreq"], work, tmp_path / "r0", 4).argv
+
+
+@pytest.mark.parametrize("durable", ["", "/tmp/remote"])
+def test_the_against_column_stays_at_80_columns_where_a_ratio_is_not_against_none(durable):
+    """At 80 columns `against` is left out first, unless a row's ratio is against another row
+    (`NAME+durable` against `NAME`): then it stays, and says which."""
+    configs = plan.configurations("checkfreq", "1", durable=durable)
+    outcomes = {c.name: [Outcome(_figures(1.0 + 0.5 * i, None if i == 0 else 1.0), None, 1.0)]
+                for i, c in enumerate(configs)}
+    console = Console(record=True, width=80, file=io.StringIO())
+    report.print_tables(report.tables(stats.summarize(configs, outcomes), "title", 80), console)
+    lines = console.export_text().splitlines()
+    header = next(line for line in lines if "configuration" in line)
+    assert ("against" in header) == bool(durable), "\n".join(lines)
+    if durable:
+        row = next(line for line in lines if "checkfreq+durable" in line)
+        assert "1.33x" in row and "checkfreq " in row.replace("checkfreq+durable", ""), row

@@ -12,6 +12,7 @@ from rich.text import Text
 
 from ..errors import CkptrunError
 from ..widthfit import Col, fit_table, left_out_line, width_of
+from .plan import BASELINE
 
 SCHEMA = "ckptrun-bench/1"
 
@@ -53,8 +54,11 @@ def tables(rows: list[dict[str, Any]], title: str, width: int | None) -> list[Re
     """The medians (the configuration never cut; at a narrow `width` (None: any) the less
     important columns left out, said in a line), then each figure's min-max over the repetitions
     in a second table, then a line per failed configuration."""
+    # `against` goes first at a narrow width, unless a row's ratio is not against `none` (a
+    # `+durable` twin, a strategy that changes training): then the ratio means nothing without it.
+    against = 12 if all(r["against"] in (None, BASELINE) for r in rows) else 0
     columns = (Col("configuration", key=True, justify="left"), Col("every", 12), Col("writer", 12, justify="left"),
-               *(Col(h, d) for h, d, *_ in FIGURE_COLUMNS[:2]), Col("against", 12, justify="left"),
+               *(Col(h, d) for h, d, *_ in FIGURE_COLUMNS[:2]), Col("against", against, justify="left"),
                *(Col(h, d) for h, d, *_ in FIGURE_COLUMNS[2:]))
     cells, ranges, failed = [], [], []
     for r in rows:
