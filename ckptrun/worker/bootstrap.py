@@ -22,7 +22,7 @@ from ..ipc.messages import CommitPending
 from ..ipc.stdio import merge_stderr
 from ..log import log
 from ..restore.consolidate import resharded
-from ..restore.pull import pull_newest, restorable
+from ..restore.pull import take, tier_plans
 from ..restore.recovery import CHECK_AHEAD_BYTES, DamagedRecord, Plan, newest_good, plans, resume_state
 from ..storage.store import Store
 from ..storage.tiers import Tier, open_tier
@@ -164,7 +164,7 @@ def _agreed_node_local(rt: Runtime, store: Store, kv, *, checksums: bool) -> Pla
         at_most = min(steps)
     newest = steps.pop()
     if tier is not None and newest >= 0 and (plan is None or plan.step != newest):
-        pull_newest(tier, store, at_most=newest, ranks=[rt.rank])
+        take(tier, store, newest, remote[newest], [rt.rank])
         if newest not in plans(store):
             raise CkptrunError(f"--durable {tier.url}: rank {rt.rank}'s part of step {newest}, which the ranks "
                                f"agreed to resume from, did not come back into {store.root}")
@@ -174,17 +174,17 @@ def _agreed_node_local(rt: Runtime, store: Store, kv, *, checksums: bool) -> Pla
     return plans(store)[newest]
 
 
-def _durable(cfg: RunConfig) -> tuple[Tier | None, list[int]]:
+def _durable(cfg: RunConfig) -> tuple[Tier | None, dict[int, Plan]]:
     """--durable: the tier and the steps it can restore (one listing, at the start of a resume
     every rank can reach); a tier that cannot be read is said, and counts as holding none."""
     if not cfg.durable:
-        return None, []
+        return None, {}
     tier = open_tier(cfg.durable, cfg.durable_endpoint or None)
     try:
-        return tier, sorted(restorable(tier))
+        return tier, tier_plans(tier)
     except (CkptrunError, OSError) as e:
         log.warning(f"--durable {cfg.durable}: not read for the resume ({e}); resuming from --dir")
-        return tier, []
+        return tier, {}
 
 
 def _error_file(cfg: RunConfig, rank: int) -> Path:
