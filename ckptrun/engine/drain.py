@@ -185,7 +185,7 @@ class Drain:
     def _awaited(self, ms: list[Manifest]) -> frozenset[str]:
         """The records the board says the next round takes: the first step committed at or after
         its `from`, with the records it depends on that the tier lacks."""
-        start = self.board.taken_from() if self.board is not None else None
+        start = self.board.taken_from() if self.board is not None and ms else None
         first = None if start is None else next((m for m in ms if m.step >= start), None)
         return frozenset(_needed(first.name, {m.name: m for m in ms}, self.remote) or ()) if first else frozenset()
 

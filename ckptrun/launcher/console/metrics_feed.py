@@ -501,7 +501,8 @@ class MetricsState:
 
     def _on_replica_sent(self, e: dict[str, Any], t: float) -> None:
         rs = self._rank(e["rank"])
-        if e.get("of") and len(e["partners"]) == int(e["of"]) and int(e["step"]) > (rs.replicated_step or -1):
+        newest = -1 if rs.replicated_step is None else rs.replicated_step
+        if e.get("of") and len(e["partners"]) == int(e["of"]) and int(e["step"]) > newest:
             rs.replicated_step = int(e["step"])
 
     def _on_interval(self, e: dict[str, Any], t: float) -> None:
