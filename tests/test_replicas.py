@@ -21,6 +21,7 @@ from ckptrun.errors import CorruptCheckpoint, UsageError
 from ckptrun.restore.recovery import newest_good
 from ckptrun.storage.schema import Manifest, rank_files
 from ckptrun.storage.store import Store, full_name
+from ckptrun.storage.tiers import dpshared
 from ckptrun.storage.tiers.group import ReplicationGroup
 from ckptrun.storage.tiers.memtier import MemoryTier
 from ckptrun.storage.tiers.mirror import fill
@@ -108,6 +109,56 @@ def test_damaged_copies_are_refused(tmp_path):
     with pytest.raises(CorruptCheckpoint, match="checksum mismatch"):
         fill(tier, store, full_name(1))
     assert store.ranks_present(full_name(1)) == [0]
+
+
+def test_a_thin_copy_holds_only_per_rank_state_and_a_peer_makes_it_whole(tmp_path):
+    """The data-parallel short-cut (dpshared.py): a part whose index names its replicated
+    tensors ships without them (nor any padding) and is checked as held; made whole from a
+    peer's own part of the same record, it completes --dir, every tensor the owner's. A peer
+    whose tensor differs, or a kept tensor damaged in transit, is refused."""
+    store = Store(tmp_path / "ckpts")
+    store.ensure_writable()
+    name = full_name(3)
+    for rank in (0, 1):
+        state = {"models": {"model": {"w": torch.arange(3000.0), "b": torch.arange(7.0)}},
+                 "rng": torch.full((5,), float(rank))}
+        skeleton, data, specs = pack(state)
+        store.write_rank(name, rank, memoryview(data), specs, skeleton,
+                         {"step": 3, "shared": ["models/model/w", "models/model/b"]})
+    assert store.try_commit(name, kind="full", step=3, first_step=3, world_size=2)
+    with record_parts(store, store.manifest(name)) as (parts, manifest):
+        whole = {f: b"".join(src.chunks(1 << 20)) for f, src in parts[1]}
+    data_file, index_file = rank_files(1)
+    index = dpshared.parse(whole[index_file], name)
+    shared = dpshared.shared_keys(index)
+    slim = dpshared.thin(whole[data_file], index, shared)
+    assert len(slim) == 5 * 4 < len(whole[data_file])  # the rng tensor's bytes, nothing else
+    tier = MemoryTier()
+    damaged = bytearray(slim)
+    damaged[3] ^= 1
+    with pytest.raises(CorruptCheckpoint, match="checksum"):
+        tier.hold(1, manifest, {data_file: bytes(damaged), index_file: whole[index_file]}, thin=True)
+    assert tier.hold(1, manifest, {data_file: slim, index_file: whole[index_file]}, thin=True).step == 3
+    assert tier.thin == {1} and len(tier.objects[f"{name}/{data_file}"]) == len(slim)
+
+    own = dpshared.parse((store.root / name / rank_files(0)[1]).read_bytes(), name)
+    peer_data = (store.root / name / rank_files(0)[0]).read_bytes()
+
+    def peer(key: str) -> bytes:
+        t = own.tensors[key]
+        return peer_data[t.offset : t.offset + t.nbytes]
+
+    with pytest.raises(CorruptCheckpoint, match="differs"):
+        dpshared.rebuild(slim, index, shared | {"rng"}, peer)  # the peer's rng is its own
+    rebuilt = dpshared.rebuild(slim, index, shared, peer)
+    for t in index.tensors.values():
+        assert rebuilt[t.offset : t.offset + t.nbytes] == whole[data_file][t.offset : t.offset + t.nbytes]
+    for f in rank_files(1):
+        (store.root / name / f).unlink()
+    back = MemoryTier()
+    back.hold(1, manifest, {data_file: rebuilt, index_file: whole[index_file]})
+    assert fill(back, store, name) == sorted(rank_files(1))  # (which checks the record through Store)
+    assert store.ranks_present(name) == [0, 1]
 
 
 def test_refused_at_start(tmp_path):

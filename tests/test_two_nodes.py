@@ -44,7 +44,8 @@ from conftest import (
 )
 
 from ckptrun.config import RunConfig
-from ckptrun.storage.store import Store
+from ckptrun.storage.schema import rank_files
+from ckptrun.storage.store import Store, full_name
 from ckptrun.strategies import REGISTRY
 
 STOP = 24  # optimizer steps of each run
@@ -360,6 +361,21 @@ def test_a_damaged_partner_copy_falls_through_to_disk(strategy, nodes, tmp_path,
         assert_training_state(load(bad / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
 
 
+def _shipped_only_per_rank_state(cwd: Path, node: Node) -> None:
+    """The DDP short-cut: each copy `node`'s engine shipped held only the tensors its index does
+    not name as replicated (for the example script, its RNG state: the parameters and optimizer
+    state are every data-parallel peer's), and its index."""
+    events = [json.loads(line) for line in (cwd / f"metrics-node{node.rank}" / "engine-0.jsonl").open()]
+    sent = [e for e in events if e.get("type") == "replica_sent" and e["partners"]]
+    assert sent, f"node {node.rank} shipped nothing"
+    for e in sent:
+        raw = (cwd / node.own_dir / full_name(e["step"]) / rank_files(node.rank)[1]).read_bytes()
+        index = json.loads(raw)
+        kept = {k: t["nbytes"] for k, t in index["tensors"].items() if k not in index["meta"].get("shared", ())}
+        assert all(k.startswith("rng/") for k in kept), f"step {e['step']}: shipped {sorted(kept)}"
+        assert e["bytes"] == sum(kept.values()) + len(raw) < e["part_bytes"] // 10, e
+
+
 @pytest.mark.parametrize("strategy", REPLICABLE)
 def test_node_local_dirs_a_lost_node_resumes_from_partner_memory(strategy, nodes, tmp_path, tmp_path_factory):
     """--node-local-dir --replicas 2: each node commits every step into its own --dir (the
@@ -377,6 +393,8 @@ def test_node_local_dirs_a_lost_node_resumes_from_partner_memory(strategy, nodes
         assert_training_state(state, load(plain / f"own-{node.rank}.pt"))
     line = error_line(cli(plain, "restore", "--dir", plain / other.own_dir, "--rank", "0"))
     assert "holds the part(s) of rank(s) 1 of 2" in line, line
+    for node in nodes:
+        _shipped_only_per_rank_state(plain, node)
 
     lost = tmp_path / "lost"
     held, t_kill = _lose_node1(lost, head, other, strategy, lost=lambda step: True, extra=NODE_LOCAL)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -32,10 +33,11 @@ from ..ipc.events import EventLog
 from ..log import log
 from ..storage.schema import MAX_FILE_BYTES, MAX_METADATA_BYTES, rank_files
 from ..storage.store import Store
+from ..storage.tiers.dpshared import copy_spans, parse, rebuild, shared_keys, thin
 from ..storage.tiers.group import ReplicationGroup
 from ..storage.tiers.memtier import MemoryTier
 from ..storage.tiers.mirror import fill
-from ..storage.tiers.parts import index_spans, rank_part
+from ..storage.tiers.parts import rank_part
 
 SHIP, FETCH = 1, 2  # gloo tags: a new copy for a partner; a copy sent back to its owner
 FORM_TIMEOUT_S = 60.0  # the round's engines meeting (all of them start their worker after rendezvous)
@@ -60,18 +62,20 @@ class Round:
         self.live = set(self.partners)  # partners not (yet) found dead or stalled
         self.threads: list[threading.Thread] = []  # receiving partners' copies
 
-    def send(self, dst: int, tag: int, owner: int, blobs: list[bytes]) -> None:
-        """Send one copy (owner rank, then the manifest and files as `blobs`: [manifest, *files])."""
+    def send(self, dst: int, tag: int, owner: int, blobs: list[bytes], *, thin: bool = False) -> None:
+        """Send one copy (owner rank, then the manifest and files as `blobs`: [manifest, *files];
+        `thin`: its data file lacks the shared tensors, storage/tiers/dpshared.py)."""
         import torch
 
-        meta = json.dumps({"owner": owner, "sizes": [len(b) for b in blobs]}).encode()
+        meta = json.dumps({"owner": owner, "thin": thin, "sizes": [len(b) for b in blobs]}).encode()
         for t in [torch.tensor([len(meta)], dtype=torch.int64), *(_bytes_tensor(b) for b in [meta, *blobs] if b)]:
             self.pg.send([t], dst, tag).wait(timedelta(seconds=SEND_TIMEOUT_S))
 
-    def stop(self, dst: int) -> None:
+    def stop(self, dst: int, tag: int = SHIP) -> None:
+        """No (more) copies to `dst` on `tag`."""
         import torch
 
-        self.pg.send([torch.tensor([STOP], dtype=torch.int64)], dst, SHIP).wait(timedelta(seconds=2))
+        self.pg.send([torch.tensor([STOP], dtype=torch.int64)], dst, tag).wait(timedelta(seconds=2))
 
     def close(self) -> None:
         """End the group: receives still waiting (a partner that never said STOP) fail now, and
@@ -82,8 +86,8 @@ class Round:
             t.join(timeout=5)
 
     def recv(self, src: int, tag: int, timeout: float | None = None,
-             on_manifest: Callable[[bytes], None] | None = None) -> tuple[int, list[bytes]] | None:
-        """(owner, [manifest, *files]) of the next copy from `src`; None: it said STOP.
+             on_manifest: Callable[[bytes], None] | None = None) -> tuple[int, bool, list[bytes]] | None:
+        """(owner, thin, [manifest, *files]) of the next copy from `src`; None: it said STOP.
         `on_manifest` sees the manifest before the files are received."""
         import torch
 
@@ -96,13 +100,14 @@ class Round:
             raise CorruptCheckpoint(f"rank {src} sent a copy header of {int(head)} bytes")
         meta = json.loads(self._recv_bytes(src, tag, int(head), wait))
         sizes = meta["sizes"]
-        if not (isinstance(meta["owner"], int) and len(sizes) == 3 and 0 < sizes[0] <= MAX_METADATA_BYTES
+        if not (isinstance(meta["owner"], int) and isinstance(meta["thin"], bool) and len(sizes) == 3
+                and 0 < sizes[0] <= MAX_METADATA_BYTES
                 and all(isinstance(n, int) and 0 <= n <= MAX_FILE_BYTES for n in sizes)):
             raise CorruptCheckpoint(f"rank {src} sent a copy header out of range ({meta})")
         manifest = self._recv_bytes(src, tag, sizes[0], wait)
         if on_manifest is not None:
             on_manifest(manifest)
-        return meta["owner"], [manifest, *(self._recv_bytes(src, tag, n, wait) for n in sizes[1:])]
+        return meta["owner"], meta["thin"], [manifest, *(self._recv_bytes(src, tag, n, wait) for n in sizes[1:])]
 
     def _recv_bytes(self, src: int, tag: int, n: int, wait: timedelta) -> bytes:
         import torch
@@ -196,11 +201,8 @@ class Replicator:
         senders = []
         for p in r.partners:
             asked = json.loads(r.store.get(f"want/{p}"))
-            with self._lock:
-                part = self.held.part(p) if asked.get("holder") == r.rank else None
-            if part is not None:
-                manifest, files = part
-                t = threading.Thread(target=r.send, args=(p, FETCH, p, [manifest, *files.values()]), daemon=True)
+            if asked.get("holder") == r.rank:
+                t = threading.Thread(target=self._give_back, args=(r, p), daemon=True)
                 t.start()
                 senders.append(t)
         if want:
@@ -228,7 +230,8 @@ class Replicator:
         node-local --dir that lost the record gets it back with its manifest."""
         t0 = time.time()
         try:
-            tier = self.held if holder == r.rank else self._received(r, holder)
+            tier = _tier(f"rank {holder}'s memory", r.rank, *(self._whole(r.rank) if holder == r.rank
+                                                               else self._received(r, holder)))
             copied = fill(tier, self.store, name, [r.rank])
         except CorruptCheckpoint as e:
             log.warning(f"rank {r.rank}: the copy rank {holder} held is damaged ({_short(e)}); resuming "
@@ -241,15 +244,57 @@ class Replicator:
         self.log.emit(type="replica_restored", rank=r.rank, step=step, holder=holder, files=copied,
                       bytes=sum(len(tier.objects[f"{name}/{f}"]) for f in copied), seconds=took)
 
-    def _received(self, r: Round, holder: int) -> MemoryTier:
-        """The copy of this rank's part `holder` sends back, checked on receipt."""
+    def _received(self, r: Round, holder: int) -> tuple[bytes, dict[str, bytes]]:
+        """(manifest, files) of the copy of this rank's part `holder` sends back, whole."""
         got = r.recv(holder, FETCH, SEND_TIMEOUT_S)
-        if got is None or got[0] != r.rank:
-            raise CorruptCheckpoint(f"rank {holder} sent no copy of rank {r.rank}")
-        tier = MemoryTier(f"rank {holder}'s memory")
-        manifest, *files = got[1]
-        tier.hold(r.rank, manifest, _files(r.rank, files))
-        return tier
+        if got is None or got[0] != r.rank or got[1]:
+            raise CorruptCheckpoint(f"rank {holder} sent no whole copy of rank {r.rank}")
+        manifest, *files = got[2]
+        return manifest, _files(r.rank, files)
+
+    def _give_back(self, r: Round, owner: int) -> None:
+        """Send `owner` the copy held for it, whole; if it cannot be made whole, say so to it at
+        once (STOP), so that it resumes from --dir without waiting."""
+        try:
+            manifest, files = self._whole(owner)
+        except (CorruptCheckpoint, OSError, KeyError) as e:
+            log.warning(f"rank {r.rank}: cannot give rank {owner} its copy back ({_short(e)})")
+            self.log.emit(type="replica_error", rank=r.rank, partner=owner, error=_short(e))
+            with contextlib.suppress(RuntimeError):
+                r.stop(owner, FETCH)
+            return
+        with contextlib.suppress(RuntimeError):  # it died again: it resumes without
+            r.send(owner, FETCH, owner, [manifest, *files.values()])
+
+    def _whole(self, owner: int) -> tuple[bytes, dict[str, bytes]]:
+        """(manifest, files) of the copy held for `owner`; a thin one with its shared tensors read
+        from this node's own part of the same record (kept in --dir while the copy is held)."""
+        with self._lock:
+            part, thin = self.held.part(owner), owner in self.held.thin
+            name = self.held.owners[owner][0] if part is not None else ""
+        if part is None:
+            raise CorruptCheckpoint(f"no copy of rank {owner} is held")
+        manifest, files = part
+        if not thin:
+            return part
+        data_file, index_file = rank_files(owner)
+        store = self.store
+        peers = [p for p in store.ranks_present(name) if p != owner] if store.is_committed(name) else []
+        if not peers:
+            raise CorruptCheckpoint(f"{store.root} holds no data-parallel peer's part of {name} to complete it")
+        own_index, fd, base = store.open_rank(store.manifest(name), peers[0])
+        try:
+            own = own_index["tensors"]
+
+            def peer(key: str) -> bytes:
+                t = own.get(key) or {"offset": 0, "nbytes": 0}
+                return os.pread(fd, t["nbytes"], base + t["offset"])
+
+            index = parse(files[index_file], f"{name}: rank {owner}'s copy")
+            data = rebuild(files[data_file], index, shared_keys(index), peer)
+        finally:
+            os.close(fd)
+        return manifest, {data_file: data, index_file: files[index_file]}
 
     def held_records(self) -> list[str]:
         """The records of the copies held for partners (--node-local-dir: this node keeps its own
@@ -293,17 +338,21 @@ class Replicator:
             m = self.store.manifest(name)
             with contextlib.ExitStack() as stack:
                 blobs = [b"".join(src.chunks(8 << 20)) for _, src in rank_part(self.store, m, r.rank, stack)]
+            index = parse(blobs[1], f"{name}: rank {r.rank}") if self.node_local else None
+            shared = shared_keys(index) if index is not None else set()
         except (CorruptCheckpoint, OSError) as e:  # pruned meanwhile: a newer one comes
             self.log.emit(type="replica_error", rank=r.rank, error=f"{name}: {_short(e)}")
             return
+        sent = [thin(blobs[0], index, shared), blobs[1]] if shared else blobs
         manifest = json.dumps(m.to_json(), indent=1).encode()
         for p in sorted(r.live):
             try:
-                r.send(p, SHIP, r.rank, [manifest, *blobs])
+                r.send(p, SHIP, r.rank, [manifest, *sent], thin=bool(shared))
             except RuntimeError as e:
                 self._drop(r, p, e)
-        self.log.emit(type="replica_sent", rank=r.rank, step=m.step, bytes=sum(map(len, blobs)),
-                      partners=sorted(r.live), of=len(r.partners), seconds=time.time() - t0)
+        self.log.emit(type="replica_sent", rank=r.rank, step=m.step, bytes=sum(map(len, sent)),
+                      part_bytes=sum(map(len, blobs)), partners=sorted(r.live), of=len(r.partners),
+                      seconds=time.time() - t0)
 
     def _drop(self, r: Round, p: int, e: BaseException) -> None:
         """Partner `p` is dead or stalled: no more copies go to it this round (said once)."""
@@ -325,12 +374,12 @@ class Replicator:
             if got is None:
                 r.live.discard(src)
                 return
-            owner, (manifest, *files) = got
+            owner, is_thin, (manifest, *files) = got
             try:
                 if owner != src:
                     raise CorruptCheckpoint(f"rank {src} sent a copy of rank {owner}")
                 with self._lock:
-                    m = self.held.hold(owner, manifest, _files(owner, files))
+                    m = self.held.hold(owner, manifest, _files(owner, files), thin=is_thin)
                     if m is None:
                         continue
                     self._corrupt_if_asked(owner, m.step)
@@ -359,7 +408,8 @@ class Replicator:
             return
         name = self.held.owners[owner][0]
         data_file, index_file = rank_files(owner)
-        span = max(index_spans(json.loads(self.held.objects[f"{name}/{index_file}"])), key=lambda s: s.nbytes)
+        index = parse(self.held.objects[f"{name}/{index_file}"], name)
+        span = max(copy_spans(index, owner in self.held.thin)[0], key=lambda s: s.nbytes)
         data = bytearray(self.held.objects[f"{name}/{data_file}"])
         data[span.offset + span.nbytes // 2] ^= 1  # inside a tensor (not the alignment padding)
         self.held.objects[f"{name}/{data_file}"] = bytes(data)
@@ -373,6 +423,13 @@ class Replicator:
             self._wake.notify()
         self._end_round()
         self._shipper.join(timeout=SEND_TIMEOUT_S)
+
+
+def _tier(what: str, owner: int, manifest: bytes, files: dict[str, bytes]) -> MemoryTier:
+    """A tier holding rank `owner`'s copy (`files` of the record `manifest` commits), checked."""
+    tier = MemoryTier(what)
+    tier.hold(owner, manifest, files)
+    return tier
 
 
 def _files(owner: int, blobs: list[bytes]) -> dict[str, bytes]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ class Snapshot:
     buf: Any = None  # where it is copied when not a staging slot (`capture(into=...)`; slot is then -1)
     done_at: float | None = None  # when its post-step state was seen complete in the slot ("snapshot done")
     retry: tuple | None = None  # a lazy capture to finish on the training thread (`wait_copy`)
+    shared: list[str] = field(default_factory=list)  # keys every data-parallel rank holds alike (`shared_keys`)
 
 
 Stream = Callable[[Snapshot], Callable[[int], None]]
@@ -133,6 +134,7 @@ class Capture:
         self.staging.ensure(max(layout.nbytes, self.staging.sizes.get(snap.kind, 0)))
         snap.slot = self.staging.pool.acquire(self.staging.lost)  # (no free slot: the update waits at `wait_copy`)
         snap.skeleton, snap.layout, snap.nbytes = skeleton, layout, layout.nbytes
+        snap.shared = self.state.shared_keys(tensors)
         if stream is not None:
             snap.progress = stream(snap)
         if any(t.is_cuda for t in tensors.values()):
@@ -173,6 +175,7 @@ class Capture:
         elif snap.progress is not None:
             snap.progress(layout.nbytes)
         snap.skeleton.update(skeleton)
+        snap.shared += self.state.shared_keys(tensors)
         snap.layout = snap.layout + layout
         snap.nbytes = snap.layout.nbytes
 

@@ -122,9 +122,10 @@ class Handoff:
                 snap.skeleton["optimizers"][name]["param_groups"] = groups
 
     def record_meta(self, snap: Snapshot) -> dict:
-        return {"step": snap.step, "rank": self.rank, "world_size": self.world_size,
+        meta = {"step": snap.step, "rank": self.rank, "world_size": self.world_size,
                 "strategy": self.cfg.strategy, "snapshot_time": snap.time, "snapshot_done_at": snap.done_at,
                 "optimizers": self.state.optimizer_info}
+        return {**meta, "shared": snap.shared} if snap.shared else meta
 
     def submit(self, snap: Snapshot, message: type[Persist] = Persist, *, wait_durable: bool = False,
                layout: str = "records", **fields: Any) -> None:

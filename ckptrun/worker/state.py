@@ -5,7 +5,8 @@ a DDP wrapper), it joins the registries here. After optimizer step t and at the 
 (ckptrun/worker/capture.py) asks for the state of step t: `early_state` as right after the step
 (parameters, optimizer state, buffers, RNG), `late_state` as after what the script updates after
 the step (schedulers, scaler, tracked objects). Under DDP, `write_once` says which replicated
-tensors another rank writes (storage/writeonce.py).
+tensors another rank writes (storage/writeonce.py), or with `mark_shared` which ones every rank
+holds alike (a partner's copy leaves them out: storage/tiers/dpshared.py).
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ def _ident(t: torch.Tensor) -> tuple:
 
 class TrainingState:
     """The registries of what is saved, and the state built from them. `write_once`: the
-    strategy may leave replicated tensors to the rank that writes them (`Entry.write_once`)."""
+    strategy may leave replicated tensors to the rank that writes them (`Entry.write_once`).
+    `mark_shared`: every rank writes them, and their keys go into the index (`shared_keys`)."""
 
-    def __init__(self, rank: int, world_size: int, write_once: bool) -> None:
+    def __init__(self, rank: int, world_size: int, write_once: bool, mark_shared: bool = False) -> None:
         self.rank, self.world_size, self._write_once_ok = rank, world_size, write_once
+        self._mark_shared = mark_shared
         self.optimizers: list[torch.optim.Optimizer] = []
         self.models: dict[str, torch.nn.Module] = {}
         self.replicated: list[torch.nn.parallel.DistributedDataParallel] = []  # (`_replicated_params`)
@@ -165,20 +168,30 @@ class TrainingState:
     def write_once(self, skeleton: Any, tensors: dict[str, torch.Tensor],
                    rotate: int = 0) -> tuple[Any, dict[str, torch.Tensor]]:
         """Leave out the replicated tensors another rank writes (storage/writeonce.py), when the
-        strategy supports it. Replicated are exactly the parameters of DDP's modules, their
-        gradients at the optimizer step (all-reduced by then) and the optimizer state tensors
-        over them, found by storage (data_ptr, shape, dtype), not by name: anything else
-        (buffers, which DDP syncs only in the next forward; RNG; tracked objects) is per rank."""
+        strategy supports it."""
         if not self._writes_once():
             return skeleton, tensors
+        return writeonce.split(skeleton, tensors, self._replicated_keys(tensors), self.rank, self.world_size, rotate)
+
+    def shared_keys(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        """The keys of `tensors` that are replicated, with `mark_shared` (else none): a partner's
+        copy of this rank's part leaves them out, since every data-parallel peer holds them."""
+        if not (self._mark_shared and self.world_size > 1 and self.replicated):
+            return []
+        return self._replicated_keys(tensors)
+
+    def _replicated_keys(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        """Replicated are exactly the parameters of DDP's modules, their gradients at the
+        optimizer step (all-reduced by then) and the optimizer state tensors over them, found by
+        storage (data_ptr, shape, dtype), not by name: anything else (buffers, which DDP syncs
+        only in the next forward; RNG; tracked objects) is per rank."""
         params = self._replicated_params()
         same = {_ident(p) for p in params.values()} | {_ident(p.grad) for p in params.values() if p.grad is not None}
         for opt in self.optimizers:
             for p in replay.optimizer_params(opt):
                 if params.get(p.data_ptr()) is p:
                     same |= {_ident(v) for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor)}
-        return writeonce.split(skeleton, tensors, [k for k, t in tensors.items() if _ident(t) in same], self.rank,
-                               self.world_size, rotate)
+        return [k for k, t in tensors.items() if _ident(t) in same]
 
     def _replicated_params(self) -> dict[int, torch.Tensor]:
         """The parameters DDP keeps identical on every rank, by data pointer: those of its

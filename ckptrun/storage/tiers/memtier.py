@@ -4,19 +4,19 @@ The same objects as every tier (`<record>/rank-NNNNN.*` and the record's `MANIFE
 dict instead of a store, so a held copy is read back through `mirror.fill` and `Store` like any
 tier. Each part is checked as it arrives (`Source`: the index against the manifest's checksum,
 every tensor against the index's), so a copy is held only complete and intact; `hold` keeps one
-record per partner rank, the newest, which bounds an engine's memory to K-1 parts.
+record per partner rank, the newest, which bounds an engine's memory to K-1 parts. A thin copy
+(the data-parallel short-cut, dpshared.py) is checked as far as it goes and held thin.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ...errors import CorruptCheckpoint
 from ..fsutil import _no_fault
 from ..schema import Manifest, rank_files
 from .base import MANIFEST, Tier, UploadFault, parse_manifest
-from .parts import index_spans
+from .dpshared import copy_spans, parse
 from .source import Source
 
 CHUNK = 8 << 20
@@ -29,6 +29,7 @@ class MemoryTier(Tier):
         self.url = url
         self.objects: dict[str, bytes] = {}
         self.owners: dict[int, tuple[str, int]] = {}  # partner rank -> (record held, its step)
+        self.thin: set[int] = set()  # partner ranks whose copy is held less their shared tensors
 
     def probe(self, write: bool = True) -> None:
         """Memory is always there."""
@@ -52,10 +53,11 @@ class MemoryTier(Tier):
     def sweep_partial(self) -> int:
         return 0  # `put` stores an object whole or not at all
 
-    def hold(self, owner: int, manifest: bytes, files: dict[str, bytes]) -> Manifest | None:
+    def hold(self, owner: int, manifest: bytes, files: dict[str, bytes], *, thin: bool = False) -> Manifest | None:
         """Check and keep rank `owner`'s part (`files`) of the record `manifest` commits, in place
         of the one held for it before, unless that one is of the same step or a newer one (then
-        None); CorruptCheckpoint (nothing kept) if any check fails."""
+        None); CorruptCheckpoint (nothing kept) if any check fails. `thin`: its data file lacks
+        the tensors its index names as shared (dpshared.py)."""
         m = parse_manifest(manifest, f"rank {owner}'s copy")
         old = self.owners.get(owner)
         if old is not None and old[1] >= m.step:
@@ -65,15 +67,17 @@ class MemoryTier(Tier):
             raise CorruptCheckpoint(f"{m.name}: rank {owner}'s copy holds {sorted(files)}")
         raw = files[index_file]
         what = f"{m.name}: rank {owner}'s copy"
-        try:
-            index = json.loads(raw)
-            spans = index_spans(index)
-        except (ValueError, TypeError, KeyError, AttributeError):
-            raise CorruptCheckpoint(f"{what}: its index is not a rank index") from None
+        index = parse(raw, what)
+        if (index.record, index.rank) != (m.name, owner):
+            raise CorruptCheckpoint(f"{what}: its index is rank {index.rank}'s of {index.record}")
+        spans, size = copy_spans(index, thin)
+        if len(files[data_file]) != size:
+            raise CorruptCheckpoint(f"{what}: its data is {len(files[data_file]):,} bytes, its index says {size:,}")
         part = [(data_file, Source.of_buffer(files[data_file], spans, what)),
                 (index_file, Source.of_bytes(raw, m.index_checksums[str(owner)], f"{what} index"))]
         self.publish_record(m.name, [part], manifest)
         self.owners[owner] = (m.name, m.step)
+        (self.thin.add if thin else self.thin.discard)(owner)
         if old is not None:
             self.drop(owner, old[0])
         return m

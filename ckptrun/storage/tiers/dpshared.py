@@ -1,0 +1,84 @@
+"""The data-parallel short-cut of the replicated memory tier: a partner's copy of a rank's part
+leaves out the tensors every data-parallel rank holds alike, and gets them back from a peer.
+
+Under DDP with --node-local-dir, every rank writes its whole state, and its index names the
+replicated tensors (parameters, their gradients, the optimizer state over them: meta "shared",
+worker/state.py). A copy shipped to a partner is `thin`: the bytes of the other tensors only,
+packed (RNG, buffers, unreplicated parameters; no alignment padding). The partner checks what
+it got (the index against the manifest, every tensor kept against the index) and, to give the
+copy back, `rebuild`s the data file with the shared tensors read from its own part of the same
+record, each checked against the owner's index before it is used. Every tensor of the rebuilt
+file is the owner's byte for byte (the alignment padding, which no reader looks at, is zeros),
+and the owner checks it again as it lands (`mirror.fill`). So each step only per-rank state
+crosses the network, and a partner's memory holds only that.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import xxhash
+from pydantic import ValidationError
+
+from ...errors import CorruptCheckpoint
+from ..schema import RankIndex, TensorEntry
+from .source import Span
+
+
+def parse(raw: bytes, what: str) -> RankIndex:
+    """The rank index `raw`, checked (offsets inside its data, no overlaps) before any use."""
+    try:
+        return RankIndex.model_validate(json.loads(raw))
+    except (ValidationError, ValueError, RecursionError):
+        raise CorruptCheckpoint(f"{what}: its index is not a rank index") from None
+
+
+def shared_keys(index: RankIndex) -> set[str]:
+    """The tensors the index names as every data-parallel rank's alike (none if it names none)."""
+    shared = getattr(index.meta, "shared", None) or []
+    if not isinstance(shared, list) or not all(isinstance(k, str) and k in index.tensors for k in shared):
+        raise CorruptCheckpoint(f"{index.record}: rank {index.rank}'s index names shared tensors it does not hold")
+    return set(shared)
+
+
+def _kept(index: RankIndex, shared: set[str]) -> list[TensorEntry]:
+    return sorted((t for k, t in index.tensors.items() if k not in shared), key=lambda t: t.offset)
+
+
+def thin(data: bytes, index: RankIndex, shared: set[str]) -> bytes:
+    """The bytes of the tensors of `data` that are not `shared`, packed in offset order."""
+    view = memoryview(data)
+    return b"".join(view[t.offset : t.offset + t.nbytes] for t in _kept(index, shared))
+
+
+def thin_spans(index: RankIndex, shared: set[str]) -> tuple[list[Span], int]:
+    """(the checksummed spans of a thin copy's tensors, at their places in it; its size)."""
+    spans, pos = [], 0
+    for t in _kept(index, shared):
+        spans.append(Span(pos, t.nbytes, t.xxh3))
+        pos += t.nbytes
+    return spans, pos
+
+
+def copy_spans(index: RankIndex, is_thin: bool) -> tuple[list[Span], int]:
+    """(the checksummed spans of a copy's data, its size): a thin copy's packed (`thin_spans`),
+    a whole one's where its index puts them."""
+    if is_thin:
+        return thin_spans(index, shared_keys(index))
+    return [Span(t.offset, t.nbytes, t.xxh3) for t in index.tensors.values()], index.data_nbytes
+
+
+def rebuild(data: bytes, index: RankIndex, shared: set[str], peer: Callable[[str], bytes]) -> bytes:
+    """The whole data file of thin copy `data`: each shared tensor read by `peer(key)` from a
+    data-parallel peer's own part, where it must hash as the owner's index says."""
+    whole, pos = bytearray(index.data_nbytes), 0
+    for t in _kept(index, shared):
+        whole[t.offset : t.offset + t.nbytes] = data[pos : pos + t.nbytes]
+        pos += t.nbytes
+    for key in sorted(shared):
+        t, got = index.tensors[key], peer(key)
+        if len(got) != t.nbytes or xxhash.xxh3_64_hexdigest(got) != t.xxh3:
+            raise CorruptCheckpoint(f"{key}: the peer's own copy differs from the owner's (not replicated)")
+        whole[t.offset : t.offset + t.nbytes] = got
+    return bytes(whole)
