@@ -573,6 +573,16 @@ def bench(
                                               "also runs draining to it (each run under a prefix of its own), "
                                               "as NAME+durable, whose ratio is against NAME: what the remote "
                                               "tier adds.")] = "",
+    nodes: Annotated[int, typer.Option(help="1, or 2: each run on two nodes, each a network namespace of its "
+                                            "own on this machine (needs root), DDP between them; `none` runs "
+                                            "under torchrun, the references are left out; after the timed "
+                                            "steps node 1 is lost and replaced, and its recovery timed "
+                                            "(README: Replicated memory tier).")] = 1,
+    replicas: Annotated[int, typer.Option(help="With --nodes 2: each strategy that takes --replicas also runs "
+                                               "as NAME+replicas, with --replicas K and a --dir per node, "
+                                               "whose ratio is against NAME (one shared --dir): what the "
+                                               "copies in the partner's memory add, and how much sooner a "
+                                               "lost node is back.")] = 1,
 ) -> None:
     """Measure every strategy against no checkpointing, torch.save and DCP async_save; with
     --failures, their goodput when failures really happen.
@@ -590,7 +600,8 @@ def bench(
 
     raise typer.Exit(run_bench(BenchOptions(model, strategies, every, steps, repeat, device, trainer_threads,
                                             warmup, dir, json_file, plot, io_engine, failures, mtbf, duration,
-                                            seed, failure_log, traces, wide, durable), out, err))
+                                            seed, failure_log, traces, wide, durable, nodes, replicas), out,
+                                 err))
 
 
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})

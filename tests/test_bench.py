@@ -305,3 +305,42 @@ def test_the_against_column_stays_at_80_columns_where_a_ratio_is_not_against_non
     if durable:
         row = next(line for line in lines if "checkfreq+durable" in line)
         assert "1.33x" in row and "checkfreq " in row.replace("checkfreq+durable", ""), row
+
+
+def test_two_node_configurations_twin_each_replicable_strategy_and_leave_out_the_references():
+    """`bench --nodes 2 --replicas 2`: `default` leaves the references out (one process each)
+    and one named is refused; each strategy that takes --replicas is followed by NAME+replicas
+    (a --dir per node), its ratio against NAME; a strategy that does not take it has no twin."""
+    configs = {c.name: c for c in plan.configurations("default", "1", nodes=2, replicas=2)}
+    assert not set(plan.REFERENCES) & set(configs)
+    twins = {n.removesuffix("+replicas") for n in configs if n.endswith("+replicas")}
+    assert twins == {name for name, e in REGISTRY.items() if e.replicas} and twins < set(configs)
+    twin = configs["checkfreq+replicas"]
+    assert (twin.method, twin.reference) == ("checkfreq", "checkfreq")
+    assert twin.flags[-3:] == ("--replicas", "2", "--node-local-dir")
+    with pytest.raises(UsageError, match="torch.save run on one node"):
+        plan.configurations("torch.save,checkfreq", "1", nodes=2)
+    for bad, match in (({"nodes": 3}, "--nodes takes 1 or 2"), ({"replicas": 2}, "1 <= K <= --nodes"),
+                       ({"nodes": 2, "failures": "node"}, "--failures runs on one node")):
+        with pytest.raises(UsageError, match=match):
+            BenchOptions(**bad).validate()
+
+
+@FULL
+def test_two_node_bench_times_a_lost_node_back_from_its_partner(tmp_path):
+    """`bench --nodes 2 --replicas 2` end to end (network namespaces; skipped without root):
+    every configuration measured, the +replicas twin's copies shipped and the lost node's state
+    taken back from its partner's memory (its recovery measured, the take-back in its restore)."""
+    from ckptrun.bench import netns
+
+    if why := netns.why_not():
+        pytest.skip(f"two-node bench skipped: {why}")
+    out = tmp_path / "bench.json"
+    ok(ckptrun(tmp_path, "bench", "--nodes", "2", "--replicas", "2", "--model", "tiny", "--strategies",
+               "checkfreq", "--steps", "10", "--json", out))
+    rows = {r["name"]: r for r in json.loads(out.read_text())["configurations"]}
+    assert list(rows) == ["none", "checkfreq", "checkfreq+replicas"]
+    assert all(r["repetitions"] == 1 for r in rows.values()), rows
+    assert rows["checkfreq"]["shipped_per_step"] is None and rows["checkfreq+replicas"]["shipped_per_step"] > 0
+    for name in ("checkfreq", "checkfreq+replicas"):
+        assert rows[name]["recovery_s"] > rows[name]["restore_s"] > 0, rows[name]

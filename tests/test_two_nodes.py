@@ -8,22 +8,19 @@ committed step, and every rank's final state equals an uninterrupted two-node ru
 No step is ever committed without both nodes' parts. The replacement node may come back under
 an address that sorts first, so that the rendezvous ranks it 0 and the survivor 1: each rank's
 state follows the rank, and the survivor's engine gives up what it held for its old rank.
-Needs root (CAP_NET_ADMIN), `ip` and `unshare`; skipped, saying which is missing, elsewhere.
+Needs root (CAP_NET_ADMIN), `ip` and `unshare` (ckptrun/bench/netns.py); skipped, saying which is
+missing, elsewhere.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +40,7 @@ from conftest import (
     verify,
 )
 
+from ckptrun.bench import netns
 from ckptrun.config import RunConfig
 from ckptrun.storage.schema import rank_files
 from ckptrun.storage.store import Store, full_name
@@ -58,29 +56,15 @@ RUN_TIMEOUT_S = 180
 ARGS = [*LONG, "--stop-after", STOP, "--save-at", STOP, "--save-path", "own-{rank}.pt"]
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
-@dataclass
-class Node:
-    """One node: a network namespace with one end of the veth pair, at `addr`."""
-
-    rank: int
-    netns: str
-    link: str
-    addr: str
-    other_addr: str  # a second address of its own (a replacement node that sorts elsewhere)
+class Node(netns.Node):
+    """A node of these tests: it starts `ckptrun run` on the example."""
 
     def start(self, cwd: Path, host: str, strategy: str, *, addr: str | None = None, extra: tuple[str, ...] = (),
               fault: str | None = None, args: list[Any] = ARGS) -> subprocess.Popen:
-        """Its launcher (`ckptrun run`, node rank `rank`, with `extra` flags and `fault`), under a
-        host name of its own, as a node has. The rendezvous ranks nodes by their address
-        (`--local-addr`, default `self.addr`). --dir is `ckpts`, shared, or with
-        --node-local-dir among `extra` the node's own (`own_dir`)."""
-        argv = ["ip", "netns", "exec", self.netns, "unshare", "--uts", "sh", "-c",
-                f'hostname node{self.rank} && exec "$@"', "sh",
-                sys.executable, "-m", "ckptrun", "run", "--nnodes", "2", "--nproc-per-node", "1",
+        """Its launcher (`ckptrun run`, node rank `rank`, with `extra` flags and `fault`). The
+        rendezvous ranks nodes by their address (`--local-addr`, default `self.addr`). --dir is
+        `ckpts`, shared, or with --node-local-dir among `extra` the node's own (`own_dir`)."""
+        argv = [sys.executable, "-m", "ckptrun", "run", "--nnodes", "2", "--nproc-per-node", "1",
                 "--node-rank", str(self.rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{PORT}",
                 "--rdzv-id", "two-nodes", "--rdzv-conf", f"{RDZV_CONF},is_host={str(self.rank == 0).lower()}",
                 "--local-addr", addr or self.addr, "--max-restarts", "1", "--no-dashboard",
@@ -88,70 +72,22 @@ class Node:
                 "--keep", "0", "--metrics-dir", f"metrics-node{self.rank}", "--strategy", strategy,
                 *REGISTRY[strategy].short_run_flags, *extra, EXAMPLE,
                 *map(str, args)]
-        env = {**clean_env(fault), "GLOO_SOCKET_IFNAME": self.link, "OMP_NUM_THREADS": "1"}
-        with open(cwd / f"node{self.rank}.log", "ab") as out:
-            return subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return self.popen(argv, cwd, {**clean_env(fault), "OMP_NUM_THREADS": "1"}, cwd / f"node{self.rank}.log")
 
     @property
     def own_dir(self) -> str:
         """Its own --dir (--node-local-dir), relative to the test's folder."""
         return f"ckpts-node{self.rank}"
 
-    def kill(self) -> None:
-        """SIGKILL every process in the namespace at one moment (launcher, engine, worker): a
-        node failure. Stopped first, so that nothing starts another process meanwhile."""
-        pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", self.netns], capture_output=True,
-                                               text=True).stdout.split()]
-        for sig in (signal.SIGSTOP, signal.SIGKILL):
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-
-
-def _why_not() -> str | None:
-    if os.geteuid() != 0:
-        return "network namespaces need root (CAP_NET_ADMIN)"
-    for tool in ("ip", "unshare"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` is not installed"
-    return None
-
 
 @pytest.fixture
 def nodes() -> Iterator[tuple[Node, Node]]:
-    """Two namespaces joined by a veth pair, names and subnet unique to this test run; torn down
-    (processes killed, namespaces deleted, which deletes the veth pair) however the test ends."""
-    if why := _why_not():
-        pytest.skip(f"two-node test skipped: {why}")
-    tag = secrets.token_hex(3)
-    net = f"10.{200 + int(tag[:2], 16) % 50}.{int(tag[2:4], 16)}"
-    # Node 1 sorts after node 0 at its first address and before it at its other one.
-    pair = (Node(0, f"ckptrun-{tag}-0", f"ck{tag}0", f"{net}.3", f"{net}.4"),
-            Node(1, f"ckptrun-{tag}-1", f"ck{tag}1", f"{net}.5", f"{net}.2"))
-    made: list[Node] = []
+    """Two nodes (bench/netns.py), torn down however the test ends."""
     try:
-        for node in pair:
-            _ip("netns", "add", node.netns)
-            made.append(node)
-        _ip("link", "add", pair[0].link, "type", "veth", "peer", "name", pair[1].link)
-        for node in pair:
-            _ip("link", "set", node.link, "netns", node.netns)
-            for addr in (node.addr, node.other_addr):
-                _ip("-n", node.netns, "addr", "add", f"{addr}/24", "dev", node.link)
-            _ip("-n", node.netns, "link", "set", node.link, "up")
-            _ip("-n", node.netns, "link", "set", "lo", "up")
-    except subprocess.CalledProcessError as e:
-        for node in made:
-            _ip("netns", "del", node.netns)
-        if made:
-            raise
-        pytest.skip(f"two-node test skipped: cannot make a network namespace ({e.stderr.strip()})")
-    try:
-        yield pair
-    finally:
-        for node in made:
-            node.kill()
-            subprocess.run(["ip", "netns", "del", node.netns], capture_output=True)
+        with netns.node_pair(Node) as pair:
+            yield pair
+    except netns.NetnsUnavailable as e:
+        pytest.skip(f"two-node test skipped: {e}")
 
 
 def _finish(procs: list[subprocess.Popen], cwd: Path) -> list[int]:

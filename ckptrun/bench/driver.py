@@ -6,6 +6,7 @@ configurations alike instead of charging them to whichever ran last.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -15,8 +16,9 @@ from pathlib import Path
 from rich.console import Console
 
 from ..storage import iowriter
-from . import machine, plan, report, stats
+from . import machine, netns, plan, report, stats
 from .failure_driver import run_failure_bench
+from .nodes import PORT, run_on_nodes
 from .options import BenchOptions
 from .progress import RunProgress
 from .runner import Outcome, run_configuration
@@ -29,7 +31,7 @@ def run_bench(o: BenchOptions, console: Console | None = None, progress: Console
     o.validate()
     if o.failures:
         return run_failure_bench(o, console, progress)
-    configs = plan.configurations(o.strategies, o.every, o.io_engine, o.durable)
+    configs = plan.configurations(o.strategies, o.every, o.io_engine, o.durable, nodes=o.nodes, replicas=o.replicas)
     if o.plot:
         report.require_matplotlib()
     work = plan.Workload(plan.example_script(), o.model, o.device, o.trainer_threads)
@@ -39,15 +41,17 @@ def run_bench(o: BenchOptions, console: Console | None = None, progress: Console
     fs = desc["dir_filesystem"]["type"]
     if fs in machine.MEMORY_FILESYSTEMS:
         progress.print(f"ckptrun bench: warning: {root} is in memory ({fs}); the figures leave out disk writes")
+    on = f", on {o.nodes} nodes" if o.nodes > 1 else ""
     progress.print(f"ckptrun bench: {len(configs)} configurations x {o.repeat} repetitions, {o.steps} steps "
-                   f"each, model {o.model}, in {root}")
+                   f"each, model {o.model}{on}, in {root}")
     t0 = time.perf_counter()
-    outcomes = _interleaved(o, configs, work, root, progress)
+    with netns.node_pair() if o.nodes > 1 else contextlib.nullcontext() as pair:
+        outcomes = _interleaved(o, configs, work, root, progress, pair)
     wall = time.perf_counter() - t0
     desc["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     rows = stats.summarize(configs, outcomes)
     runs = f"median of {o.repeat}" if o.repeat > 1 else "1 run each (--repeat 3 for medians and ranges)"
-    title = (f"ckptrun bench: model {o.model}, {o.steps} steps (first {o.warmup} untimed), {runs}, {o.device}, "
+    title = (f"ckptrun bench: model {o.model}{on}, {o.steps} steps (first {o.warmup} untimed), {runs}, {o.device}, "
              f"{o.trainer_threads} trainer thread(s), dir on {fs}, writer {o.io_engine} ({desc['io_engine']})")
     report.print_tables(report.tables(rows, title, report.report_width(console, o.wide)), console)
     params = next((out.params for runs in outcomes.values() for out in runs if out.params), None)
@@ -65,15 +69,18 @@ def run_bench(o: BenchOptions, console: Console | None = None, progress: Console
 
 
 def _interleaved(o: BenchOptions, configs: list[plan.Configuration], work: plan.Workload, root: Path,
-                 progress: Console) -> dict[str, list[Outcome]]:
-    """Every configuration once per round, `repeat` rounds; their progress shown (RunProgress)."""
+                 progress: Console, pair: tuple[netns.Node, netns.Node] | None) -> dict[str, list[Outcome]]:
+    """Every configuration once per round, `repeat` rounds, on one node or on `pair`; their
+    progress shown (RunProgress)."""
     outcomes: dict[str, list[Outcome]] = {c.name: [] for c in configs}
     with RunProgress(progress, len(configs) * o.repeat) as shown:
         for rep in range(o.repeat):
             for i, cfg in enumerate(configs):
                 shown.running(f"{cfg.name} ({rep + 1}/{o.repeat})")
                 run_dir = root / f"run-{os.getpid()}-r{rep}-{i:02d}-{cfg.name.replace('@', '-every-')}"
-                out = run_configuration(cfg, work, run_dir, o.steps, o.warmup, o.run_timeout_s())
+                out = (run_configuration(cfg, work, run_dir, o.steps, o.warmup, o.run_timeout_s()) if pair is None
+                       else run_on_nodes(cfg, work, run_dir, o.steps, o.warmup, o.run_timeout_s(), pair,
+                                         PORT + (rep * len(configs) + i) % 100))
                 outcomes[cfg.name].append(out)
                 shown.done(f"{cfg.name} (repetition {rep + 1}): {_line(out)}", failed=out.figures is None)
     return outcomes

@@ -23,8 +23,9 @@ from .procmem import Memory
 
 # Per-run figures, in report order (the summary's `median_step_s` is the median of `step_s`).
 FIGURES = ("step_s", "compute_s", "stall_ms_per_step", "layer_wait_ms_per_step", "trainer_cpu_ms_per_step",
-           "engine_cpu_ms_per_step", "launcher_cpu_ms_per_step", "bytes_per_step", "write_MBps", "effective_MBps",
-           "peak_rss_MB", "peak_MB", "staging_MB", "page_cache_MB", "committed", "recovery_s", "setup_s", "restore_s")
+           "engine_cpu_ms_per_step", "launcher_cpu_ms_per_step", "bytes_per_step", "shipped_per_step", "write_MBps",
+           "effective_MBps", "peak_rss_MB", "peak_MB", "staging_MB", "page_cache_MB", "committed", "recovery_s",
+           "setup_s", "restore_s")
 
 
 @dataclass
@@ -55,6 +56,9 @@ class RunFigures:
     trainer_cpu_ms_per_step: float | None = None
     engine_cpu_ms_per_step: float | None = None
     launcher_cpu_ms_per_step: float | None = None
+    # `bench --nodes 2` with --replicas: bytes of the copies rank 0's engine shipped to its partners per
+    # timed step (bench/nodes.py); None: no copies
+    shipped_per_step: float | None = None
     # Effective checkpoint throughput (DataStates-LLM's headline): checkpoint bytes written per second the
     # trainer was blocked for them; None: nothing written, or no measurable blocking
     effective_MBps: float | None = field(init=False, default=None)

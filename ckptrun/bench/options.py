@@ -34,6 +34,8 @@ class BenchOptions:
     traces: str = ""  # write each kill schedule here as a failure trace
     wide: bool = False  # every column of the tables, however narrow the terminal
     durable: str = ""  # a --durable URL: each strategy also runs draining to it (plan.configurations)
+    nodes: int = 1  # 2: every run on two namespace nodes (bench/nodes.py)
+    replicas: int = 1  # K > 1 (with nodes 2): each strategy also runs as NAME+replicas (plan.configurations)
 
     def validate(self) -> None:
         if self.model not in plan.MODELS:
@@ -52,6 +54,18 @@ class BenchOptions:
             self.mtbf_s()
         elif self.failure_log or self.traces:
             raise UsageError("--failure-log and --traces belong to the goodput mode: add --failures worker|node")
+        if self.nodes not in (1, 2):
+            raise UsageError(f"--nodes takes 1 or 2 (got {self.nodes})")
+        if self.replicas < 1 or self.replicas > self.nodes:
+            raise UsageError(f"--replicas K needs 1 <= K <= --nodes: the copies go to other nodes (got --replicas "
+                             f"{self.replicas} with --nodes {self.nodes})")
+        if self.nodes > 1:
+            if self.failures:
+                raise UsageError("--failures runs on one node: leave out --nodes 2")
+            from .netns import why_not
+
+            if why := why_not():
+                raise UsageError(f"--nodes 2 makes network namespaces, and {why}: run it as root, or use --nodes 1")
         if self.durable:  # unusable: one line now, not a failure per run
             from ..storage.tiers import open_tier
 
@@ -72,6 +86,8 @@ class BenchOptions:
         if self.failures:
             argv += ["--failures", self.failures, "--duration", self.duration, "--seed", str(self.seed)]
             argv += ["--failure-log", self.failure_log] if self.failure_log else ["--mtbf", self.mtbf]
+        argv += ["--nodes", str(self.nodes)] if self.nodes > 1 else []
+        argv += ["--replicas", str(self.replicas)] if self.replicas > 1 else []
         for flag, value in (("--durable", self.durable), ("--dir", self.dir), ("--json", self.json),
                             ("--plot", self.plot), ("--traces", self.traces)):
             argv += [flag, value] if value else []

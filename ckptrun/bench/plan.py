@@ -107,18 +107,26 @@ def parse_io_engines(text: str) -> list[str]:
     return values
 
 
-def configurations(methods: str, every: str, io_engines: str = "auto", durable: str = "") -> list[Configuration]:
+def configurations(methods: str, every: str, io_engines: str = "auto", durable: str = "", *,
+                   nodes: int = 1, replicas: int = 1) -> list[Configuration]:
     """`none` first, then each chosen reference and strategy at each interval (and each writer,
     strategies only), in that order. `default` stands for DEFAULT_REFERENCES and every registered
     strategy at its defaults (what each strategy costs against what one would use otherwise);
     `all` for every reference, strategy and VARIANTS entry. With `durable` (a --durable URL),
     each strategy's configuration is followed by NAME+durable, the same run draining to it,
-    whose ratio is against NAME: what the remote tier adds."""
+    whose ratio is against NAME: what the remote tier adds; with `replicas` K > 1, each that
+    takes --replicas by NAME+replicas (--replicas K, a --dir per node). On `nodes` > 1 the
+    references (the script's own saves, one process) are not run: `default` and `all` leave
+    them out, and one named is refused."""
     from ..strategies import REGISTRY
 
-    known = [*REFERENCES, *REGISTRY, *VARIANTS]
-    groups = {"default": [*DEFAULT_REFERENCES, *REGISTRY], "all": known}
+    refs = REFERENCES if nodes == 1 else {}
+    known = [*refs, *REGISTRY, *VARIANTS]
+    groups = {"default": [*(r for r in DEFAULT_REFERENCES if r in refs), *REGISTRY], "all": known}
     wanted = [n for m in methods.split(",") if m.strip() for n in groups.get(m.strip(), [m.strip()])]
+    if nodes > 1 and (named := [m for m in wanted if m in REFERENCES]):
+        raise UsageError(f"{', '.join(named)} run on one node (the script's own saves): leave them out of "
+                         "--strategies, or use --nodes 1")
     unknown = [m for m in wanted if m != BASELINE and m not in known]
     if unknown:
         raise UsageError(f"unknown --strategies {', '.join(unknown)}; choose from: default, all, {BASELINE}, "
@@ -142,6 +150,9 @@ def configurations(methods: str, every: str, io_engines: str = "auto", durable: 
                 if durable:
                     configs.append(replace(plain, name=f"{plain.name}+durable", reference=plain.name,
                                            durable=durable))
+                if replicas > 1 and REGISTRY[base].replicas:
+                    configs.append(replace(plain, name=f"{plain.name}+replicas", reference=plain.name,
+                                           flags=(*plain.flags, "--replicas", str(replicas), "--node-local-dir")))
     return [*baselines.values(), *configs]
 
 
@@ -173,7 +184,7 @@ def launch(cfg: Configuration, work: Workload, run_dir: Path, steps: int, *, rec
     the newest committed step. A script (the references) is instead run again with `recovery`:
     it restores its newest save and takes one step, without periodic saves of its own.
     """
-    env = _env()
+    env = run_env()
     if cfg.kind == "ckptrun":
         crash = steps + 1 if cfg.every <= steps else None  # nothing to recover from otherwise
         if crash:
@@ -188,28 +199,34 @@ def failure_launch(cfg: Configuration, work: Workload, run_dir: Path, steps: int
     launcher restarts a killed worker (no restart limit); a script is started `again` by the bench,
     the references from their newest save, `none` from step 0 (it has nothing to resume from)."""
     if cfg.kind == "ckptrun":
-        return Launch(_ckptrun_argv(cfg, work, run_dir, steps, FAILURE_RESTARTS), _env())
-    return Launch(_script_argv(cfg, work, run_dir, steps, every=cfg.every, resume=again), _env())
+        return Launch(_ckptrun_argv(cfg, work, run_dir, steps, FAILURE_RESTARTS), run_env())
+    return Launch(_script_argv(cfg, work, run_dir, steps, every=cfg.every, resume=again), run_env())
 
 
 FAILURE_RESTARTS = 1_000_000  # `--max-restarts` under `bench --failures`: the bench decides when a run ends
 
 
-def _env() -> dict[str, str]:
+def run_env() -> dict[str, str]:
+    """The environment of a run: this one's, less ckptrun's own settings."""
     return {k: v for k, v in os.environ.items() if not k.startswith("CKPTRUN_")}
 
 
 def _ckptrun_argv(cfg: Configuration, work: Workload, run_dir: Path, steps: int, max_restarts: int) -> list[str]:
+    return [sys.executable, "-m", "ckptrun", "run",
+            *ckptrun_flags(cfg, run_dir / "ckpt", run_dir / "metrics", run_dir.name),
+            "--max-restarts", str(max_restarts), str(work.script), *work.script_args(steps, run_dir / "timing.jsonl")]
+
+
+def ckptrun_flags(cfg: Configuration, ckpt_dir: Path, metrics_dir: Path, run_name: str) -> list[str]:
+    """`ckptrun run`'s flags for `cfg`: strategy, its options, --dir, --every, --metrics-dir."""
     # Interval 1 leaves --every unset: each strategy's own cadence (its own intervals auto, or as a
     # variant sets them). A given --every N is honoured as given (every multiple of N restorable),
     # which pins those intervals to N, or refuses a variant that cannot honour it.
     every = ["--every", str(cfg.every)] if cfg.every != 1 else []
     # A prefix of its own per run: a run never resumes from, or is refused over, another's steps.
-    durable = ["--durable", f"{cfg.durable.rstrip('/')}/{run_dir.name}-{uuid.uuid4().hex[:8]}"] if cfg.durable else []
-    return [sys.executable, "-m", "ckptrun", "run", "--strategy", cfg.method, *cfg.flags, *durable,
-            "--dir", str(run_dir / "ckpt"), *every, "--max-restarts", str(max_restarts),
-            "--metrics-dir", str(run_dir / "metrics"), str(work.script),
-            *work.script_args(steps, run_dir / "timing.jsonl")]
+    durable = ["--durable", f"{cfg.durable.rstrip('/')}/{run_name}-{uuid.uuid4().hex[:8]}"] if cfg.durable else []
+    return ["--strategy", cfg.method, *cfg.flags, *durable, "--dir", str(ckpt_dir), *every,
+            "--metrics-dir", str(metrics_dir)]
 
 
 def _script_argv(cfg: Configuration, work: Workload, run_dir: Path, steps: int, *, every: int | None,

@@ -39,11 +39,14 @@ FIGURE_COLUMNS = (("step ms", 0, "median_step_s", ".1f", 1e3), ("overhead", 0, "
                   ("trainer CPU ms", 3, "trainer_cpu_ms_per_step", ".1f", 1.0),
                   ("engine CPU ms", 3, "engine_cpu_ms_per_step", ".1f", 1.0),
                   ("launcher CPU ms", 10, "launcher_cpu_ms_per_step", ".1f", 1.0),
-                  ("MB/step", 3, "bytes_per_step", ".1f", 1e-6), ("write MB/s", 4, "write_MBps", ".0f", 1.0),
+                  ("MB/step", 3, "bytes_per_step", ".1f", 1e-6),
+                  ("MB shipped/step", 4, "shipped_per_step", ".3f", 1e-6),
+                  ("write MB/s", 4, "write_MBps", ".0f", 1.0),
                   ("effective MB/s", 7, "effective_MBps", ".0f", 1.0), ("memory MB", 5, "peak_MB", ".0f", 1.0),
                   ("staging MB", 9, "staging_MB", ".0f", 1.0), ("page cache MB", 10, "page_cache_MB", ".0f", 1.0),
                   ("commits", 6, "committed", ".0f", 1.0), ("recovery s", 2, "recovery_s", ".2f", 1.0),
                   ("of it restart s", 11, "setup_s", ".2f", 1.0), ("of it restore s", 11, "restore_s", ".2f", 1.0))
+ONLY_WHEN_SET = ("shipped_per_step",)  # a column shown only where some row has the figure
 # the figures whose spread over the repetitions the second table shows
 RANGED = ("step ms", "overhead", "stall ms/step", "fwd+bwd ratio", "MB/step", "write MB/s", "recovery s")
 RATIO_COLUMNS = ("overhead", "fwd+bwd ratio")  # shown with an x
@@ -57,9 +60,10 @@ def tables(rows: list[dict[str, Any]], title: str, width: int | None) -> list[Re
     # `against` goes first at a narrow width, unless a row's ratio is not against `none` (a
     # `+durable` twin, a strategy that changes training): then the ratio means nothing without it.
     against = 12 if all(r["against"] in (None, BASELINE) for r in rows) else 0
+    shown = [c for c in FIGURE_COLUMNS if c[2] not in ONLY_WHEN_SET or any(r.get(c[2]) is not None for r in rows)]
     columns = (Col("configuration", key=True, justify="left"), Col("every", 12), Col("writer", 12, justify="left"),
-               *(Col(h, d) for h, d, *_ in FIGURE_COLUMNS[:2]), Col("against", against, justify="left"),
-               *(Col(h, d) for h, d, *_ in FIGURE_COLUMNS[2:]))
+               *(Col(h, d) for h, d, *_ in shown[:2]), Col("against", against, justify="left"),
+               *(Col(h, d) for h, d, *_ in shown[2:]))
     cells, ranges, failed = [], [], []
     for r in rows:
         if r["repetitions"] == 0:
@@ -67,10 +71,10 @@ def tables(rows: list[dict[str, Any]], title: str, width: int | None) -> list[Re
             cells.append([r["name"], _num(r["every"], "d"), "-", "failed", *["-"] * (len(columns) - 4)])
             continue
         figs = {h: _mid(r, key, fmt, scale) + ("x" if h in RATIO_COLUMNS and r[key] is not None else "")
-                for h, _, key, fmt, scale in FIGURE_COLUMNS}
+                for h, _, key, fmt, scale in shown}
         cells.append([r["name"], _num(r["every"], "d"), ",".join(r["io_engines"]) or "-", figs["step ms"],
-                      figs["overhead"], r["against"] or "-", *(figs[h] for h, *_ in FIGURE_COLUMNS[2:])])
-        ranges.append([r["name"], *(_spread(r, key, fmt, scale) for h, _, key, fmt, scale in FIGURE_COLUMNS
+                      figs["overhead"], r["against"] or "-", *(figs[h] for h, *_ in shown[2:])])
+        ranges.append([r["name"], *(_spread(r, key, fmt, scale) for h, _, key, fmt, scale in shown
                                     if h in RANGED)])
     main, left_out = fit_table(columns, cells, width, title=title, title_justify="left")
     out: list[RenderableType] = [main]

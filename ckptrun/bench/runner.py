@@ -77,10 +77,14 @@ def _execute(spec: Launch, log: Path, cwd: Path, timeout_s: float, *, include_ro
         finally:
             mem = sampler.stop()
     if rc != 0:
-        lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
         what = f"timed out after {timeout_s:.0f} s" if rc is None else f"exited with code {rc}"
-        raise RunFailed(f"{' '.join(spec.argv[:6])} ... {what}; log {log}:\n" + "\n".join(lines))
+        raise RunFailed(f"{' '.join(spec.argv[:6])} ... {what}; log {log}:\n{log_tail(log)}")
     return mem, sampler.cpu
+
+
+def log_tail(log: Path) -> str:
+    """The last lines of a run's log."""
+    return "\n".join(log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
 
 
 def _ckptrun_run(cfg: Configuration, work: Workload, run_dir: Path, steps: int, warmup: int,
@@ -122,10 +126,11 @@ def run_configuration(cfg: Configuration, work: Workload, run_dir: Path, steps: 
         run = _ckptrun_run if cfg.kind == "ckptrun" else _script_run
         result, params = run(cfg, work, run_dir, steps, warmup, timeout_s)
     except CkptrunError as e:
-        return Outcome(None, str(e), time.perf_counter() - t0, load_1m=_load())
+        return Outcome(None, str(e), time.perf_counter() - t0, load_1m=load_1m())
     shutil.rmtree(run_dir, ignore_errors=True)
-    return Outcome(result, None, time.perf_counter() - t0, params, _load())
+    return Outcome(result, None, time.perf_counter() - t0, params, load_1m())
 
 
-def _load() -> float | None:
+def load_1m() -> float | None:
+    """The machine's 1-minute load average (None where the OS has none)."""
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
