@@ -380,7 +380,9 @@ def ls(dir: ReadDir = "ckpts",
                                                              "step is (default: the URL the run's --dir records)."
                                             )] = "") -> None:
     """List committed steps, and the step a live run's engines hold in memory (kind `memory`:
-    survives a worker crash, not a machine loss; lowdiff+)."""
+    survives a worker crash, not a machine loss; lowdiff+). A tiers column says where each step
+    is, when not only in --dir: `remote` (--durable), `copy:R` (an engine on this host holds
+    rank R's part of it for its partner: --replicas)."""
     from .storage.tiers.mirror import reading
 
     with reading(dir, endpoint or None) as store, _remote_tier(dir, durable, endpoint) as remote:
@@ -414,6 +416,7 @@ def _remote_tier(dir: str, durable: str, endpoint: str) -> Iterator[Store | None
 
 def _ls(store: Store, as_json: bool, wide: bool, remote: Store | None = None) -> None:
     from .storage import memory_status
+    from .storage.store import full_name
     from .widthfit import Col, fit_table, left_out_line
 
     ms = store.manifests()
@@ -424,6 +427,10 @@ def _ls(store: Store, as_json: bool, wide: bool, remote: Store | None = None) ->
         for m in there:
             tiers.setdefault(m.name, []).append("remote")
         ms.sort(key=lambda m: (m.step, m.kind != "full"))
+    for c in memory_status.live(store.root, copies=True):
+        if full_name(c["step"]) in tiers:
+            tiers[full_name(c["step"])].append(f"copy:{c['rank']}")
+    listed = remote is not None or any(len(t) > 1 for t in tiers.values())
     here = {m.name: _ranks_here(store, m) for m in ms if "local" in tiers.get(m.name, [])}
     rows = [{"step": m.step, "kind": m.kind, "record": m.name, "bytes": m.bytes, "ranks": m.world_size,
              "ranks_here": here.get(m.name), "rank_bytes": m.rank_bytes or None,
@@ -431,7 +438,7 @@ def _ls(store: Store, as_json: bool, wide: bool, remote: Store | None = None) ->
              # the two completions: the snapshot complete in host memory (the trainer could go on),
              # and persisted (committed: durable on every rank), as wall-clock times
              "snapshot_done_at": _time_or_none(m.meta.get("snapshot_done_at")), "persisted_at": m.committed_at,
-             **({"tiers": tiers[m.name]} if remote is not None else {})}
+             **({"tiers": tiers[m.name]} if listed else {})}
             for m in ms]
     held = memory_status.live(store.root)
     if held:
@@ -451,7 +458,7 @@ def _ls(store: Store, as_json: bool, wide: bool, remote: Store | None = None) ->
               ", ".join(r["depends_on"]) or "-", r["layout"]] for r in rows]
     if all(r["ranks"] <= 1 for r in rows):  # bytes per rank would repeat bytes
         columns, cells = columns[:5] + columns[6:], [c[:5] + c[6:] for c in cells]
-    if remote is not None:
+    if listed:
         columns += (Col("tiers", 1, justify="left"),)
         cells = [[*c, "+".join(r.get("tiers", ["memory"]))] for c, r in zip(cells, rows, strict=True)]
     table, left_out = fit_table(columns, cells, None if wide else out.width)

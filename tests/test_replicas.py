@@ -25,7 +25,7 @@ from ckptrun.storage.tiers import dpshared
 from ckptrun.storage.tiers.group import ReplicationGroup
 from ckptrun.storage.tiers.memtier import MemoryTier
 from ckptrun.storage.tiers.mirror import fill
-from ckptrun.storage.tiers.parts import record_parts
+from ckptrun.storage.tiers.parts import record_parts, thin_rank_part
 from ckptrun.strategies import REGISTRY, names_where
 
 
@@ -131,7 +131,8 @@ def test_a_thin_copy_holds_only_per_rank_state_and_a_peer_makes_it_whole(tmp_pat
     data_file, index_file = rank_files(1)
     index = dpshared.parse(whole[index_file], name)
     shared = dpshared.shared_keys(index)
-    slim = dpshared.thin(whole[data_file], index, shared)
+    slim = dpshared.thin(lambda offset, n: whole[data_file][offset : offset + n], index, shared)
+    assert thin_rank_part(store, store.manifest(name), 1) == (slim, whole[index_file])  # (what the engine ships)
     assert len(slim) == 5 * 4 < len(whole[data_file])  # the rng tensor's bytes, nothing else
     tier = MemoryTier()
     damaged = bytearray(slim)

@@ -222,6 +222,8 @@ def _lose_node1(cwd: Path, head: Node, other: Node, strategy: str, *, fault: str
     time.sleep(1)  # rank 0's engine commits nothing more: rank 1's writer is gone
     held = max(_held(cwd, 1))
     assert held < STOP and not (cwd / "own-0.pt").exists(), "the node was killed after the run ended"
+    if "--node-local-dir" in extra:  # (node 0's engine lives on: its worker waits for the new node)
+        _lists_the_copy_of_rank1(cwd, head)
     if "--node-local-dir" in extra:
         shutil.rmtree(cwd / other.own_dir)
     for part in (cwd / "ckpts").glob("step-*/rank-00001.*"):
@@ -230,6 +232,17 @@ def _lose_node1(cwd: Path, head: Node, other: Node, strategy: str, *, fault: str
     procs[1] = other.start(cwd, head.addr, strategy, extra=extra)
     assert _finish(procs, cwd) == [0, 0], _logs(cwd)
     return held, t_kill
+
+
+def _lists_the_copy_of_rank1(cwd: Path, head: Node) -> None:
+    """`ckptrun ls` on node 0 (its host) says which of its --dir's steps its engine holds rank 1's
+    copy of (tiers `copy:1`)."""
+    out = cwd / "ls-node0.json"
+    argv = [sys.executable, "-m", "ckptrun", "ls", "--json", "--dir", head.own_dir]
+    lister = head.popen(argv, cwd, clean_env(None), out)
+    assert lister.wait(timeout=60) == 0, out.read_text()
+    rows = json.loads(out.read_text())
+    assert any("copy:1" in r.get("tiers", ()) for r in rows), rows
 
 
 def _resumed_at(cwd: Path, nodes: tuple[Node, Node], after: float) -> int:
@@ -309,7 +322,7 @@ def _shipped_only_per_rank_state(cwd: Path, node: Node) -> None:
         index = json.loads(raw)
         kept = {k: t["nbytes"] for k, t in index["tensors"].items() if k not in index["meta"].get("shared", ())}
         assert all(k.startswith("rng/") for k in kept), f"step {e['step']}: shipped {sorted(kept)}"
-        assert e["bytes"] == sum(kept.values()) + len(raw) < e["part_bytes"] // 10, e
+        assert e["bytes"] == sum(kept.values()) + len(raw) < index["data_nbytes"] // 10, e
 
 
 @pytest.mark.parametrize("strategy", REPLICABLE)

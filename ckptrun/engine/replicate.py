@@ -31,13 +31,14 @@ from ..errors import CkptrunError, CorruptCheckpoint
 from ..faults import Fault, die
 from ..ipc.events import EventLog
 from ..log import log
-from ..storage.schema import MAX_FILE_BYTES, MAX_METADATA_BYTES, rank_files
+from ..storage import memory_status
+from ..storage.schema import MAX_FILE_BYTES, MAX_METADATA_BYTES, Manifest, rank_files
 from ..storage.store import Store
-from ..storage.tiers.dpshared import copy_spans, parse, rebuild, shared_keys, thin
+from ..storage.tiers.dpshared import copy_spans, parse, rebuild, shared_keys
 from ..storage.tiers.group import ReplicationGroup
 from ..storage.tiers.memtier import MemoryTier
 from ..storage.tiers.mirror import fill
-from ..storage.tiers.parts import rank_part
+from ..storage.tiers.parts import rank_part, thin_rank_part
 
 SHIP, FETCH = 1, 2  # gloo tags: a new copy for a partner; a copy sent back to its owner
 FORM_TIMEOUT_S = 60.0  # the round's engines meeting (all of them start their worker after rendezvous)
@@ -232,7 +233,8 @@ class Replicator:
         try:
             tier = _tier(f"rank {holder}'s memory", r.rank, *(self._whole(r.rank) if holder == r.rank
                                                                else self._received(r, holder)))
-            copied = fill(tier, self.store, name, [r.rank])
+            # (every tensor was checked as the copy arrived, and the worker checks them as it reads)
+            copied = fill(tier, self.store, name, [r.rank], checksums=False)
         except CorruptCheckpoint as e:
             log.warning(f"rank {r.rank}: the copy rank {holder} held is damaged ({_short(e)}); resuming "
                         "from --dir")
@@ -333,26 +335,29 @@ class Replicator:
                 self._ship(r, name)
 
     def _ship(self, r: Round, name: str) -> None:
+        """Ship this rank's part of committed record `name` to the live partners: with
+        --node-local-dir, thin when its index names shared tensors (only the others are read)."""
         t0 = time.time()
         try:
             m = self.store.manifest(name)
-            with contextlib.ExitStack() as stack:
-                blobs = [b"".join(src.chunks(8 << 20)) for _, src in rank_part(self.store, m, r.rank, stack)]
-            index = parse(blobs[1], f"{name}: rank {r.rank}") if self.node_local else None
-            shared = shared_keys(index) if index is not None else set()
+            thin = thin_rank_part(self.store, m, r.rank) if self.node_local else None
+            part = thin or self._whole_part(m, r.rank)
         except (CorruptCheckpoint, OSError) as e:  # pruned meanwhile: a newer one comes
             self.log.emit(type="replica_error", rank=r.rank, error=f"{name}: {_short(e)}")
             return
-        sent = [thin(blobs[0], index, shared), blobs[1]] if shared else blobs
         manifest = json.dumps(m.to_json(), indent=1).encode()
         for p in sorted(r.live):
             try:
-                r.send(p, SHIP, r.rank, [manifest, *sent], thin=bool(shared))
+                r.send(p, SHIP, r.rank, [manifest, *part], thin=thin is not None)
             except RuntimeError as e:
                 self._drop(r, p, e)
-        self.log.emit(type="replica_sent", rank=r.rank, step=m.step, bytes=sum(map(len, sent)),
-                      part_bytes=sum(map(len, blobs)), partners=sorted(r.live), of=len(r.partners),
-                      seconds=time.time() - t0)
+        self.log.emit(type="replica_sent", rank=r.rank, step=m.step, bytes=sum(map(len, part)),
+                      partners=sorted(r.live), of=len(r.partners), seconds=time.time() - t0)
+
+    def _whole_part(self, m: Manifest, rank: int) -> tuple[bytes, ...]:
+        """Rank `rank`'s files of committed record `m`, read whole and checked."""
+        with contextlib.ExitStack() as stack:
+            return tuple(b"".join(src.chunks(8 << 20)) for _, src in rank_part(self.store, m, rank, stack))
 
     def _drop(self, r: Round, p: int, e: BaseException) -> None:
         """Partner `p` is dead or stalled: no more copies go to it this round (said once)."""
@@ -388,6 +393,8 @@ class Replicator:
                 self.log.emit(type="replica_error", rank=r.rank, partner=src, error=_short(e))
                 continue
             self.log.emit(type="replica_held", rank=r.rank, owner=owner, step=m.step, bytes=sum(map(len, files)))
+            with contextlib.suppress(OSError):  # (only `ls` misses it)
+                memory_status.publish(self.store.root, owner, m.step, sum(map(len, files)), copy=True)
             self._say_held(r)
 
     def _die_if_asked(self, manifest: bytes) -> None:
@@ -423,6 +430,9 @@ class Replicator:
             self._wake.notify()
         self._end_round()
         self._shipper.join(timeout=SEND_TIMEOUT_S)
+        if self.store is not None:
+            for owner in list(self.held.owners):
+                memory_status.withdraw(self.store.root, owner, copy=True)
 
 
 def _tier(what: str, owner: int, manifest: bytes, files: dict[str, bytes]) -> MemoryTier:

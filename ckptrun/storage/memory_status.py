@@ -1,9 +1,11 @@
-"""Which step an engine holds in memory (lowdiff+'s replica), told to read-only commands.
+"""Which step an engine holds in memory, told to read-only commands: its own rank's (lowdiff+'s
+replica) and, with --replicas, the copies it holds of its partners' parts.
 
 Not a record: the state itself is in the engine's memory, survives a worker crash and is lost
 with the engine. Each engine that holds one rewrites `<dir>/ckptrun.memory.rNNNNN` (its rank,
-step, bytes, pid, host) when it moves; `ckptrun ls` lists it while that process lives. The file
-is read as untrusted input like the rest of the directory.
+step, bytes, pid, host) when it moves, and `<dir>/ckptrun.copies.rNNNNN.pPID` for each copy of
+rank NNNNN's part it holds; `ckptrun ls` lists them while that process lives.
+The files are read as untrusted input like the rest of the directory.
 """
 
 from __future__ import annotations
@@ -16,33 +18,36 @@ import stat
 from pathlib import Path
 
 PREFIX = "ckptrun.memory.r"
+COPIES = "ckptrun.copies.r"  # a partner's copy: `{COPIES}{owner:05d}.p{the holding engine's pid}`
 FIELDS = ("rank", "step", "nbytes", "pid")
 
 
-def _path(root: Path, rank: int) -> Path:
-    return root / f"{PREFIX}{rank:05d}"
+def _path(root: Path, rank: int, copy: bool) -> Path:
+    return root / (f"{COPIES}{rank:05d}.p{os.getpid()}" if copy else f"{PREFIX}{rank:05d}")
 
 
-def publish(root: Path, rank: int, step: int, nbytes: int) -> None:
-    """Say that this process holds `step` of `rank` (write-then-rename; no fsync: it is volatile)."""
-    path = _path(root, rank)
+def publish(root: Path, rank: int, step: int, nbytes: int, *, copy: bool = False) -> None:
+    """Say that this process holds `step` of `rank` (a partner's copy, with `copy`);
+    write-then-rename, no fsync: it is volatile."""
+    path = _path(root, rank, copy)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps({"rank": rank, "step": step, "nbytes": nbytes, "pid": os.getpid(),
                                "host": socket.gethostname()}))
     os.replace(tmp, path)
 
 
-def withdraw(root: Path, rank: int) -> None:
+def withdraw(root: Path, rank: int, *, copy: bool = False) -> None:
     with contextlib.suppress(OSError):
-        _path(root, rank).unlink()
+        _path(root, rank, copy).unlink()
 
 
-def live(root: Path) -> list[dict]:
-    """The in-memory steps of engines alive on this host, by rank."""
+def live(root: Path, *, copies: bool = False) -> list[dict]:
+    """The in-memory steps of engines alive on this host, by rank: their own, or with `copies`
+    the partners' copies they hold (by the rank whose part each is)."""
     import psutil
 
     found = []
-    for path in sorted(root.glob(f"{PREFIX}*")):
+    for path in sorted(root.glob(f"{COPIES if copies else PREFIX}*")):
         try:  # only a regular file, never followed through a link, at most a few KiB
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
         except OSError:

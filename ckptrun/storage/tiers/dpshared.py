@@ -46,10 +46,10 @@ def _kept(index: RankIndex, shared: set[str]) -> list[TensorEntry]:
     return sorted((t for k, t in index.tensors.items() if k not in shared), key=lambda t: t.offset)
 
 
-def thin(data: bytes, index: RankIndex, shared: set[str]) -> bytes:
-    """The bytes of the tensors of `data` that are not `shared`, packed in offset order."""
-    view = memoryview(data)
-    return b"".join(view[t.offset : t.offset + t.nbytes] for t in _kept(index, shared))
+def thin(read: Callable[[int, int], bytes], index: RankIndex, shared: set[str]) -> bytes:
+    """The bytes of the tensors that are not `shared`, packed in offset order; `read(offset,
+    n)` reads the part's data file."""
+    return b"".join(read(t.offset, t.nbytes) for t in _kept(index, shared))
 
 
 def thin_spans(index: RankIndex, shared: set[str]) -> tuple[list[Span], int]:

@@ -71,13 +71,15 @@ def _fetch(tier: Tier, dest: Path, name: str, file: str, size: int) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def fill(tier: Tier, store: Store, name: str, ranks: list[int] | None = None) -> list[str]:
+def fill(tier: Tier, store: Store, name: str, ranks: list[int] | None = None, *, checksums: bool = True) -> list[str]:
     """Copy into record `name` of `store` the parts of `ranks` (all when None) it lacks that
     `tier` holds, then check the record through `Store`; what was copied is removed again if
     it fails. A record committed in `store` keeps its manifest (it pins their checksums) and is
     checked whole; one `store` lacks (a node-local --dir that lost it) gets the tier's manifest
-    last, and only `ranks` are checked (the others are on other nodes). Returns the files
-    copied; CorruptCheckpoint (nothing left behind) when the record does not verify."""
+    last, and only `ranks` are checked (the others are on other nodes). Without `checksums`,
+    every check but the tensors' checksums (for a caller whose tier checked every tensor as it
+    arrived, and whose reader checks them again as it reads). Returns the files copied;
+    CorruptCheckpoint (nothing left behind) when the record does not verify."""
     committed = store.is_committed(name)
     present = set(store.ranks_present(name)) if committed else set()
     listed = tier.listing()[0].get(name, {})
@@ -93,7 +95,7 @@ def fill(tier: Tier, store: Store, name: str, ranks: list[int] | None = None) ->
         _fetch(tier, store.root, name, MANIFEST, listed[MANIFEST])
         fsync_dir(store.root / name)
     problems = store.verify_record(store.manifest(name), {x.name for x in store.manifests(warn=False)},
-                                   ranks=None if committed else ranks)
+                                   ranks=None if committed else ranks, checksums=checksums)
     if problems:
         if not committed:
             store.remove(name)

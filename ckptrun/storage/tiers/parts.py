@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 
+from ...errors import CorruptCheckpoint
 from .. import rankfile
 from ..schema import Manifest, rank_files
 from ..store import Store
@@ -48,6 +49,33 @@ def rank_part(store: Store, m: Manifest, r: int, stack: contextlib.ExitStack) ->
            else store._read_metadata(m.name, rank_files(r)[1], f"rank {r} index"))
     return [(rank_files(r)[0], Source.of_fd(fd, base, index["data_nbytes"], spans, what)),
             (rank_files(r)[1], Source.of_bytes(raw, m.index_checksums[str(r)], f"{what} index"))]
+
+
+def thin_rank_part(store: Store, m: Manifest, r: int) -> tuple[bytes, bytes] | None:
+    """(thin data, index) of rank `r`'s part of committed record `m`, when its index names
+    shared tensors (dpshared.py): only the other tensors' bytes are read, each checked against
+    the index; None when it names none (the part goes whole)."""
+    from .dpshared import parse, shared_keys, thin, thin_spans
+
+    if m.layout != "records":
+        return None
+    _, fd, base = store.open_rank(m, r)  # (the index checked against the manifest)
+    try:
+        raw = store._read_metadata(m.name, rank_files(r)[1], f"rank {r} index")
+        index = parse(raw, f"{m.name}: rank {r}")
+        shared = shared_keys(index)
+        if not shared:
+            return None
+        data = thin(lambda offset, n: os.pread(fd, n, base + offset), index, shared)
+    finally:
+        os.close(fd)
+    spans, size = thin_spans(index, shared)
+    src = Source.of_buffer(data, spans, f"{m.name}: rank {r}")
+    if len(data) != size:
+        raise CorruptCheckpoint(f"{src.what}: its data file is shorter than its index says")
+    for _ in src.chunks(max(size, 1)):  # every tensor checked against the index
+        pass
+    return data, raw
 
 
 def index_spans(index: dict) -> list[Span]:
