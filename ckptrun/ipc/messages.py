@@ -117,9 +117,11 @@ class BuildsFull(Persist):
     """A strategy's message from which its engine-side handler builds full records itself (a
     replica, rolled-forward blocks). `replicated`: the positions of the optimizer's parameters
     that DDP keeps identical on every rank; their tensors and the optimizer state over them are
-    written by one rank each (storage/writeonce.py `split_state`)."""
+    written by one rank each (storage/writeonce.py `split_state`). `shared`: such positions whose
+    tensors every rank writes, named in the record's index instead (`writeonce.shared_keys`)."""
 
     replicated: list[int] = field(default_factory=list)
+    shared: list[int] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

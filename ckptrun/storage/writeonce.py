@@ -55,12 +55,23 @@ def split_state(state: dict, positions: Iterable[int], aliases: list[list[list[s
     less what another rank writes of the parameters at optimizer `positions` (under each of
     their `aliases`, the index meta's [model, key] pairs) and the optimizer's state of them."""
     skeleton, tensors = flatten(state)
+    return split(skeleton, tensors, _keys_at(state, tensors, positions, aliases), rank, world_size)
+
+
+def shared_keys(state: dict, positions: Iterable[int], aliases: list[list[list[str]]]) -> list[str]:
+    """The keys, in `flatten(state)`, of the parameters at optimizer `positions` and the
+    optimizer's state of them (what `split_state` would leave to one rank)."""
+    return _keys_at(state, flatten(state)[1], positions, aliases)
+
+
+def _keys_at(state: dict, tensors: dict[str, torch.Tensor], positions: Iterable[int],
+             aliases: list[list[list[str]]]) -> list[str]:
     saved = state["optimizers"]["optimizer"]["state"]
     ids = set()
     for i in positions:
         ids |= {id(state["models"][model][key]) for model, key in aliases[i]}
         ids |= {id(v) for v in saved.get(i, {}).values() if isinstance(v, torch.Tensor)}
-    return split(skeleton, tensors, [k for k, t in tensors.items() if id(t) in ids], rank, world_size)
+    return [k for k, t in tensors.items() if id(t) in ids]
 
 
 def leave_out(skeleton: Any, owner: dict[str, int]) -> Any:

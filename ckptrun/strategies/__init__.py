@@ -53,8 +53,9 @@ class Entry:
     # anything starts. None: the strategy checkpoints at `ctx.due` steps, which --every sets.
     explicit_every: str | None = None
     # --replicas K > 1: its committed records are record folders that a rank's part alone restores
-    # (no chain of records, no engine-held replica or region of its own), so a partner's copy of
-    # a rank's part of the newest one brings a replaced node back. One that does not is refused.
+    # (no chain of records, no region of its own, nothing an engine holds needed to restore), so a
+    # partner's copy of a rank's part of the newest one brings a replaced node back. One that does
+    # not is refused.
     replicas: bool = False
 
     def load(self):
@@ -124,7 +125,7 @@ BUILTIN: dict[str, Entry] = {
                     "one checkpoint spread over k steps in blocks (parameter + optimizer slices); gradients of "
                     "blocks already sent shipped each step; the engine rolls every block forward to one version",
                     engine_handler="ckptrun.strategies.gockpt.engine:GoCkptHandler", options=gockpt.OPTIONS,
-                    tuning="ckptrun.strategies.gockpt.tuning:MODEL", write_once=True,
+                    tuning="ckptrun.strategies.gockpt.tuning:MODEL", write_once=True, replicas=True,
                     explicit_every="ckptrun.strategies.gockpt:explicit_every",
                     intervals="a checkpoint spread over --spread k steps: --every N makes each spread end at "
                               "a multiple of N (k at most N); without --every, a spread starts whenever none "

@@ -211,6 +211,11 @@ class StrategyContext(ABC):
         state it built itself leaves their tensors to one rank (`writeonce.split_state`)."""
 
     @abstractmethod
+    def shared_positions(self) -> list[int]:
+        """The same positions where every rank writes their tensors and the index names them
+        (--node-local-dir --replicas: a partner's copy leaves them out, `writeonce.shared_keys`)."""
+
+    @abstractmethod
     def reserve(self, snap: Snapshot, skeleton: dict, like: dict[str, torch.Tensor]) -> dict[str, TensorSpec]:
         """Places in `snap` for tensors shaped like `like` (named by `skeleton`), filled later by
         `put`: for state that becomes final piece by piece (layer-wise gradients in backward)."""

@@ -126,6 +126,9 @@ class WorkerContext(StrategyContext):
     def replicated_positions(self) -> list[int]:
         return self._rt.state.replicated_positions()
 
+    def shared_positions(self) -> list[int]:
+        return self._rt.state.shared_positions()
+
     def reserve(self, snap: Snapshot, skeleton: dict, like: dict[str, torch.Tensor]) -> dict[str, TensorSpec]:
         return self._rt.capture.reserve(snap, skeleton, like)
 

@@ -206,7 +206,14 @@ class TrainingState:
     def replicated_positions(self) -> list[int]:
         """Positions of the primary optimizer's parameters that DDP keeps identical on every rank,
         when replicated state is written once (else none)."""
-        if not self._writes_once() or self.primary is None:
+        return self._ddp_positions() if self._writes_once() else []
+
+    def shared_positions(self) -> list[int]:
+        """The same positions when their tensors are named as shared instead (`shared_keys`)."""
+        return self._ddp_positions() if self._mark_shared and self.world_size > 1 else []
+
+    def _ddp_positions(self) -> list[int]:
+        if self.primary is None or not self.replicated:
             return []
         params = self._replicated_params()
         return [i for i, p in enumerate(replay.optimizer_params(self.primary)) if params.get(p.data_ptr()) is p]

@@ -210,7 +210,8 @@ class GoCkpt(Strategy):
         else:
             ctx.wait_copy(snap)  # the update about to run changes what the copy reads
         ctx.submit(snap, Spread, start=start, last=last, exact=not (self.params and self.params[0].is_cuda),
-                   replicated=ctx.replicated_positions() if last else [])
+                   replicated=ctx.replicated_positions() if last else [],
+                   shared=ctx.shared_positions() if last else [])
         if last and self.fixed_k is None and not self.measured and self.ctx.world_size == 1:
             self._measure(snap.step)
 
