@@ -145,9 +145,10 @@ def test_a_thin_copy_holds_only_per_rank_state_and_a_peer_makes_it_whole(tmp_pat
     own = dpshared.parse((store.root / name / rank_files(0)[1]).read_bytes(), name)
     peer_data = (store.root / name / rank_files(0)[0]).read_bytes()
 
-    def peer(key: str) -> bytes:
+    def peer(key: str, into: memoryview) -> int:
         t = own.tensors[key]
-        return peer_data[t.offset : t.offset + t.nbytes]
+        into[:] = peer_data[t.offset : t.offset + t.nbytes]
+        return t.nbytes
 
     with pytest.raises(CorruptCheckpoint, match="differs"):
         dpshared.rebuild(slim, index, shared | {"rng"}, peer)  # the peer's rng is its own

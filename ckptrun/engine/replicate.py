@@ -63,7 +63,7 @@ class Round:
         self.live = set(self.partners)  # partners not (yet) found dead or stalled
         self.threads: list[threading.Thread] = []  # receiving partners' copies
 
-    def send(self, dst: int, tag: int, owner: int, blobs: list[bytes], *, thin: bool = False) -> None:
+    def send(self, dst: int, tag: int, owner: int, blobs: list[bytes | bytearray], *, thin: bool = False) -> None:
         """Send one copy (owner rank, then the manifest and files as `blobs`: [manifest, *files];
         `thin`: its data file lacks the shared tensors, storage/tiers/dpshared.py)."""
         import torch
@@ -120,10 +120,11 @@ class Round:
         return buf.numpy().tobytes()
 
 
-def _bytes_tensor(b: bytes) -> Any:
+def _bytes_tensor(b: bytes | bytearray) -> Any:
+    """`b` as a uint8 tensor (a bytearray shared, not copied)."""
     import torch
 
-    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
+    return torch.frombuffer(b if isinstance(b, bytearray) else bytearray(b), dtype=torch.uint8)
 
 
 class Replicator:
@@ -288,9 +289,9 @@ class Replicator:
         try:
             own = own_index["tensors"]
 
-            def peer(key: str) -> bytes:
-                t = own.get(key) or {"offset": 0, "nbytes": 0}
-                return os.pread(fd, t["nbytes"], base + t["offset"])
+            def peer(key: str, into: memoryview) -> int:
+                t = own.get(key)
+                return os.preadv(fd, [into], base + t["offset"]) if t and t["nbytes"] == len(into) else -1
 
             index = parse(files[index_file], f"{name}: rank {owner}'s copy")
             data = rebuild(files[data_file], index, shared_keys(index), peer)

@@ -69,16 +69,18 @@ def copy_spans(index: RankIndex, is_thin: bool) -> tuple[list[Span], int]:
     return [Span(t.offset, t.nbytes, t.xxh3) for t in index.tensors.values()], index.data_nbytes
 
 
-def rebuild(data: bytes, index: RankIndex, shared: set[str], peer: Callable[[str], bytes]) -> bytes:
-    """The whole data file of thin copy `data`: each shared tensor read by `peer(key)` from a
-    data-parallel peer's own part, where it must hash as the owner's index says."""
+def rebuild(data: bytes, index: RankIndex, shared: set[str], peer: Callable[[str, memoryview], int]) -> bytearray:
+    """The whole data file of thin copy `data`: each shared tensor read by `peer(key, into)`
+    (returns the bytes it read into `into`) from a data-parallel peer's own part, where it must
+    hash as the owner's index says."""
     whole, pos = bytearray(index.data_nbytes), 0
+    view = memoryview(whole)
     for t in _kept(index, shared):
-        whole[t.offset : t.offset + t.nbytes] = data[pos : pos + t.nbytes]
+        view[t.offset : t.offset + t.nbytes] = data[pos : pos + t.nbytes]
         pos += t.nbytes
     for key in sorted(shared):
-        t, got = index.tensors[key], peer(key)
-        if len(got) != t.nbytes or xxhash.xxh3_64_hexdigest(got) != t.xxh3:
+        t = index.tensors[key]
+        into = view[t.offset : t.offset + t.nbytes]
+        if peer(key, into) != t.nbytes or xxhash.xxh3_64_hexdigest(into) != t.xxh3:
             raise CorruptCheckpoint(f"{key}: the peer's own copy differs from the owner's (not replicated)")
-        whole[t.offset : t.offset + t.nbytes] = got
-    return bytes(whole)
+    return whole
