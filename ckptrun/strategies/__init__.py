@@ -97,7 +97,7 @@ BUILTIN: dict[str, Entry] = {
                       "crash resumes from it (no disk read); the replica is persisted every P steps",
                       engine_handler="ckptrun.strategies.lowdiff_plus.engine:LowDiffPlusHandler",
                       options=lowdiff_plus.OPTIONS, short_run_flags=("--persist-every", "1"),
-                      tuning="ckptrun.strategies.lowdiff_plus.tuning:MODEL", write_once=True,
+                      tuning="ckptrun.strategies.lowdiff_plus.tuning:MODEL", write_once=True, replicas=True,
                       explicit_every="ckptrun.strategies.lowdiff_plus:explicit_every",
                       intervals="in memory every step; the replica persisted every --persist-every P: --every N "
                                 "sets P = N (a given P must divide N); without --every, P is auto."),

@@ -92,6 +92,7 @@ class LowDiffPlusHandler(EngineHandler):
         self.classes = optimizer_classes()
         self.persist_buf: torch.Tensor | None = None  # one buffer, reused by every write
         self.replicated: list[int] = []  # (Base.replicated: what one rank writes under DDP)
+        self.shared: list[int] = []  # (Base.shared: what every rank writes, named in the index)
         self.idle = threading.Event()  # no write of the persist buffer in flight
         self.idle.set()
         # The first optimizer step of a process imports and initialises much of torch (about a
@@ -123,7 +124,7 @@ class LowDiffPlusHandler(EngineHandler):
         """Start the replica from a full snapshot (the slot's bytes, then moved into an arena)."""
         spec = msg.spec
         state = self._slot_tree(msg.slot, spec)
-        self.replicated = msg.replicated
+        self.replicated, self.shared = msg.replicated, msg.shared
         self.replica = Replica(spec.step, state, self._optimizer(spec.meta, state), spec.meta, msg.exact,
                                spec.meta["snapshot_time"])
         self._relayout()
@@ -214,9 +215,13 @@ class LowDiffPlusHandler(EngineHandler):
             else:
                 for s in layout.specs:
                     view(self.persist_buf, s).copy_(tensors[s.key])
+        # (the worker's "shared" named the base snapshot's keys: the replica's record names its own)
+        shared = (writeonce.shared_keys(r.full_state(), self.shared, r.meta["optimizers"]["optimizer"]["params"])
+                  if self.shared else [])
+        meta = {**{k: v for k, v in r.meta.items() if k != "shared"}, "step": r.step, "snapshot_time": r.time,
+                **({"shared": shared} if shared else {})}
         spec = RecordSpec(record=full_name(r.step), kind="full", step=r.step, skeleton=skeleton,
-                          tensors={s.key: s.to_json() for s in layout.specs},
-                          meta={**r.meta, "step": r.step, "snapshot_time": r.time})
+                          tensors={s.key: s.to_json() for s in layout.specs}, meta=meta)
         self.idle.clear()
         self.ctx.run(self._write, spec, memoryview(self.persist_buf.numpy())[: layout.nbytes])
 

@@ -244,7 +244,7 @@ class LowDiffPlus(Strategy):
             (snap, write), self.pending_base = self.pending_base, None
             ctx.seal(snap)
             ctx.submit(snap, Base, persist=write or final, exact=not self.params[0].is_cuda,
-                       replicated=ctx.replicated_positions())
+                       replicated=ctx.replicated_positions(), shared=ctx.shared_positions())
 
 
 REPLICA = "lowdiff+ replica"  # its use of the host-memory budget (ckptrun/memory_budget.py)
