@@ -64,6 +64,14 @@ def shared_keys(state: dict, positions: Iterable[int], aliases: list[list[list[s
     return _keys_at(state, flatten(state)[1], positions, aliases)
 
 
+def with_shared_keys(meta: dict, state: dict, positions: list[int], aliases: list[list[list[str]]]) -> dict:
+    """The index meta of a record an engine built from `state`: the worker's `meta` less the
+    "shared" it named for its own message's tensors, with this record's own (`shared_keys` of
+    `positions`) where there are any."""
+    shared = shared_keys(state, positions, aliases) if positions else []
+    return {**{k: v for k, v in meta.items() if k != "shared"}, **({"shared": shared} if shared else {})}
+
+
 def _keys_at(state: dict, tensors: dict[str, torch.Tensor], positions: Iterable[int],
              aliases: list[list[list[str]]]) -> list[str]:
     saved = state["optimizers"]["optimizer"]["state"]

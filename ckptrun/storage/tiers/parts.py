@@ -59,8 +59,10 @@ def thin_rank_part(store: Store, m: Manifest, r: int) -> tuple[bytes, bytes] | N
 
     if m.layout != "records":
         return None
-    _, fd, base = store.open_rank(m, r)  # (the index checked against the manifest)
+    checked, fd, base = store.open_rank(m, r)  # (the index checked against the manifest)
     try:
+        if not checked["meta"].get("shared"):
+            return None
         raw = store._read_metadata(m.name, rank_files(r)[1], f"rank {r} index")
         index = parse(raw, f"{m.name}: rank {r}")
         shared = shared_keys(index)

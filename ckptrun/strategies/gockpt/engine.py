@@ -177,11 +177,8 @@ class GoCkptHandler(EngineHandler):
         with torch.no_grad():
             for s in layout.specs:
                 view(buf, s).copy_(tensors[s.key])
-        # (the worker's "shared" named the keys of the spread's message: this record names its own)
-        shared = writeonce.shared_keys(state, msg.shared, aliases) if msg.shared else []
-        meta: dict[str, Any] = {**{k: v for k, v in spec.meta.items() if k != "shared"},
-                                "gockpt": {"first_step": msg.start, "rolled_on": "cpu", "exact": msg.exact},
-                                **({"shared": shared} if shared else {})}
+        meta: dict[str, Any] = {**writeonce.with_shared_keys(spec.meta, state, msg.shared, aliases),
+                                "gockpt": {"first_step": msg.start, "rolled_on": "cpu", "exact": msg.exact}}
         record = RecordSpec(record=full_name(spec.step), kind="full", step=spec.step, skeleton=skeleton,
                             tensors={s.key: s.to_json() for s in layout.specs}, meta=meta)
         self.ctx.emit(type="gockpt_spread", rank=self.ctx.rank, first_step=msg.start, step=spec.step,

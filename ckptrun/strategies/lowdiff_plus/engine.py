@@ -215,11 +215,9 @@ class LowDiffPlusHandler(EngineHandler):
             else:
                 for s in layout.specs:
                     view(self.persist_buf, s).copy_(tensors[s.key])
-        # (the worker's "shared" named the base snapshot's keys: the replica's record names its own)
-        shared = (writeonce.shared_keys(r.full_state(), self.shared, r.meta["optimizers"]["optimizer"]["params"])
-                  if self.shared else [])
-        meta = {**{k: v for k, v in r.meta.items() if k != "shared"}, "step": r.step, "snapshot_time": r.time,
-                **({"shared": shared} if shared else {})}
+        meta = {**writeonce.with_shared_keys(r.meta, r.full_state(), self.shared,
+                                             r.meta["optimizers"]["optimizer"]["params"]),
+                "step": r.step, "snapshot_time": r.time}
         spec = RecordSpec(record=full_name(r.step), kind="full", step=r.step, skeleton=skeleton,
                           tensors={s.key: s.to_json() for s in layout.specs}, meta=meta)
         self.idle.clear()
