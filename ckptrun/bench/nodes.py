@@ -3,8 +3,9 @@ trained with DDP over gloo between them, and one node lost and replaced after th
 
 The figures are node 0's (rank 0): its step time and stall over the timed steps, its engine's
 bytes, and with --replicas the bytes it shipped to its partner each step. `none` is the same
-script under torchrun. A ckptrun run trains as many steps more, and TAIL; once node 0 has committed the last
-timed step (and, with --replicas, holds node 1's copy of it), node 1's whole process tree is
+script under torchrun. A ckptrun run trains as many steps again, and TAIL more; once node 0 has
+committed the last timed step (and, with --replicas, holds node 1's copy of it), node 1's whole
+process tree is
 killed and node 1 started again, as a scheduler replaces a node. Without --replicas, --dir is
 one directory both nodes write (a shared file system) and the page cache is dropped first, so
 the new node reads its state from the disk, not from memory; with --replicas, each node's --dir
@@ -131,7 +132,8 @@ def _lose_node1(cfg: Configuration, run_dir: Path, steps: int, total: int, pair:
         time.sleep(0.02)
     if stepped >= total - 2:  # (its agent would then wait at the exit barrier, never rejoin)
         raise RunFailed(f"node 0 trained to the end before node 1 could be lost mid-run ({stepped} of {total} "
-                        "steps): a larger --steps gives it more time")
+                        "steps): a larger --steps gives it more time, or an --every that divides --steps "
+                        "where the strategy commits less often")
     pair[1].kill()
     procs[1].wait()
     if copies:
