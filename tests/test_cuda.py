@@ -11,8 +11,11 @@ on the CPU copier thread, run in the default suite.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,7 +36,7 @@ from conftest import (
 from test_runtime_capture import FakeEngine, runtime
 from torch import nn
 
-from ckptrun.ipc.staging import create_slot, cuda_error, map_slot, page_lock
+from ckptrun.ipc.staging import create_slot, cuda_error, map_slot, page_lock, shm_root
 from ckptrun.strategies import REGISTRY
 from ckptrun.worker.runtime import Runtime
 
@@ -43,6 +46,15 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device here: runs on a
                                                  "scripts/gpu-check)")
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 LOOP = SCRIPTS / "device_loop.py"
+
+
+@pytest.fixture
+def slots_dir() -> Iterator[Path]:
+    """A folder where the engine puts staging slots (shared memory, tmpfs): Linux refuses to
+    page-lock a writable file mapping on a disk's file system, where pytest's tmp_path may be."""
+    path = Path(tempfile.mkdtemp(prefix="ckptrun-cuda-test-", dir=shm_root()))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def hooked(rt: Runtime, model: nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -87,12 +99,12 @@ def test_cuda_errors_are_named():
 
 
 @needs_cuda
-def test_staging_slot_is_page_locked(tmp_path):
+def test_staging_slot_is_page_locked(slots_dir):
     nbytes = 1 << 22
-    create_slot(tmp_path / "slot", nbytes)
-    buf = map_slot(str(tmp_path / "slot"), nbytes, pin=True)
+    create_slot(slots_dir / "slot", nbytes)
+    buf, why = map_slot(str(slots_dir / "slot"), nbytes, pin=True)
     try:
-        assert buf.is_pinned(), "the staging slot is not page-locked after map_slot(pin=True)"
+        assert why is None and buf.is_pinned(), f"the staging slot is not page-locked: {why}"
         src = torch.arange(nbytes // 4, device="cuda", dtype=torch.float32)
         buf.view(torch.float32).copy_(src, non_blocking=True)
         torch.cuda.synchronize()
@@ -103,14 +115,25 @@ def test_staging_slot_is_page_locked(tmp_path):
         torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 
 
+@needs_cuda
+def test_a_refused_page_lock_leaves_the_thread_usable(slots_dir):
+    """A refused cudaHostRegister is reported by name, and torch's next kernel on the same thread
+    runs: on an H200 the runtime's stale error made the next `.to("cuda")` fail."""
+    create_slot(slots_dir / "slot", 4096)
+    buf, _ = map_slot(str(slots_dir / "slot"), 4096)
+    err = page_lock(buf.data_ptr(), 0)  # (zero bytes: always refused)
+    assert err is not None and err.startswith("cudaErrorInvalidValue (1"), err
+    assert torch.ones(8, device="cuda").sum().item() == 8
+
+
 # ---- side-stream copies: overlap, and the update waits ---------------------------------------
 @needs_cuda
-def test_copy_overlaps_the_next_forward_backward(tmp_path, monkeypatch):
+def test_copy_overlaps_the_next_forward_backward(slots_dir, tmp_path, monkeypatch):
     """checkfreq copies step t's 1 GB of parameters and momentum on a side stream while the
     forward/backward of step t+1 runs on the training stream: read from the device's own
     timeline (CUPTI, through the profiler), the copies run on another stream, and compute runs
     during at least half of their span (the training stream did not wait for them)."""
-    rt, _ = runtime(tmp_path, monkeypatch, "checkfreq")
+    rt, _ = runtime(slots_dir, monkeypatch, "checkfreq")
     model = linear_stack("cuda", 4096, 8)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     hooked(rt, model, opt)
@@ -144,13 +167,13 @@ def test_copy_overlaps_the_next_forward_backward(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_update_of_step_t_plus_1_waits_for_the_copy_of_step_t(device, tmp_path, monkeypatch):
+def test_the_update_of_step_t_plus_1_waits_for_the_copy_of_step_t(device, slots_dir, monkeypatch):
     """Updates back to back, nothing in between (the shortest time a copy has): each record is
     the state right after its step, never partly the next update's. On a GPU the 800 MB copy
     runs on the side stream while the host queues the next update at once; on the CPU the copier
     thread copies while the training thread reaches the next step (tests/test_runtime_capture.py
     holds that thread back on purpose as well)."""
-    rt, engine = runtime(tmp_path, monkeypatch, "checkfreq")
+    rt, engine = runtime(slots_dir, monkeypatch, "checkfreq")
     model = linear_stack(device, 4096 if device == "cuda" else 256, 4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     hooked(rt, model, opt)
@@ -165,11 +188,11 @@ def test_the_update_of_step_t_plus_1_waits_for_the_copy_of_step_t(device, tmp_pa
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_lazy_capture_copies_the_state_of_its_step(device, tmp_path, monkeypatch):
+def test_lazy_capture_copies_the_state_of_its_step(device, slots_dir, monkeypatch):
     """The lazy capture (datastates) takes the step's state on the copier thread; on a GPU its
     copies start after the event the training thread recorded when the update was queued, not
     when the copier thread gets to them. The next update waits for the copy (`wait_copy`)."""
-    rt, engine = runtime(tmp_path, monkeypatch, "checkfreq", every=10**6)  # (its own captures: none)
+    rt, engine = runtime(slots_dir, monkeypatch, "checkfreq", every=10**6)  # (its own captures: none)
     model = linear_stack(device, 4096 if device == "cuda" else 256, 4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     hooked(rt, model, opt)
@@ -259,11 +282,11 @@ def test_replay_strategies_on_a_gpu_are_exact_or_bounded(strategy, tmp_path, rec
 
 # ---- no pinned-memory leak ----------------------------------------------------------------
 @needs_cuda
-def test_no_pinned_memory_leak_across_100_checkpoints(tmp_path, monkeypatch):
+def test_no_pinned_memory_leak_across_100_checkpoints(slots_dir, monkeypatch):
     """100 checkpoints of a training loop: the device's and the pinned host allocator's current
     figures are the same after checkpoint 100 as after checkpoint 20, the staging slots are the
     same ones, and once the worker finishes no slot is page-locked any more."""
-    rt, _ = runtime(tmp_path, monkeypatch, "checkfreq")
+    rt, _ = runtime(slots_dir, monkeypatch, "checkfreq")
     model = linear_stack("cuda", 1024, 4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     hooked(rt, model, opt)
@@ -285,6 +308,7 @@ def test_no_pinned_memory_leak_across_100_checkpoints(tmp_path, monkeypatch):
         if step in (20, 100):
             seen[step] = figures()
     slots = list(rt.staging.pool.buffers.values())
+    assert set(rt.staging.pool.locked) == set(rt.staging.pool.buffers), "the staging slots were not page-locked"
     rt.finish()
     grew = {k: (seen[20][k], v) for k, v in seen[100].items() if seen[20].get(k) != v}
     assert not grew, f"grew between checkpoints 20 and 100: {grew}"

@@ -12,8 +12,12 @@ import mmap
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 ENV = "CKPTRUN_STAGING_DIR"
 
@@ -75,13 +79,15 @@ def cuda_error(code: int, text: str = "") -> str:
 
 def page_lock(ptr: int, nbytes: int) -> str | None:
     """cudaHostRegister `nbytes` at `ptr`, so device-to-host copies into them run asynchronously;
-    None, or the error by name."""
+    None, or the error by name. Linux refuses to page-lock a writable file mapping outside
+    shared memory (tmpfs): a slot or region on a disk's file system gets cudaErrorInvalidValue."""
     import torch
 
     cudart = torch.cuda.cudart()
     err = cudart.cudaHostRegister(ptr, nbytes, 0)
     if int(err) == 0:
         return None
+    _consume_last_error()
     try:
         text = str(cudart.cudaGetErrorString(err))
     except (AttributeError, TypeError):  # (a binding without it: the name says enough)
@@ -89,22 +95,33 @@ def page_lock(ptr: int, nbytes: int) -> str | None:
     return cuda_error(int(err), text)
 
 
+def _consume_last_error() -> None:
+    """A failed runtime call also leaves its error as this thread's last error, and torch's next
+    kernel-launch check (cudaGetLastError) raises it from an unrelated operation: on an H200, a
+    refused cudaHostRegister made the next `.to("cuda")` fail. torch binds no cudaGetLastError;
+    a one-element kernel on this thread takes the error, which is dropped here."""
+    import torch
+
+    try:
+        torch.zeros(1, device=torch.cuda.current_device())
+    except RuntimeError:  # torch.AcceleratorError: the stale error, now consumed
+        pass
+
+
 def page_unlock(ptr: int) -> None:
     """cudaHostUnregister what `page_lock` registered at `ptr`, before its memory is unmapped: the
     registration outlives the mapping, and a later mapping at that address could not be locked."""
     import torch
 
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+    if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+        _consume_last_error()
 
 
-def map_slot(path: str, nbytes: int, pin: bool = False):
-    """The worker's view: a flat uint8 tensor over the slot file (page-locked if `pin`; then
-    `page_unlock(buf.data_ptr())` before dropping it)."""
+def map_slot(path: str, nbytes: int, pin: bool = False) -> tuple[torch.Tensor, str | None]:
+    """The worker's view: a flat uint8 tensor over the slot file, page-locked if `pin` (then
+    `page_unlock(buf.data_ptr())` before dropping it), and why it is not where `pin` failed: it is
+    then used pageable, and device-to-host copies into it wait for the device."""
     import torch
 
     buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-    if pin:
-        err = page_lock(buf.data_ptr(), nbytes)
-        if err is not None:
-            raise RuntimeError(f"cudaHostRegister of staging slot {path} ({nbytes} bytes) failed: {err}")
-    return buf
+    return buf, (page_lock(buf.data_ptr(), nbytes) if pin else None)

@@ -54,9 +54,26 @@ class LaunchOptions:
                             ("--master-addr", self.master_addr), ("--master-port", self.master_port)):
             if value is not None:
                 argv += [flag, str(value)]
-        if self.standalone:
+        if self.standalone or self._one_node_unaddressed():
             argv.append("--standalone")
         return argv
+
+    def _one_node_unaddressed(self) -> bool:
+        """One node and no rendezvous or port named: torch 2.13's torchrun then takes a free port
+        itself (a standalone rendezvous), torch 2.11's binds 29500, so that a second job on the
+        machine failed with EADDRINUSE. Asked for here, alike on both."""
+        return (self.nnodes.split(":")[-1] == "1" and self.rdzv_backend is None and self.rdzv_endpoint is None
+                and self.master_port is None)
+
+
+def shutdown_timeout_flag(seconds: int) -> list[str]:
+    """torchrun's --shutdown-timeout (how long the agent waits after forwarding SIGTERM before it
+    kills the workers), where this torch's torchrun has it: torch 2.11's does not, and its agent
+    then waits its own fixed 30 s."""
+    from torch.distributed.run import get_args_parser
+
+    flag = "--shutdown-timeout"
+    return [flag, str(seconds)] if flag in get_args_parser().format_help() else []
 
 
 class EngineSupervisor:
@@ -235,7 +252,7 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
     # The agent's folder (error files; the workers' output when live) in the run's own temporary
     # folder, removed with it: left to torch, every run left a torchelastic_* folder in /tmp.
     log_dir = os.path.join(engine_dir, "logs")
-    argv = [*opts.torchrun_argv(), "--shutdown-timeout", str(worker_grace), "--log-dir", log_dir]
+    argv = [*opts.torchrun_argv(), *shutdown_timeout_flag(worker_grace), "--log-dir", log_dir]
     logs = None
     if live:  # workers write to files that are echoed above the panel
         argv += torchrun_args()

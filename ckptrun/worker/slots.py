@@ -18,6 +18,7 @@ import torch
 from ..config import RunConfig
 from ..ipc.client import EngineClient, EngineLost
 from ..ipc.messages import Alloc, Retire
+from ..ipc.staging import ENV as STAGING_ENV
 from ..ipc.staging import map_slot, page_unlock
 from ..log import log
 from ..memory_budget import Budget, fmt
@@ -38,7 +39,8 @@ class SlotPool:
         self.buffers: dict[int, torch.Tensor] = {}
         self.free: list[int] = []
         self.retired: set[int] = set()
-        self.pinned = False  # the buffers are page-locked (a GPU): unlocked as they are dropped
+        self.locked: set[int] = set()  # the slots page-locked (a GPU): unlocked as they are dropped
+        self.unlocked_why: str | None = None  # why a slot could not be page-locked, said once
         self.nbytes = 0
         self.cond = threading.Condition()
 
@@ -48,9 +50,15 @@ class SlotPool:
             old_free = [i for i in self.free]
             self.retired |= set(self.buffers)
             self.free = []
-            self.pinned = pin and torch.cuda.is_available()
+            pin = pin and torch.cuda.is_available()
             for index, path, n in slots:
-                self.buffers[index] = map_slot(path, n, self.pinned)
+                self.buffers[index], why = map_slot(path, n, pin)
+                if pin and why is None:
+                    self.locked.add(index)
+                elif why is not None and self.unlocked_why is None:
+                    self.unlocked_why = why
+                    log.warning(f"staging slot {path} could not be page-locked ({why}): copies from the GPU "
+                                f"into it wait for the device; put {STAGING_ENV} on tmpfs (/dev/shm)")
                 self.free.append(index)
                 self.nbytes = n
             for i in old_free:
@@ -80,7 +88,8 @@ class SlotPool:
     def _drop(self, slot: int) -> None:
         """Unmap a retired slot (no copy is running into it: it came back free)."""
         buf = self.buffers.pop(slot, None)
-        if buf is not None and self.pinned:
+        if buf is not None and slot in self.locked:
+            self.locked.discard(slot)
             page_unlock(buf.data_ptr())
 
     def close(self) -> None:

@@ -90,7 +90,8 @@ def plan(cpu: bool, out: Path, parts: list[str], budgets: dict[str, int] | None 
     """The parts named in `parts`, in the check's order; `budgets` replaces some parts' budgets."""
     py, mode = sys.executable, 1 if cpu else 0
     device, model = ("cpu", "tiny") if cpu else ("cuda", "large")
-    pytest = (py, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--durations=10")
+    pytest = (py, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "gpucheck.instafail", "--tb=short",
+              "--durations=10")
     cuda_tests = ("-m", "cuda", "tests/test_cuda.py")
     matrix = ("tests/test_crash_matrix.py", "-k", "restore_any_step or killed_run_finishes")
     parallel = ("-n", "4") if has_xdist() else ()
