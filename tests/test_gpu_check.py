@@ -17,7 +17,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from gpucheck import execute, plan  # noqa: E402
 
 ORDER = ["device", "install", "cuda-tests", "crash-matrix", "bench-every-10", "bench-every-1"]
-METHODS = ",".join(["none", *REGISTRY, "torch.save", "dcp-thread", "dcp-process"])
+METHODS = ",".join(["none", "torch.save", "dcp-thread", "dcp-process", *REGISTRY])  # references first
 
 
 def gpu_check(*args: str) -> subprocess.CompletedProcess:
