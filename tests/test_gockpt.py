@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -209,3 +211,25 @@ def test_tune_spreads_by_the_corrected_stall_model():
     assert tenth.settings["spread"] == 7 and tenth.prediction == sp.prediction
     within = settle(sp, 10_000, 1_000)  # --every 5
     assert within.settings == {"every": 5, "spread": 5}
+
+
+@pytest.mark.parametrize("handler", ["ckptrun.strategies.gockpt.engine:GoCkptHandler",
+                                     "ckptrun.strategies.lowdiff_plus.engine:LowDiffPlusHandler"])
+def test_an_engine_that_steps_optimizers_pays_torchs_first_optimizer_cost_at_its_start(handler):
+    """A process's first optimizer imports torch._dynamo (1.4 s of CPU here). Paid at gockpt's
+    first spread, it stalled the trainer 1.3 s (gockpt at --every 10: 1.41x `none`, then 1.05x);
+    the handler starts it on a thread of its own as it is made, before any message. (A fresh
+    interpreter: this one imported it long ago.)"""
+    code = f"""
+import sys, threading
+import torch
+from ckptrun.engine.handlers import engine_handler
+assert "torch._dynamo" not in sys.modules, "imported before the handler"
+engine_handler({handler!r}, None)
+for t in threading.enumerate():
+    if t.name == "ckptrun-optimizer-warmup":
+        t.join(120)
+assert "torch._dynamo" in sys.modules, "the handler did not warm torch's optimizers up"
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]

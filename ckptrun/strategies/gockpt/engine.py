@@ -25,7 +25,7 @@ import torch
 from ...engine.handlers import EngineContext, EngineHandler
 from ...ipc.messages import RecordSpec, StrategyMessage
 from ...restore.recovery import optimizer_classes
-from ...restore.replay import apply_diff
+from ...restore.replay import apply_diff, warm_up_in_background
 from ...storage import writeonce
 from ...storage.layout import Layout, TensorSpec, view
 from ...storage.store import full_name
@@ -129,6 +129,7 @@ class GoCkptHandler(EngineHandler):
         super().__init__(ctx)
         torch.set_num_threads(1)  # the roll-forward runs beside training: one core
         self.classes = optimizer_classes()
+        warm_up_in_background()
         self.rolling: Rolling | None = None
 
     def handle(self, msg: StrategyMessage) -> None:

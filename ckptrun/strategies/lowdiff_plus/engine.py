@@ -28,7 +28,7 @@ from ...engine.handlers import EngineContext, EngineHandler
 from ...ipc.messages import RecordSpec, StrategyMessage
 from ...ipc.staging import EngineSlot
 from ...restore.recovery import build_optimizer, optimizer_classes
-from ...restore.replay import apply_diff
+from ...restore.replay import apply_diff, warm_up_in_background
 from ...storage import writeonce
 from ...storage.layout import Layout, TensorSpec, view
 from ...storage.store import full_name
@@ -95,9 +95,7 @@ class LowDiffPlusHandler(EngineHandler):
         self.shared: list[int] = []  # (Base.shared: what every rank writes, named in the index)
         self.idle = threading.Event()  # no write of the persist buffer in flight
         self.idle.set()
-        # The first optimizer step of a process imports and initialises much of torch (about a
-        # second): pay it now, while the trainer starts, not when the first step's gradients come.
-        threading.Thread(target=_warm_up, name="ckptrun-replica-warmup", daemon=True).start()
+        warm_up_in_background()
 
     def handle(self, msg: StrategyMessage) -> None:
         if not isinstance(msg, Base | Grads):
@@ -250,17 +248,6 @@ class LowDiffPlusHandler(EngineHandler):
         self.ctx.emit(type="replica_fetch", rank=self.ctx.rank, step=r.step, nbytes=arena.nbytes)
         return {"step": r.step, "path": str(arena.file.path), "skeleton": r.skeleton,
                 "tensors": {k: s.to_json() for k, s in arena.specs.items()}, "exact": r.exact}
-
-
-def _warm_up() -> None:
-    """Best effort: an engine told to stop while this runs (the worker refused the script at once)
-    is shutting its interpreter down under the import; only the time it would save is lost."""
-    try:
-        p = torch.zeros(1, requires_grad=True)
-        p.grad = torch.zeros(1)
-        torch.optim.AdamW([p]).step()
-    except Exception:  # the warm-up changes no state that anything reads
-        return
 
 
 def _own(tree: Any) -> Any:
