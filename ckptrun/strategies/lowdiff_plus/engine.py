@@ -199,9 +199,10 @@ class LowDiffPlusHandler(EngineHandler):
         r, arena = self.replica, self.arena
         self.idle.wait()
         skeleton, layout, tensors = r.skeleton, arena.layout, None
+        aliases = r.meta["optimizers"]["optimizer"]["params"]
+        state = r.full_state() if self.replicated or self.shared else {}  # (read only under DDP)
         if self.replicated:
-            skeleton, tensors = writeonce.split_state(r.full_state(), self.replicated,
-                                                      r.meta["optimizers"]["optimizer"]["params"], self.ctx.rank,
+            skeleton, tensors = writeonce.split_state(state, self.replicated, aliases, self.ctx.rank,
                                                       self.ctx.world_size)
             layout = Layout.of(tensors)
         if self.persist_buf is None or self.persist_buf.numel() < layout.nbytes:
@@ -213,9 +214,8 @@ class LowDiffPlusHandler(EngineHandler):
             else:
                 for s in layout.specs:
                     view(self.persist_buf, s).copy_(tensors[s.key])
-        meta = {**writeonce.with_shared_keys(r.meta, r.full_state(), self.shared,
-                                             r.meta["optimizers"]["optimizer"]["params"]),
-                "step": r.step, "snapshot_time": r.time}
+        meta = {**writeonce.with_shared_keys(r.meta, state, self.shared, aliases), "step": r.step,
+                "snapshot_time": r.time}
         spec = RecordSpec(record=full_name(r.step), kind="full", step=r.step, skeleton=skeleton,
                           tensors={s.key: s.to_json() for s in layout.specs}, meta=meta)
         self.idle.clear()
