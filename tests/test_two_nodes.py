@@ -122,12 +122,11 @@ def _runs(cwd: Path, node: Node) -> list[dict]:
     return sorted((e for e in events if e.get("type") == "run"), key=lambda e: e["t"])
 
 
-# By default a region strategy (whose engine holds its rank's files) with ranks swapped; the
-# default strategy's node killed and restarted with its ranks kept is in each replication test
-# below (node 1 lost, started again, resumed from disk or a partner); every registered strategy
-# both ways under --full (each adds about half a minute).
-CASES = [pytest.param(s, swap, id=f"{s}-{'ranks-swap' if swap else 'same-ranks'}",
-                      marks=() if swap and s == "pccheck" else FULL)
+# Under --full only (each adds about half a minute): every registered strategy with ranks kept
+# and swapped. By default the default strategy's node is killed and restarted with its ranks
+# kept in each replication test below (node 1 lost, started again, resumed from disk or a
+# partner), and tests/test_replicas.py's engines swap ranks between rounds.
+CASES = [pytest.param(s, swap, id=f"{s}-{'ranks-swap' if swap else 'same-ranks'}", marks=FULL)
          for swap in (False, True) for s in REGISTRY]
 
 

@@ -10,7 +10,6 @@ from conftest import (
     DDP_STEPS,
     DP_MLP,
     FULL,
-    REPRESENTATIVES,
     assert_same,
     ckptrun,
     error_line,
@@ -57,11 +56,12 @@ def replicated_bytes_per_rank(store: Store, m: Manifest) -> tuple[list[int], int
     return [sum(w) for w in written], max(max(w) for w in written)
 
 
-# By default one strategy of each family at 3 ranks (owners no longer alternate: it covers the
-# 2-rank case's checks), and checkfreq at 2, whose run the crash matrix shares: which tensors a
-# rank writes is decided by code every strategy shares (worker/state.py, storage/writeonce.py),
-# each family writes and restores its parts its own way. Every strategy at 2 and 3 under --full.
-DEFAULT_CASES = {(s, 3) for s in REPRESENTATIVES} | {("checkfreq", 2)}
+# By default the record-folder and region families at 3 ranks (owners no longer alternate: it
+# covers the 2-rank case's checks), and checkfreq at 2, whose run the crash matrix shares: which
+# tensors a rank writes is decided by code every strategy shares (worker/state.py,
+# storage/writeonce.py), each family writes and restores its parts its own way (lowdiff's diff
+# records under DDP: tests/test_lowdiff.py's DDP run). Every strategy at 2 and 3 under --full.
+DEFAULT_CASES = {("checkfreq", 3), ("lightcheck", 3), ("checkfreq", 2)}
 CASES = [pytest.param(s, n, marks=() if (s, n) in DEFAULT_CASES else FULL) for s in WRITE_ONCE for n in (2, 3)]
 
 
@@ -103,10 +103,11 @@ def replicated(state: dict) -> list:
     return [{k: v for k, v in state["model"].items() if k != "own"}, optimizer]
 
 
-# checkfreq grows and shrinks; the refusal of a replay chain at another world size is
-# tests/test_sharded.py's (lowdiff, 1 to 2 ranks); every strategy both ways under --full.
+# checkfreq grows from 2 to 3 ranks (a resume on 1 rank is tests/test_sharded.py's, of FSDP2
+# state saved on 2; the refusal of a replay chain at another world size is its lowdiff case);
+# every strategy both ways under --full.
 @pytest.mark.parametrize(("strategy", "saved", "ranks"), [
-    pytest.param(s, saved, ranks, marks=() if s == "checkfreq" else FULL)
+    pytest.param(s, saved, ranks, marks=() if (s, saved) == ("checkfreq", 2) else FULL)
     for s in REGISTRY for saved, ranks in [(2, 3), (3, 1)]])
 def test_ddp_resumes_at_another_world_size(strategy, saved, ranks, tmp_path):
     """DDP saved on `saved` ranks, resumed on `ranks` (an elastic membership change): every rank
