@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 from ..ipc.messages import Message, RecordSpec, StrategyMessage
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from ..storage.fsutil import FaultHook
     from ..storage.store import Store
 
@@ -126,8 +128,9 @@ class EngineContext(ABC):
         trainer then waits for a free slot: back-pressure, not a growing queue)."""
 
     @abstractmethod
-    def write(self, spec: RecordSpec, data: memoryview) -> None:
-        """Persist this rank's part of record `spec` and hand it to the committer."""
+    def write(self, spec: RecordSpec, data: memoryview) -> Future:
+        """Persist this rank's part of record `spec` and hand it to the committer; the future is
+        done once `data` has been written (the caller may reuse its buffer then)."""
 
     @abstractmethod
     def reply(self, request: Message, **body: Any) -> None:

@@ -661,8 +661,8 @@ class ServerContext(EngineContext):
     def wait_writes(self, limit: int) -> None:
         self._engine.wait_jobs(fewer_than=limit)
 
-    def write(self, spec: RecordSpec, data: memoryview) -> None:
-        self._engine.submit(self._engine.write_record, spec, data)
+    def write(self, spec: RecordSpec, data: memoryview) -> Future:
+        return self._engine.submit(self._engine.write_record, spec, data)
 
     def reply(self, request: Message, **body: Any) -> None:
         self._engine.reply(request, **body)

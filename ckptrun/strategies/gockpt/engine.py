@@ -11,12 +11,21 @@ empty: they are filled from the cohorts and the whole is written as an ordinary 
 The updates of an elementwise optimizer on a slice equal the whole tensor's (split points at
 multiples of 4096 elements, `blocks.py`): on CPU training the record is bit-exact.
 
+Each byte is copied once on its way to the record: a message is read in its slot (the gradients
+roll the cohorts from there), only blocks that must outlive the slot (those rolled at later
+steps) are cloned, and V's record is laid out straight from the cohorts and V's slot into a
+record buffer reused from one write to the next (a fresh one faulted in every page: a 55 MB
+record cost more CPU than its write). The slot is freed once V's record is laid out; under a
+disk slower than the spreads, the wait for a buffer whose write is done holds V's slot, and the
+trainer, short of a slot, waits too (back-pressure, not a growing queue).
+
 A spread is dropped, never half-written: when its worker goes (a flush: a new Hello or resume),
 when a message does not fit it, or when a new spread starts.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,9 +76,16 @@ class Rolling:
         if at != len(grads):
             raise ValueError(f"{len(grads)} gradients for {at} parameter slices")
 
-    def add(self, step: int, blocks: list[dict], hyper: list[dict]) -> None:
+    def add(self, step: int, blocks: list[dict], hyper: list[dict], *, keep: bool) -> None:
+        """The blocks sent at `step` as a new cohort; `keep`: they are rolled at later steps, so
+        they are copied out of the message's slot (else they are read there, until V's record is
+        laid out)."""
         if not blocks:
             return
+        if keep:
+            blocks = [{**b, "param": b["param"].clone(),
+                       "state": {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in b["state"].items()}}
+                      for b in blocks]
         groups = list(dict.fromkeys(b["g"] for b in blocks))
         params = [b["param"] for b in blocks]
         if [b["g"] for b in blocks] != sorted(b["g"] for b in blocks):
@@ -81,29 +97,28 @@ class Rolling:
         pieces = [{k: b[k] for k in ("i", "start", "stop", "shape")} for b in blocks]
         self.cohorts.append(Cohort(step, pieces, opt, groups))
 
-    def fill(self, state: dict, aliases: list[list[list[str]]], exact: bool) -> None:
-        """Put the rolled blocks into the places V's state left empty (None). With `exact`, the
+    def fill(self, state: dict, aliases: list[list[list[str]]], exact: bool) -> dict[int, list]:
+        """Put a placeholder of each rolled tensor (its shape and dtype, no bytes) into the
+        places V's state left empty (None); returns, by each placeholder's id, the (slice of its
+        flattened elements, block tensor) pairs that fill it (`lay_out`). With `exact`, the
         blocks' own scalar state (Adam's `step`) must equal V's: every block is at V."""
         version = {c.version for c in self.cohorts}
         if len(version) > 1:
             raise ValueError(f"blocks at steps {sorted(version)}")
-        whole: dict[int, dict[str, torch.Tensor]] = {}
+        whole: dict[int, dict[str, list]] = {}
         scalars: dict[int, dict[str, torch.Tensor]] = {}
         saved = state["optimizers"]["optimizer"]["state"]
         for c in self.cohorts:
             for piece, p in zip(c.pieces, [q for g in c.optimizer.param_groups for q in g["params"]], strict=True):
                 i, sl = piece["i"], slice(piece["start"], piece["stop"])
-                numel = int(torch.Size(piece["shape"]).numel())
-                into = whole.setdefault(i, {})
                 for name, t in {"param": p, **c.optimizer.state.get(p, {})}.items():
                     if not isinstance(t, torch.Tensor):
                         continue
                     if name != "param" and (t.shape != p.shape or saved.get(i, {}).get(name, 0) is not None):
                         scalars.setdefault(i, {})[name] = t
                         continue
-                    if name not in into:
-                        into[name] = torch.empty(numel, dtype=t.dtype)
-                    into[name][sl] = t
+                    whole.setdefault(i, {}).setdefault(name, []).append((sl, t))
+        fills: dict[int, list] = {}
         for i, parts in whole.items():
             shape = next(pc["shape"] for c in self.cohorts for pc in c.pieces if pc["i"] == i)
             covered = sum(pc["stop"] - pc["start"] for c in self.cohorts for pc in c.pieces if pc["i"] == i)
@@ -112,16 +127,21 @@ class Rolling:
             for name, t in scalars.get(i, {}).items() if exact else ():
                 if name in saved.get(i, {}) and not torch.equal(t, saved[i][name]):
                     raise ValueError(f"parameter {i}: a block's {name} is not at step V")
-            param = parts.pop("param").view(shape)
+            placed = {}
+            for name, slices in parts.items():
+                placed[name] = torch.empty((), dtype=slices[0][1].dtype).expand(shape)
+                fills[id(placed[name])] = slices
+            param = placed.pop("param")
             for model, key in aliases[i]:
                 if state["models"][model][key] is not None:
                     raise ValueError(f"{model}.{key} is both a block and in the state of V")
                 state["models"][model][key] = param
-            for name, t in parts.items():
-                saved[i][name] = t.view(shape)
+            for name, t in placed.items():
+                saved[i][name] = t
         empty = [f"{m}.{k}" for m, sd in state["models"].items() for k, v in sd.items() if v is None]
         if empty:
             raise ValueError(f"no block holds {empty[0]}")
+        return fills
 
 
 class GoCkptHandler(EngineHandler):
@@ -131,61 +151,84 @@ class GoCkptHandler(EngineHandler):
         self.classes = optimizer_classes()
         warm_up_in_background()
         self.rolling: Rolling | None = None
+        self.buffers: list[tuple[Future | None, torch.Tensor]] = []  # record buffers, each with its write
 
     def handle(self, msg: StrategyMessage) -> None:
         if not isinstance(msg, Spread):
             super().handle(msg)
         step = msg.spec.step
         try:
-            tree = self._copy_out(msg)
-        finally:
-            self.ctx.free_slot(msg.slot)
-        try:
-            self._step(msg, tree)
+            try:
+                record = self._step(msg, self._read(msg))
+            finally:
+                self.ctx.free_slot(msg.slot)
+            if record is not None:
+                self._write(*record)
         except Exception as e:  # noqa: BLE001 - reported; the spread is dropped, the next one starts afresh
             self.rolling = None
             self.ctx.save_error(step, full_name(step), f"gockpt spread from step {msg.start} dropped "
                                                        f"({type(e).__name__}: {e})")
 
-    def _copy_out(self, msg: Spread) -> dict:
+    def _read(self, msg: Spread) -> dict:
+        """The message's tree, its tensors read in the slot (valid until the slot is freed)."""
         buf = torch.frombuffer(self.ctx.slot_view(msg.slot), dtype=torch.uint8)
-        tensors = {k: view(buf, TensorSpec.from_json(k, t)).clone() for k, t in msg.spec.tensors.items()}
-        return unflatten(msg.spec.skeleton, tensors)
+        return unflatten(msg.spec.skeleton, {k: view(buf, TensorSpec.from_json(k, t))
+                                             for k, t in msg.spec.tensors.items()})
 
-    def _step(self, msg: Spread, tree: dict) -> None:
+    def _step(self, msg: Spread, tree: dict) -> tuple[RecordSpec, memoryview, int] | None:
+        """Roll and add this step's blocks; at V, the record laid out (see `_write`)."""
         step, meta = msg.spec.step, msg.spec.meta
         if step == msg.start:  # a new spread (one at a time: any other is dropped)
             self.rolling = Rolling(msg.start, self.classes[meta["optimizers"]["optimizer"]["class"]])
         r = self.rolling
         if r is None or r.start != msg.start:
-            return  # the rest of a spread already dropped
+            return None  # the rest of a spread already dropped
         if "grads" in tree:
             r.roll(step, tree["grads"], tree["hyper"])
-        r.add(step, tree["blocks"] + tree.get("rest", []), tree["block_hyper"])
-        if msg.last:
-            self.rolling = None
-            self._write(msg, {k: v for k, v in tree.items() if k not in OWN_KEYS}, r)
+        r.add(step, tree["blocks"] + tree.get("rest", []), tree["block_hyper"], keep=not msg.last)
+        if not msg.last:
+            return None
+        self.rolling = None
+        return self._lay_out(msg, {k: v for k, v in tree.items() if k not in OWN_KEYS}, r)
 
-    def _write(self, msg: Spread, state: dict, r: Rolling) -> None:
-        """V's state with its blocks filled in, written as the ordinary full record of V (under
+    def _lay_out(self, msg: Spread, state: dict, r: Rolling) -> tuple[RecordSpec, memoryview, int]:
+        """V's state with its blocks filled in, laid out as the ordinary full record of V (under
         DDP without the replicated tensors another rank writes: storage/writeonce.py)."""
         spec = msg.spec
         aliases = spec.meta["optimizers"]["optimizer"]["params"]
-        r.fill(state, aliases, msg.exact)
+        fills = r.fill(state, aliases, msg.exact)
         skeleton, tensors = writeonce.split_state(state, msg.replicated, aliases, self.ctx.rank, self.ctx.world_size)
         layout = Layout.of(tensors)
-        buf = torch.empty(max(1, layout.nbytes), dtype=torch.uint8)
+        buf = self._buffer(layout.nbytes)
         with torch.no_grad():
             for s in layout.specs:
-                view(buf, s).copy_(tensors[s.key])
+                into, t = view(buf, s), tensors[s.key]
+                for sl, block in fills.get(id(t), [(slice(None), t)]):
+                    into.view(-1)[sl] = block.reshape(-1)
         meta: dict[str, Any] = {**writeonce.with_shared_keys(spec.meta, state, msg.shared, aliases),
                                 "gockpt": {"first_step": msg.start, "rolled_on": "cpu", "exact": msg.exact}}
         record = RecordSpec(record=full_name(spec.step), kind="full", step=spec.step, skeleton=skeleton,
                             tensors={s.key: s.to_json() for s in layout.specs}, meta=meta)
-        self.ctx.emit(type="gockpt_spread", rank=self.ctx.rank, first_step=msg.start, step=spec.step,
-                      cohorts=len(r.cohorts), nbytes=layout.nbytes)
+        return record, memoryview(buf.numpy())[: layout.nbytes], len(r.cohorts)
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """A record buffer of at least `nbytes` whose last write is done (at most WRITES_QUEUED
+        writes at once: each holds a buffer)."""
         self.ctx.wait_writes(WRITES_QUEUED)
-        self.ctx.write(record, memoryview(buf.numpy())[: layout.nbytes])
+        free = [i for i, (write, _) in enumerate(self.buffers) if write is None or write.done()]
+        if free and self.buffers[free[0]][1].numel() >= nbytes:
+            buf = self.buffers.pop(free[0])[1]
+        else:
+            if free:
+                self.buffers.pop(free[0])
+            buf = torch.empty(max(1, nbytes), dtype=torch.uint8)
+        self.buffers.append((None, buf))
+        return buf
+
+    def _write(self, record: RecordSpec, data: memoryview, cohorts: int) -> None:
+        self.ctx.emit(type="gockpt_spread", rank=self.ctx.rank, first_step=record.meta["gockpt"]["first_step"],
+                      step=record.step, cohorts=cohorts, nbytes=len(data))
+        self.buffers[-1] = (self.ctx.write(record, data), self.buffers[-1][1])
 
     def flush(self) -> None:
         """A spread still rolling when the worker flushes (a restarted worker's Hello or resume
