@@ -257,13 +257,13 @@ static PyObject *raise_errno(Writer *w, int err)
 
 static int Writer_init(Writer *w, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"path", "depth", "piece", "direct", "small", NULL};
+    static char *kwlist[] = {"path", "depth", "piece", "direct", "small", "truncate", NULL};
     PyObject *path = NULL;
     unsigned depth = 8;
     Py_ssize_t piece = 1 << 20, small = 1 << 20;
-    int direct = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|Inpn", kwlist, PyUnicode_FSConverter, &path, &depth, &piece,
-                                     &direct, &small))
+    int direct = 1, truncate = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|Inpnp", kwlist, PyUnicode_FSConverter, &path, &depth, &piece,
+                                     &direct, &small, &truncate))
         return -1;
     if (w->path != NULL) {
         Py_DECREF(path);
@@ -280,7 +280,8 @@ static int Writer_init(Writer *w, PyObject *args, PyObject *kwds)
     w->path = path;
     w->depth = depth, w->piece = (size_t)piece, w->small = (size_t)small;
     const char *p = PyBytes_AS_STRING(path);
-    int flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, err = 0;
+    /* truncate=False: an existing file (a preallocated region) is written in place, never created */
+    int flags = O_WRONLY | O_CLOEXEC | (truncate ? O_CREAT | O_TRUNC : 0), err = 0;
     Py_BEGIN_ALLOW_THREADS
     w->fd = direct ? open(p, flags | O_DIRECT, 0644) : -1;
     if (w->fd < 0 && (!direct || errno == EINVAL)) { /* tmpfs and friends refuse O_DIRECT */
@@ -428,9 +429,9 @@ static PyGetSetDef Writer_getset[] = {
 
 static PyTypeObject WriterType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ckptrun._uring.Writer",
-    .tp_doc = PyDoc_STR("Writer(path, depth=8, piece=1 MiB, direct=True, small=1 MiB): create or truncate "
-                        "`path` and write it through io_uring, whole pages with O_DIRECT; writes shorter than "
-                        "`small` and partial pages buffered."),
+    .tp_doc = PyDoc_STR("Writer(path, depth=8, piece=1 MiB, direct=True, small=1 MiB, truncate=True): create or "
+                        "truncate `path` (truncate=False: open the existing file, in place) and write it through "
+                        "io_uring, whole pages with O_DIRECT; writes shorter than `small` and partial pages buffered."),
     .tp_basicsize = sizeof(Writer),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = Writer_new,

@@ -72,6 +72,23 @@ def test_a_write_lands_exactly(tmp_path: Path, writer: type[iowriter.OutFile], s
 
 
 @pytest.mark.parametrize("writer", WRITERS)
+@pytest.mark.parametrize("offset", OFFSETS)
+def test_an_existing_file_is_written_in_place(tmp_path: Path, writer: type[iowriter.OutFile], offset: int) -> None:
+    """`existing`: the bytes around the write stay (a preallocated region), and a missing file
+    is an error, never created."""
+    old, data = _payload(3 * 2**20 + 12288, 1), _payload(2**20 + 4097, 2)
+    path = tmp_path / "region"
+    path.write_bytes(old)
+    with writer(path, existing=True) as f:
+        f.write_at(_unaligned(data), offset)
+        f.sync()
+    assert path.read_bytes() == old[:offset] + data + old[offset + len(data):]
+    with pytest.raises(FileNotFoundError):
+        writer(tmp_path / "gone", existing=True)
+    assert not (tmp_path / "gone").exists()
+
+
+@pytest.mark.parametrize("writer", WRITERS)
 def test_threads_writing_pieces_of_one_file(tmp_path: Path, writer: type[iowriter.OutFile]) -> None:
     """Pieces of odd sizes at odd offsets, from 4 threads at once, typed views (not bytes) among them."""
     data = _payload(9 * 2**20 + 4097, 1)

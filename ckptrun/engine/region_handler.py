@@ -44,6 +44,8 @@ MOVE_RETRY_S = 5.0  # a move-out whose record did not commit is tried again afte
 
 
 class RegionHandler(EngineHandler):
+    direct = False  # whether no process maps the region: its data then bypasses the page cache (RegionWriter)
+
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
         self.cond = threading.Condition()
@@ -91,7 +93,8 @@ class RegionHandler(EngineHandler):
         if w is None or not w.fits(capacity, meta_hint):
             gens = [int(REGION_FILE.fullmatch(p)[2]) for p in self._own_files()]
             geometry = Geometry(nslots, align(capacity), align(max(META_MIN, 4 * meta_hint)))
-            self.writer = RegionWriter(Path(self.ctx.root), self.ctx.rank, max(gens, default=-1) + 1, geometry)
+            self.writer = RegionWriter(Path(self.ctx.root), self.ctx.rank, max(gens, default=-1) + 1, geometry,
+                                       direct=self.direct)
             if w is not None:
                 self.old.append(w)
         return self.writer

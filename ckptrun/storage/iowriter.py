@@ -31,9 +31,10 @@ class OutFile:
 
     engine = "python"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, existing: bool = False) -> None:
         self.path = Path(path)
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        create = 0 if existing else os.O_CREAT | os.O_TRUNC
+        self.fd = os.open(self.path, os.O_WRONLY | create | os.O_CLOEXEC, 0o644)
 
     def write_at(self, data: memoryview | bytes, offset: int) -> None:
         data = memoryview(data).cast("B")
@@ -67,11 +68,12 @@ class NativeOutFile(OutFile):
     PIECE = 1 << 20
     SMALL = 1 << 20  # measured: below this, O_DIRECT's device round trip loses to the page cache
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, existing: bool = False) -> None:
         from .. import _uring
 
         self.path = Path(path)
-        self._writer = _uring.Writer(os.fsencode(self.path), self.DEPTH, self.PIECE, small=self.SMALL)
+        self._writer = _uring.Writer(os.fsencode(self.path), self.DEPTH, self.PIECE, small=self.SMALL,
+                                     truncate=not existing)
 
     @property
     def fd(self) -> int:
@@ -157,6 +159,7 @@ def engine_name() -> str:
     return _writer().engine
 
 
-def open_out(path: str | os.PathLike) -> OutFile:
-    """Create (or truncate) `path` for writing, with the selected writer."""
-    return _writer()(Path(path))
+def open_out(path: str | os.PathLike, *, existing: bool = False) -> OutFile:
+    """Create (or truncate) `path` for writing, with the selected writer; `existing`: open the
+    file that is there, to write it in place (FileNotFoundError if it is gone)."""
+    return _writer()(Path(path), existing=existing)

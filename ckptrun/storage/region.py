@@ -35,6 +35,7 @@ from pathlib import Path
 
 from ..errors import CorruptCheckpoint
 from .fsutil import open_regular
+from .iowriter import OutFile, open_out
 from .layout import ALIGN, align
 from .schema import FORMAT, MAX_METADATA_BYTES, MAX_STEP, MAX_WORLD_SIZE, Manifest, checksum, full_name
 
@@ -98,6 +99,15 @@ def _pread_exact(fd: int, n: int, offset: int) -> bytes:
     if len(data) != n:
         raise CorruptCheckpoint(f"region file ends at {offset + len(data)}, inside its own geometry")
     return data
+
+
+def _same_file(out: OutFile, fd: int) -> OutFile:
+    """`out`, opened by path, if it writes the file `fd` is open on (else the path was swapped)."""
+    a, b = os.fstat(out.fd), os.fstat(fd)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+        out.close()
+        raise CorruptCheckpoint(f"{out.path} was replaced while it was created")
+    return out
 
 
 def _encode_pointer(p: Pointer) -> bytes:
@@ -285,7 +295,11 @@ class RegionWriter:
     """One rank's region file, created and written by that rank's engine only. The slot the
     pointer names is never handed out by `acquire`."""
 
-    def __init__(self, root: Path, rank: int, generation: int, geometry: Geometry) -> None:
+    def __init__(self, root: Path, rank: int, generation: int, geometry: Geometry, *, direct: bool = False) -> None:
+        """`direct`: no process maps the file (pccheck's, not lightcheck's), so its data goes
+        through the engine's file writer (storage/iowriter.py: with the native one, O_DIRECT:
+        no copy into the page cache and no writeback of it, half the engine's CPU at every
+        step); else through the page cache, coherent with the mappings."""
         self.root, self.rank, self.generation, self.geometry = root, rank, generation, geometry.check()
         self.path = root / region_name(rank, generation)
         self._lock = threading.Condition()
@@ -294,16 +308,19 @@ class RegionWriter:
         self.free: list[int] = list(range(geometry.nslots))
         self.users = 0  # jobs writing into this file (its owner retires it only at zero)
         self._map: mmap.mmap | None = None
+        self._out: OutFile | None = None  # `direct`: the data's writer
         tmp = root / f".{self.path.name}.tmp-{os.getpid()}"
         self.fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
             self._create()
+            if direct:
+                self._out = _same_file(open_out(tmp, existing=True), self.fd)
             os.rename(tmp, self.path)  # whole and durable, or absent
             from .fsutil import fsync_dir
 
             fsync_dir(root)
         except BaseException:
-            os.close(self.fd)
+            self.close()
             tmp.unlink(missing_ok=True)
             raise
 
@@ -337,7 +354,7 @@ class RegionWriter:
             self._lock = threading.Condition()
             self.pointer, self._copy = region.pointer_copy()
             self.users = 0
-            self._map = None
+            self._map, self._out = None, None
             self.steps = {}
             for slot in range(region.geometry.nslots):
                 found = region.slot_meta(slot)
@@ -402,7 +419,11 @@ class RegionWriter:
     def write(self, slot: int, offset: int, data: memoryview) -> None:
         if offset + len(data) > self.geometry.slot_bytes:
             raise ValueError(f"write of {len(data)} bytes at {offset} overflows a {self.geometry.slot_bytes}-byte slot")
-        _pwrite_all(self.fd, data, self.geometry.data_at(slot) + offset)
+        at = self.geometry.data_at(slot) + offset
+        if self._out is not None:
+            self._out.write_at(data, at)
+        else:
+            _pwrite_all(self.fd, data, at)
 
     def sync(self) -> None:
         os.fdatasync(self.fd)
@@ -463,4 +484,6 @@ class RegionWriter:
                 self._map.close()
             except BufferError:  # a view is still held somewhere: the mapping goes with it
                 pass
+        if self._out is not None:
+            self._out.close()
         os.close(self.fd)

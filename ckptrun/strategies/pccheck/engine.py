@@ -51,6 +51,8 @@ class Job:
 
 
 class PCcheckHandler(RegionHandler):
+    direct = True  # the trainer copies into staging slots, never into the region
+
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
         self.io = ThreadPoolExecutor(MAX_JOBS, thread_name_prefix="pccheck-io")
