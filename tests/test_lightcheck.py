@@ -235,6 +235,22 @@ def region_checkpoint(handler: LightCheckHandler, step: int, *, ready: bool = Tr
     return (job.writer, job.slot) if job else (handler.writer, -1)
 
 
+def test_only_a_region_no_trainer_maps_bypasses_the_page_cache(tmp_path):
+    """--copy-to region: the trainer maps the region and copies into it, so the engine writes it
+    through the page cache (coherent with that mapping); --copy-to host: nobody maps it, so its
+    data goes through the engine's file writer (O_DIRECT with the native one), in a region of
+    its own: a take of the other kind starts a new generation."""
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    handler = LightCheckHandler(RegionContext(root))
+    writers = []
+    for step, mapped in enumerate((True, False, False), 1):
+        handler.handle(Take(step=step, capacity=8192, meta_hint=1024, inflight=1, id=step, mapped=mapped))
+        writers.append(handler.jobs[step].writer)
+    assert [w.direct for w in writers] == [False, True, True]
+    assert writers[0] is not writers[1] and writers[1] is writers[2]
+
+
 STAGES = ["copy", "sync", "write_meta", "publish", "after"]
 
 

@@ -44,8 +44,6 @@ MOVE_RETRY_S = 5.0  # a move-out whose record did not commit is tried again afte
 
 
 class RegionHandler(EngineHandler):
-    direct = False  # whether no process maps the region: its data then bypasses the page cache (RegionWriter)
-
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
         self.cond = threading.Condition()
@@ -85,16 +83,17 @@ class RegionHandler(EngineHandler):
         return bool(self.awaiting or self.old or (w is not None and len(w.steps) > max(self.ctx.keep, 1)))
 
     # ---- generations -------------------------------------------------------------------
-    def writer_for(self, capacity: int, meta_hint: int, nslots: int) -> RegionWriter:
+    def writer_for(self, capacity: int, meta_hint: int, nslots: int, *, direct: bool) -> RegionWriter:
         """The current region (caller holds the lock), replaced by a new generation with `nslots`
-        slots if its slots are too small for `capacity` data bytes and `meta_hint` index bytes."""
+        slots if its slots are too small for `capacity` data bytes and `meta_hint` index bytes.
+        `direct`: no process maps the region (its data then bypasses the page cache: RegionWriter)."""
         self._adopt()
         w = self.writer
-        if w is None or not w.fits(capacity, meta_hint):
+        if w is None or not w.fits(capacity, meta_hint) or w.direct != direct:
             gens = [int(REGION_FILE.fullmatch(p)[2]) for p in self._own_files()]
             geometry = Geometry(nslots, align(capacity), align(max(META_MIN, 4 * meta_hint)))
             self.writer = RegionWriter(Path(self.ctx.root), self.ctx.rank, max(gens, default=-1) + 1, geometry,
-                                       direct=self.direct)
+                                       direct=direct)
             if w is not None:
                 self.old.append(w)
         return self.writer

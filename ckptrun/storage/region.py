@@ -296,10 +296,10 @@ class RegionWriter:
     pointer names is never handed out by `acquire`."""
 
     def __init__(self, root: Path, rank: int, generation: int, geometry: Geometry, *, direct: bool = False) -> None:
-        """`direct`: no process maps the file (pccheck's, not lightcheck's), so its data goes
-        through the engine's file writer (storage/iowriter.py: with the native one, O_DIRECT:
-        no copy into the page cache and no writeback of it, half the engine's CPU at every
-        step); else through the page cache, coherent with the mappings."""
+        """`direct`: no process maps the file (pccheck's; lightcheck's unless --copy-to region),
+        so its data goes through the engine's file writer (storage/iowriter.py: with the native
+        one, O_DIRECT: no copy into the page cache and no writeback of it, half the engine's CPU
+        at every step); else through the page cache, coherent with the mappings."""
         self.root, self.rank, self.generation, self.geometry = root, rank, generation, geometry.check()
         self.path = root / region_name(rank, generation)
         self._lock = threading.Condition()
@@ -308,6 +308,7 @@ class RegionWriter:
         self.free: list[int] = list(range(geometry.nslots))
         self.users = 0  # jobs writing into this file (its owner retires it only at zero)
         self._map: mmap.mmap | None = None
+        self.direct = direct
         self._out: OutFile | None = None  # `direct`: the data's writer
         tmp = root / f".{self.path.name}.tmp-{os.getpid()}"
         self.fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
@@ -354,7 +355,7 @@ class RegionWriter:
             self._lock = threading.Condition()
             self.pointer, self._copy = region.pointer_copy()
             self.users = 0
-            self._map, self._out = None, None
+            self._map, self._out, self.direct = None, None, False
             self.steps = {}
             for slot in range(region.geometry.nslots):
                 found = region.slot_meta(slot)

@@ -67,7 +67,8 @@ class LightCheckHandler(RegionHandler):
         """Answer waiting takes while free slots last (lock held)."""
         while self.waiting:
             take = self.waiting[0]
-            writer = self.writer_for(take.capacity, take.meta_hint, take.inflight + max(self.ctx.keep, 1))
+            writer = self.writer_for(take.capacity, take.meta_hint, take.inflight + max(self.ctx.keep, 1),
+                                     direct=not take.mapped)
             slot = writer.acquire(timeout=0)
             if slot is None:
                 return

@@ -21,6 +21,7 @@ class Take(StrategyMessage):
     capacity: int  # bytes the region's slots must hold
     meta_hint: int  # about how large the slot's metadata (its index) will be
     inflight: int  # checkpoints in flight at most: the region holds this many + --keep slots
+    mapped: bool = True  # the trainer maps the region and copies into it (--copy-to region), else into staging slots
 
 
 @dataclass(kw_only=True)

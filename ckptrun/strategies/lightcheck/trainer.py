@@ -131,7 +131,8 @@ class LightCheck(SnapshotStrategy):
         with --copy-to host the snapshot goes to a staging slot instead (None)."""
         ctx = self.ctx
         capacity = align(int(need * 1.25) + 256 * ALIGN)  # room for the late state and some growth
-        r = ctx.request(Take(step=step, capacity=capacity, meta_hint=ctx.index_hint(), inflight=ctx.max_inflight))
+        r = ctx.request(Take(step=step, capacity=capacity, meta_hint=ctx.index_hint(), inflight=ctx.max_inflight,
+                             mapped=self.direct))
         if REGION_FILE.fullmatch(r["file"]) is None:
             raise RuntimeError(f"engine named region file {r['file']!r}")
         if not self.direct:

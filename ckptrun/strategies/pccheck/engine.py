@@ -51,8 +51,6 @@ class Job:
 
 
 class PCcheckHandler(RegionHandler):
-    direct = True  # the trainer copies into staging slots, never into the region
-
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
         self.io = ThreadPoolExecutor(MAX_JOBS, thread_name_prefix="pccheck-io")
@@ -176,7 +174,8 @@ class PCcheckHandler(RegionHandler):
         they are too small for it (the staging slots grew). None if cancelled meanwhile, or if
         none is free while a new worker replaces a dead one (`RegionHandler.restart`)."""
         with self.cond:
-            writer = self.writer_for(job.capacity, job.meta_hint, job.inflight + max(self.ctx.keep, 1) + 1)
+            writer = self.writer_for(job.capacity, job.meta_hint, job.inflight + max(self.ctx.keep, 1) + 1,
+                                     direct=True)  # (the trainer copies into staging slots, never into the region)
             writer.users += 1
         while not job.cancelled:
             slot = writer.acquire(timeout=0.1)
