@@ -100,8 +100,8 @@ class Rolling:
     def fill(self, state: dict, aliases: list[list[list[str]]], exact: bool) -> dict[int, list]:
         """Put a placeholder of each rolled tensor (its shape and dtype, no bytes) into the
         places V's state left empty (None); returns, by each placeholder's id, the (slice of its
-        flattened elements, block tensor) pairs that fill it (`lay_out`). With `exact`, the
-        blocks' own scalar state (Adam's `step`) must equal V's: every block is at V."""
+        flattened elements, block tensor) pairs that fill it (`GoCkptHandler._lay_out`). With
+        `exact`, the blocks' own scalar state (Adam's `step`) must equal V's: every block is at V."""
         version = {c.version for c in self.cohorts}
         if len(version) > 1:
             raise ValueError(f"blocks at steps {sorted(version)}")
