@@ -103,8 +103,7 @@ def _pread_exact(fd: int, n: int, offset: int) -> bytes:
 
 def _same_file(out: OutFile, fd: int) -> OutFile:
     """`out`, opened by path, if it writes the file `fd` is open on (else the path was swapped)."""
-    a, b = os.fstat(out.fd), os.fstat(fd)
-    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+    if not os.path.samestat(os.fstat(out.fd), os.fstat(fd)):
         out.close()
         raise CorruptCheckpoint(f"{out.path} was replaced while it was created")
     return out
@@ -308,7 +307,6 @@ class RegionWriter:
         self.free: list[int] = list(range(geometry.nslots))
         self.users = 0  # jobs writing into this file (its owner retires it only at zero)
         self._map: mmap.mmap | None = None
-        self.direct = direct
         self._out: OutFile | None = None  # `direct`: the data's writer
         tmp = root / f".{self.path.name}.tmp-{os.getpid()}"
         self.fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
@@ -355,7 +353,7 @@ class RegionWriter:
             self._lock = threading.Condition()
             self.pointer, self._copy = region.pointer_copy()
             self.users = 0
-            self._map, self._out, self.direct = None, None, False
+            self._map, self._out = None, None
             self.steps = {}
             for slot in range(region.geometry.nslots):
                 found = region.slot_meta(slot)
@@ -366,6 +364,11 @@ class RegionWriter:
             return self
         finally:
             region.close()
+
+    @property
+    def direct(self) -> bool:
+        """Whether the data bypasses the page cache through the engine's writer (`__init__`)."""
+        return self._out is not None
 
     def view(self, slot: int) -> memoryview:
         """The slot's data bytes, mapped read-only (for slots filled through another mapping of

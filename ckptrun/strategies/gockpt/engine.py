@@ -151,7 +151,7 @@ class GoCkptHandler(EngineHandler):
         self.classes = optimizer_classes()
         warm_up_in_background()
         self.rolling: Rolling | None = None
-        self.buffers: list[tuple[Future | None, torch.Tensor]] = []  # record buffers, each with its write
+        self.buffers: list[tuple[Future, torch.Tensor]] = []  # record buffers, each with its last write
 
     def handle(self, msg: StrategyMessage) -> None:
         if not isinstance(msg, Spread):
@@ -175,7 +175,7 @@ class GoCkptHandler(EngineHandler):
         return unflatten(msg.spec.skeleton, {k: view(buf, TensorSpec.from_json(k, t))
                                              for k, t in msg.spec.tensors.items()})
 
-    def _step(self, msg: Spread, tree: dict) -> tuple[RecordSpec, memoryview, int] | None:
+    def _step(self, msg: Spread, tree: dict) -> tuple[RecordSpec, torch.Tensor, int, int] | None:
         """Roll and add this step's blocks; at V, the record laid out (see `_write`)."""
         step, meta = msg.spec.step, msg.spec.meta
         if step == msg.start:  # a new spread (one at a time: any other is dropped)
@@ -191,9 +191,10 @@ class GoCkptHandler(EngineHandler):
         self.rolling = None
         return self._lay_out(msg, {k: v for k, v in tree.items() if k not in OWN_KEYS}, r)
 
-    def _lay_out(self, msg: Spread, state: dict, r: Rolling) -> tuple[RecordSpec, memoryview, int]:
+    def _lay_out(self, msg: Spread, state: dict, r: Rolling) -> tuple[RecordSpec, torch.Tensor, int, int]:
         """V's state with its blocks filled in, laid out as the ordinary full record of V (under
-        DDP without the replicated tensors another rank writes: storage/writeonce.py)."""
+        DDP without the replicated tensors another rank writes: storage/writeonce.py): the
+        record, its buffer, the bytes laid out in it, and the number of cohorts."""
         spec = msg.spec
         aliases = spec.meta["optimizers"]["optimizer"]["params"]
         fills = r.fill(state, aliases, msg.exact)
@@ -209,26 +210,22 @@ class GoCkptHandler(EngineHandler):
                                 "gockpt": {"first_step": msg.start, "rolled_on": "cpu", "exact": msg.exact}}
         record = RecordSpec(record=full_name(spec.step), kind="full", step=spec.step, skeleton=skeleton,
                             tensors={s.key: s.to_json() for s in layout.specs}, meta=meta)
-        return record, memoryview(buf.numpy())[: layout.nbytes], len(r.cohorts)
+        return record, buf, layout.nbytes, len(r.cohorts)
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
-        """A record buffer of at least `nbytes` whose last write is done (at most WRITES_QUEUED
-        writes at once: each holds a buffer)."""
+        """A record buffer of at least `nbytes`: one whose write is done, taken out of `buffers`
+        (at most WRITES_QUEUED writes at once, each holding one), else a new one."""
         self.ctx.wait_writes(WRITES_QUEUED)
-        free = [i for i, (write, _) in enumerate(self.buffers) if write is None or write.done()]
-        if free and self.buffers[free[0]][1].numel() >= nbytes:
-            buf = self.buffers.pop(free[0])[1]
-        else:
-            if free:
-                self.buffers.pop(free[0])
-            buf = torch.empty(max(1, nbytes), dtype=torch.uint8)
-        self.buffers.append((None, buf))
-        return buf
+        done = next((i for i, (write, _) in enumerate(self.buffers) if write.done()), None)
+        buf = None if done is None else self.buffers.pop(done)[1]
+        return buf if buf is not None and buf.numel() >= nbytes else torch.empty(max(1, nbytes), dtype=torch.uint8)
 
-    def _write(self, record: RecordSpec, data: memoryview, cohorts: int) -> None:
+    def _write(self, record: RecordSpec, buf: torch.Tensor, nbytes: int, cohorts: int) -> None:
+        """Hand the record laid out in `buf[:nbytes]` to the engine's writers; `buf` is reused
+        once that write is done."""
         self.ctx.emit(type="gockpt_spread", rank=self.ctx.rank, first_step=record.meta["gockpt"]["first_step"],
-                      step=record.step, cohorts=cohorts, nbytes=len(data))
-        self.buffers[-1] = (self.ctx.write(record, data), self.buffers[-1][1])
+                      step=record.step, cohorts=cohorts, nbytes=nbytes)
+        self.buffers.append((self.ctx.write(record, memoryview(buf.numpy())[:nbytes]), buf))
 
     def flush(self) -> None:
         """A spread still rolling when the worker flushes (a restarted worker's Hello or resume
