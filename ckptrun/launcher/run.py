@@ -97,7 +97,8 @@ class EngineSupervisor:
         p = self.ctx.Process(target=engine_main, name=f"ckptrun-engine-{local_rank}",
                              args=(address, bytes.fromhex(self.cfg.authkey), local_rank, self.tag,
                                    self.cfg.metrics_dir, self.engines_lock, os.getpid(),
-                                   threading.current_thread() is threading.main_thread()))
+                                   threading.current_thread() is threading.main_thread(),
+                                   self.cfg.replicas > 1 or self.cfg.node_local_dir))
         p.start()
         self.procs[local_rank] = p
 
