@@ -586,8 +586,9 @@ def bench(
                                             "steps node 1 is lost and replaced, and its recovery timed "
                                             "(README: Replicated memory tier).")] = 1,
     replicas: Annotated[int, typer.Option(help="With --nodes 2: each strategy that takes --replicas also runs "
-                                               "as NAME+replicas, with --replicas K and a --dir per node, "
-                                               "whose ratio is against NAME (one shared --dir): what the "
+                                               "as NAME+node-local (a --dir per node, --node-local-dir; "
+                                               "against NAME, one shared --dir) and as NAME+replicas (the "
+                                               "same with --replicas K; against NAME+node-local): what the "
                                                "copies in the partner's memory add, and how much sooner a "
                                                "lost node is back.")] = 1,
 ) -> None:

@@ -309,15 +309,20 @@ def test_the_against_column_stays_at_80_columns_where_a_ratio_is_not_against_non
 
 def test_two_node_configurations_twin_each_replicable_strategy_and_leave_out_the_references():
     """`bench --nodes 2 --replicas 2`: `default` leaves the references out (one process each)
-    and one named is refused; each strategy that takes --replicas is followed by NAME+replicas
-    (a --dir per node), its ratio against NAME; a strategy that does not take it has no twin."""
+    and one named is refused; each strategy that takes --replicas is followed by NAME+node-local
+    (a --dir per node), its ratio against NAME, then NAME+replicas, its ratio against
+    NAME+node-local (what the copies alone add); a strategy that does not take it has no twin."""
     configs = {c.name: c for c in plan.configurations("default", "1", nodes=2, replicas=2)}
     assert not set(plan.REFERENCES) & set(configs)
-    twins = {n.removesuffix("+replicas") for n in configs if n.endswith("+replicas")}
-    assert twins == {name for name, e in REGISTRY.items() if e.replicas} and twins < set(configs)
-    twin = configs["checkfreq+replicas"]
-    assert (twin.method, twin.reference) == ("checkfreq", "checkfreq")
-    assert twin.flags[-3:] == ("--replicas", "2", "--node-local-dir")
+    replicable = {name for name, e in REGISTRY.items() if e.replicas}
+    for suffix in ("+node-local", "+replicas"):
+        assert {n.removesuffix(suffix) for n in configs if n.endswith(suffix)} == replicable
+    names = list(configs)
+    assert names.index("checkfreq") + 1 == names.index("checkfreq+node-local") == names.index("checkfreq+replicas") - 1
+    local, twin = configs["checkfreq+node-local"], configs["checkfreq+replicas"]
+    assert (local.method, local.reference, local.flags[-1]) == ("checkfreq", "checkfreq", "--node-local-dir")
+    assert (twin.method, twin.reference) == ("checkfreq", "checkfreq+node-local")
+    assert twin.flags == (*local.flags, "--replicas", "2")
     with pytest.raises(UsageError, match="torch.save run on one node"):
         plan.configurations("torch.save,checkfreq", "1", nodes=2)
     for bad, match in (({"nodes": 3}, "--nodes takes 1 or 2"), ({"replicas": 2}, "1 <= K <= --nodes"),
@@ -339,8 +344,9 @@ def test_two_node_bench_times_a_lost_node_back_from_its_partner(tmp_path):
     ok(ckptrun(tmp_path, "bench", "--nodes", "2", "--replicas", "2", "--model", "tiny", "--strategies",
                "checkfreq", "--steps", "10", "--json", out))
     rows = {r["name"]: r for r in json.loads(out.read_text())["configurations"]}
-    assert list(rows) == ["none", "checkfreq", "checkfreq+replicas"]
+    assert list(rows) == ["none", "checkfreq", "checkfreq+node-local", "checkfreq+replicas"]
     assert all(r["repetitions"] == 1 for r in rows.values()), rows
-    assert rows["checkfreq"]["shipped_per_step"] is None and rows["checkfreq+replicas"]["shipped_per_step"] > 0
-    for name in ("checkfreq", "checkfreq+replicas"):
+    assert rows["checkfreq"]["shipped_per_step"] is rows["checkfreq+node-local"]["shipped_per_step"] is None
+    assert rows["checkfreq+replicas"]["shipped_per_step"] > 0
+    for name in ("checkfreq", "checkfreq+node-local", "checkfreq+replicas"):
         assert rows[name]["recovery_s"] > rows[name]["restore_s"] > 0, rows[name]

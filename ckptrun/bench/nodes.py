@@ -5,13 +5,13 @@ The figures are node 0's (rank 0): its step time and stall over the timed steps,
 bytes, and with --replicas the bytes it shipped to its partner each step. `none` is the same
 script under torchrun. A ckptrun run trains as many steps again, and TAIL more; once node 0 has
 committed the last timed step (and, with --replicas, holds node 1's copy of it), node 1's whole
-process tree is
-killed and node 1 started again, as a scheduler replaces a node. Without --replicas, --dir is
-one directory both nodes write (a shared file system) and the page cache is dropped first, so
-the new node reads its state from the disk, not from memory; with --replicas, each node's --dir
-is its own (--node-local-dir) and node 1's is deleted: its state comes back from node 0's
-memory. Recovery is node 1's: its new worker's start to the end of its first resumed step, and
-of it the restore: the engine's take-back from the partner plus the worker's read and load.
+process tree is killed and node 1 started again, as a scheduler replaces a node. Without
+--replicas, the page cache is dropped first, so the new node reads its state from the disk, not
+from memory: from one directory both nodes write (a shared file system), or with
+--node-local-dir from its own --dir (its disk outlived the processes). With --replicas, each
+node's --dir is its own and node 1's is deleted: its state comes back from node 0's memory.
+Recovery is node 1's: its new worker's start to the end of its first resumed step, and of it
+the restore: the engine's take-back from the partner plus the worker's read and load.
 """
 
 from __future__ import annotations

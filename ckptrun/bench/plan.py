@@ -115,7 +115,9 @@ def configurations(methods: str, every: str, io_engines: str = "auto", durable: 
     `all` for every reference, strategy and VARIANTS entry. With `durable` (a --durable URL),
     each strategy's configuration is followed by NAME+durable, the same run draining to it,
     whose ratio is against NAME: what the remote tier adds; with `replicas` K > 1, each that
-    takes --replicas by NAME+replicas (--replicas K, a --dir per node). On `nodes` > 1 the
+    takes --replicas by NAME+node-local (a --dir per node, against NAME: what the layout adds)
+    and NAME+replicas (the same with --replicas K, against NAME+node-local: what the copies in
+    partners' memory add). On `nodes` > 1 the
     references (the script's own saves, one process) are not run: `default` and `all` leave
     them out, and one named is refused."""
     from ..strategies import REGISTRY
@@ -151,8 +153,10 @@ def configurations(methods: str, every: str, io_engines: str = "auto", durable: 
                     configs.append(replace(plain, name=f"{plain.name}+durable", reference=plain.name,
                                            durable=durable))
                 if replicas > 1 and REGISTRY[base].replicas:
-                    configs.append(replace(plain, name=f"{plain.name}+replicas", reference=plain.name,
-                                           flags=(*plain.flags, "--replicas", str(replicas), "--node-local-dir")))
+                    local = replace(plain, name=f"{plain.name}+node-local", reference=plain.name,
+                                    flags=(*plain.flags, "--node-local-dir"))
+                    configs += [local, replace(local, name=f"{plain.name}+replicas", reference=local.name,
+                                               flags=(*local.flags, "--replicas", str(replicas)))]
     return [*baselines.values(), *configs]
 
 
