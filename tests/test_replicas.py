@@ -111,6 +111,39 @@ def test_damaged_copies_are_refused(tmp_path):
     assert store.ranks_present(full_name(1)) == [0]
 
 
+def test_the_engine_ships_the_thin_copy_it_cut_as_the_part_was_written(tmp_path):
+    """--node-local-dir: the engine cuts the thin copy of its rank's part from the staging slot
+    as the part is written (`Replicator.written`), and once the record commits ships that: the
+    same bytes as read back from --dir, without reading them. A copy whose index is not the one
+    the manifest pins is not used (the part is read from --dir then)."""
+    from ckptrun.engine.replicate import Replicator
+    from ckptrun.ipc.events import EventLog
+
+    store = Store(tmp_path / "ckpts")
+    store.ensure_writable()
+    name, written = full_name(4), {}
+    for rank in (0, 1):
+        state = {"models": {"model": {"w": torch.arange(3000.0)}}, "rng": torch.full((5,), float(rank))}
+        skeleton, data, specs = pack(state)
+        meta = {"step": 4, "shared": ["models/model/w"]}
+        part = store.write_rank(name, rank, memoryview(data), specs, skeleton, meta)
+        assert part.nbytes == len(data) and part.index == (store.root / name / rank_files(rank)[1]).read_bytes()
+        written[rank] = (part.index, data)
+    assert store.try_commit(name, kind="full", step=4, first_step=4, world_size=2)
+    m = store.manifest(name)
+    rep = Replicator(EventLog(str(tmp_path / "metrics"), "engine-0"))
+    try:
+        rep.written(name, 1, written[1][0], memoryview(written[1][1]))
+        assert rep._cut(m, 1) is None  # (not node-local: nothing is cut)
+        rep.node_local = True
+        rep.written(name, 1, written[1][0], memoryview(written[1][1]))
+        assert rep._cut(m, 1) == thin_rank_part(store, m, 1) and not rep._fresh
+        rep.written(name, 1, written[0][0], memoryview(written[0][1]))  # another part's index
+        assert rep._cut(m, 1) is None
+    finally:
+        rep.close()
+
+
 def test_a_thin_copy_holds_only_per_rank_state_and_a_peer_makes_it_whole(tmp_path):
     """The data-parallel short-cut (dpshared.py): a part whose index names its replicated
     tensors ships without them (nor any padding) and is checked as held; made whole from a

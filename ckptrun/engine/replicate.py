@@ -32,19 +32,20 @@ from ..faults import Fault, die
 from ..ipc.events import EventLog
 from ..log import log
 from ..storage import memory_status
-from ..storage.schema import MAX_FILE_BYTES, MAX_METADATA_BYTES, Manifest, rank_files
+from ..storage.schema import MAX_FILE_BYTES, MAX_METADATA_BYTES, Manifest, checksum, rank_files
 from ..storage.store import Store
 from ..storage.tiers.dpshared import copy_spans, parse, rebuild, shared_keys
 from ..storage.tiers.group import ReplicationGroup
 from ..storage.tiers.memtier import MemoryTier
 from ..storage.tiers.mirror import fill
-from ..storage.tiers.parts import rank_part, thin_rank_part
+from ..storage.tiers.parts import rank_part, thin_part, thin_rank_part
 
 SHIP, FETCH = 1, 2  # gloo tags: a new copy for a partner; a copy sent back to its owner
 FORM_TIMEOUT_S = 60.0  # the round's engines meeting (all of them start their worker after rendezvous)
 SEND_TIMEOUT_S = 30.0  # one copy to one partner; past it the partner counts as stalled
 STOP = -1  # a header that ends the partner's receiving thread (a new round begins)
 MAX_META = 1 << 16
+FRESH_KEPT = 4  # thin copies cut as their parts were written, waiting for their records to commit
 
 
 class Round:
@@ -141,6 +142,7 @@ class Replicator:
         self._lock = threading.Lock()  # the round and the held copies
         self._offered: str | None = None  # the newest committed record not shipped yet
         self._newest = -1  # the step of the newest record offered
+        self._fresh: dict[str, tuple[bytes, bytes]] = {}  # record -> this rank's thin copy, cut as written
         self._wake = threading.Condition()
         self._closing = False
         self._shipper = threading.Thread(target=self._ship_loop, name="ckptrun-replicas", daemon=True)
@@ -335,13 +337,38 @@ class Replicator:
             if r is not None and r.live:
                 self._ship(r, name)
 
+    def written(self, name: str, rank: int, index: bytes, data: memoryview) -> None:
+        """This rank's part of `name` was just written from `data` (its staging slot, not yet
+        freed) with `index`: with --node-local-dir, its thin copy is cut now, so that shipping
+        it once the record commits reads nothing back (the index, written O_DIRECT, is not in
+        the page cache: reading and checking it again took a third of the engine's CPU for
+        shipping). Best effort: without it, `_ship` reads the part from --dir."""
+        if not self.node_local:
+            return
+        try:
+            copy = thin_part(index, lambda offset, n: bytes(data[offset : offset + n]), f"{name}: rank {rank}")
+        except CorruptCheckpoint:
+            return
+        if copy is not None:
+            with self._lock:
+                self._fresh[name] = copy
+                for old in list(self._fresh)[:-FRESH_KEPT]:
+                    del self._fresh[old]
+
+    def _cut(self, m: Manifest, rank: int) -> tuple[bytes, bytes] | None:
+        """The thin copy `written` cut of this rank's part of `m`, if its index is the one `m` pins."""
+        with self._lock:
+            copy = self._fresh.pop(m.name, None)
+        return copy if copy is not None and checksum(copy[1]) == m.index_checksums.get(str(rank)) else None
+
     def _ship(self, r: Round, name: str) -> None:
         """Ship this rank's part of committed record `name` to the live partners: with
-        --node-local-dir, thin when its index names shared tensors (only the others are read)."""
+        --node-local-dir, thin when its index names shared tensors (cut as it was written, else
+        only the others are read)."""
         t0 = time.time()
         try:
             m = self.store.manifest(name)
-            thin = thin_rank_part(self.store, m, r.rank) if self.node_local else None
+            thin = (self._cut(m, r.rank) or thin_rank_part(self.store, m, r.rank)) if self.node_local else None
             part = thin or self._whole_part(m, r.rank)
         except (CorruptCheckpoint, OSError) as e:  # pruned meanwhile: a newer one comes
             self.log.emit(type="replica_error", rank=r.rank, error=f"{name}: {_short(e)}")

@@ -317,10 +317,16 @@ class Engine:
         return hook
 
     def write_record(self, spec: RecordSpec, data: memoryview) -> int:
-        """Persist this rank's part of a record and hand it to the committer (rank 0)."""
-        return self.record_with(spec, lambda: self.store.write_rank(
-            spec.record, self.rank, data, spec.tensors, spec.skeleton, spec.meta, fault=self._fault_hook(spec.step),
-            threads=self.io_threads))
+        """Persist this rank's part of a record and hand it to the committer (rank 0); with
+        --replicas, the replicator cuts its copy from `data` while the slot still holds it."""
+        def write() -> int:
+            part = self.store.write_rank(spec.record, self.rank, data, spec.tensors, spec.skeleton, spec.meta,
+                                         fault=self._fault_hook(spec.step), threads=self.io_threads)
+            if self.replicator is not None:
+                self.replicator.written(spec.record, self.rank, part.index, data)
+            return part.nbytes
+
+        return self.record_with(spec, write)
 
     def record_with(self, spec: RecordSpec, write: Callable[[], int], since: float | None = None) -> int:
         """Persist this rank's part of record `spec` by `write()` (the bytes written; it raises

@@ -24,7 +24,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import xxhash
 from pydantic import ValidationError
@@ -68,6 +68,13 @@ def _read_small(fd: int, what: str) -> bytes:
         if size > MAX_METADATA_BYTES:
             raise CorruptCheckpoint(f"{what} is {size} bytes (more than {MAX_METADATA_BYTES})")
         return f.read(size)
+
+
+class WrittenPart(NamedTuple):
+    """One rank's part as `Store.write_rank` published it."""
+
+    nbytes: int  # its data file's
+    index: bytes  # its index file's bytes, which the record's manifest pins
 
 
 class Store:
@@ -122,8 +129,8 @@ class Store:
         *,
         fault: FaultHook = _no_fault,
         threads: int = 1,
-    ) -> int:
-        """Durably publish one rank's part of record `name`; returns the bytes written.
+    ) -> WrittenPart:
+        """Durably publish one rank's part of record `name`; returns its size and index.
 
         `tensors` maps key -> {dtype, shape, offset, nbytes}; `data` holds them at those offsets.
         Raises AlreadyCommitted (touching nothing) if `name` is committed, and OSError after
@@ -135,11 +142,11 @@ class Store:
         index = rank_index(name, rank, data, tensors, skeleton, meta)
         try:
             publish_bytes(rdir / data_file, data, fault=fault, name="data", threads=threads)
-            publish_json(rdir / index_file, index, fault=fault, name="index")
+            raw = publish_json(rdir / index_file, index, fault=fault, name="index")
         except OSError:
             self.discard_rank(name, rank)
             raise
-        return len(data)
+        return WrittenPart(len(data), raw)
 
     def begin_rank_file(self, name: str, rank: int, fixed: int, *, fault: FaultHook = _no_fault
                         ) -> rankfile.RankFileWriter:

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from ...errors import CorruptCheckpoint
 from .. import rankfile
@@ -55,8 +55,6 @@ def thin_rank_part(store: Store, m: Manifest, r: int) -> tuple[bytes, bytes] | N
     """(thin data, index) of rank `r`'s part of committed record `m`, when its index names
     shared tensors (dpshared.py): only the other tensors' bytes are read, each checked against
     the index; None when it names none (the part goes whole)."""
-    from .dpshared import parse, shared_keys, thin, thin_spans
-
     if m.layout != "records":
         return None
     checked, fd, base = store.open_rank(m, r)  # (the index checked against the manifest)
@@ -64,17 +62,26 @@ def thin_rank_part(store: Store, m: Manifest, r: int) -> tuple[bytes, bytes] | N
         if not checked["meta"].get("shared"):
             return None
         raw = store._read_metadata(m.name, rank_files(r)[1], f"rank {r} index")
-        index = parse(raw, f"{m.name}: rank {r}")
-        shared = shared_keys(index)
-        if not shared:
-            return None
-        data = thin(lambda offset, n: os.pread(fd, n, base + offset), index, shared)
+        return thin_part(raw, lambda offset, n: os.pread(fd, n, base + offset), f"{m.name}: rank {r}")
     finally:
         os.close(fd)
+
+
+def thin_part(raw: bytes, read: Callable[[int, int], bytes], what: str) -> tuple[bytes, bytes] | None:
+    """(thin data, index `raw`) of a part whose index names shared tensors, the others' bytes
+    read by `read(offset, n)` from its data and each checked against the index; None when it
+    names none (the part goes whole)."""
+    from .dpshared import parse, shared_keys, thin, thin_spans
+
+    index = parse(raw, what)
+    shared = shared_keys(index)
+    if not shared:
+        return None
+    data = thin(read, index, shared)
     spans, size = thin_spans(index, shared)
-    src = Source.of_buffer(data, spans, f"{m.name}: rank {r}")
+    src = Source.of_buffer(data, spans, what)
     if len(data) != size:
-        raise CorruptCheckpoint(f"{src.what}: its data file is shorter than its index says")
+        raise CorruptCheckpoint(f"{what}: its data file is shorter than its index says")
     for _ in src.chunks(max(size, 1)):  # every tensor checked against the index
         pass
     return data, raw
