@@ -192,7 +192,8 @@ class Engine:
 
     def _replicate(self, msg: Hello) -> None:
         """Meet the partners' engines of this rendezvous round (before the worker is answered: a
-        replaced node's parts come back first). torch is imported only here, only with --replicas."""
+        replaced node's parts come back first). torch is needed only here, only with --replicas
+        (imported from the engine's start: `main`'s `preload_torch`)."""
         from .replicate import Replicator
 
         if self.replicator is None:
