@@ -29,6 +29,21 @@ def test_engine_modules_import_no_torch():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+def test_each_engine_imports_ahead_what_its_workers_hello_will_import():
+    """The launcher starts each engine with the modules its worker's Hello will make it import
+    (engine_imports): its strategy's handler, and torch.distributed only where the engine
+    meets its round (--replicas, --node-local-dir). A handler that imports torch (gockpt's,
+    lowdiff+'s) kept every new worker waiting for its Hello 1.6 s; a torch-free one stays so."""
+    from ckptrun.config import RunConfig
+    from ckptrun.launcher.run import engine_imports
+
+    for name, e in REGISTRY.items():
+        handler = [e.engine_handler.partition(":")[0]] if e.engine_handler else []
+        assert engine_imports(RunConfig(strategy=name)) == tuple(handler), name
+        for flags in ({"replicas": 2}, {"node_local_dir": True}):
+            assert engine_imports(RunConfig(strategy=name, **flags)) == (*handler, "torch.distributed"), name
+
+
 def test_reading_a_committed_part_imports_no_torch(tmp_path):
     """What a --durable upload and a partner's copy do in the engine: open a rank's part of a
     committed record through the reader's checks (the index's skeleton included). That once

@@ -193,7 +193,7 @@ class Engine:
     def _replicate(self, msg: Hello) -> None:
         """Meet the partners' engines of this rendezvous round (before the worker is answered: a
         replaced node's parts come back first). torch is needed only here, only with --replicas
-        (imported from the engine's start: `main`'s `preload_torch`)."""
+        (imported from the engine's start: `main`'s `preload`)."""
         from .replicate import Replicator
 
         if self.replicator is None:
@@ -679,9 +679,18 @@ class ServerContext(EngineContext):
         self._engine.log.emit(**event)
 
 
+def _import_all(modules: tuple[str, ...]) -> None:
+    """Best effort: a module that fails here fails again, and is reported, where it is used."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001
+            return
+
+
 def main(address: str, authkey: bytes, local_rank: int, tag: str, metrics_dir: str | None,
          engines_lock: str, owner_pid: int | None = None, pdeathsig: bool = False,
-         preload_torch: bool = False) -> None:
+         preload: tuple[str, ...] = ()) -> None:
     """Engine process entry point: serve one worker connection after another until shutdown, or
     until the launcher `owner_pid` dies (then without its staging files).
 
@@ -691,14 +700,14 @@ def main(address: str, authkey: bytes, local_rank: int, tag: str, metrics_dir: s
     the directory lock for as long as it lives. One malloc arena, set before any thread starts
     (`arena.py`: per-thread arenas kept freed blocks, and the engine's RSS rose over a run).
 
-    `preload_torch` (--replicas > 1, --node-local-dir: the engine meets its round through torch's
-    job store and gloo): torch is imported on a thread of its own from the start, beside the
-    worker's own import, instead of after the worker's Hello; a replaced node's worker then no
-    longer waits for it before its state comes back (about 1.7 s here)."""
+    `preload`: the modules the worker's Hello will make the engine import (its strategy's
+    handler; torch.distributed to meet the round with --replicas or --node-local-dir), imported
+    on a thread of their own from the start, beside the worker's own imports: a handler that
+    imports torch otherwise kept a new worker waiting for its Hello 1.7 s here (every run's
+    start, and a replaced node's recovery)."""
     one_arena()
-    if preload_torch:
-        threading.Thread(target=importlib.import_module, args=("torch.distributed",), daemon=True,
-                         name="ckptrun-import-torch").start()
+    if preload:
+        threading.Thread(target=_import_all, args=(preload,), daemon=True, name="ckptrun-preload").start()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     if owner_pid is not None:

@@ -76,12 +76,23 @@ def shutdown_timeout_flag(seconds: int) -> list[str]:
     return [flag, str(seconds)] if flag in get_args_parser().format_help() else []
 
 
+def engine_imports(cfg: RunConfig) -> tuple[str, ...]:
+    """The modules each engine will import once its worker says hello: its strategy's handler,
+    and torch.distributed with --replicas or --node-local-dir (the round's job store and gloo)."""
+    from ..strategies import REGISTRY
+
+    handler = REGISTRY[cfg.strategy].engine_handler
+    return (*([handler.partition(":")[0]] if handler else []),
+            *(["torch.distributed"] if cfg.replicas > 1 or cfg.node_local_dir else []))
+
+
 class EngineSupervisor:
     """Runs the engines (spawn), restarts one that dies, and shuts them down after a flush."""
 
     def __init__(self, cfg: RunConfig, nlocal: int, tag: str, engines_lock: str) -> None:
         self.cfg, self.nlocal, self.tag, self.engines_lock = cfg, nlocal, tag, engines_lock
         self.ctx = mp.get_context("spawn")
+        self.preload = engine_imports(cfg)
         self.procs: list = [None] * nlocal
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="ckptrun-engines", daemon=True)
@@ -97,8 +108,7 @@ class EngineSupervisor:
         p = self.ctx.Process(target=engine_main, name=f"ckptrun-engine-{local_rank}",
                              args=(address, bytes.fromhex(self.cfg.authkey), local_rank, self.tag,
                                    self.cfg.metrics_dir, self.engines_lock, os.getpid(),
-                                   threading.current_thread() is threading.main_thread(),
-                                   self.cfg.replicas > 1 or self.cfg.node_local_dir))
+                                   threading.current_thread() is threading.main_thread(), self.preload))
         p.start()
         self.procs[local_rank] = p
 
