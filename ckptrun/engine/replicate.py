@@ -341,8 +341,8 @@ class Replicator:
         """This rank's part of `name` was just written from `data` (its staging slot, not yet
         freed) with `index`: with --node-local-dir, its thin copy is cut now, so that shipping
         it once the record commits reads nothing back (the index, written O_DIRECT, is not in
-        the page cache: reading and checking it again took a third of the engine's CPU for
-        shipping). Best effort: without it, `_ship` reads the part from --dir."""
+        the page cache: reading it and checking it again was most of the shipping thread's
+        time in a profile). Best effort: without it, `_ship` reads the part from --dir."""
         if not self.node_local:
             return
         try:
