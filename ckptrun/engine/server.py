@@ -680,12 +680,13 @@ class ServerContext(EngineContext):
 
 
 def _import_all(modules: tuple[str, ...]) -> None:
-    """Best effort: a module that fails here fails again, and is reported, where it is used."""
+    """Best effort, each on its own: a module that fails here fails again, and is reported,
+    where it is used; the others are still imported ahead."""
     for name in modules:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001
-            return
+            continue
 
 
 def main(address: str, authkey: bytes, local_rank: int, tag: str, metrics_dir: str | None,
