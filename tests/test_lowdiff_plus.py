@@ -44,7 +44,7 @@ from ckptrun.ipc.staging import EngineSlot
 from ckptrun.storage.store import Store
 from ckptrun.strategies.lowdiff_plus.engine import LowDiffPlusHandler
 from ckptrun.strategies.lowdiff_plus.trainer import check_host_memory
-from ckptrun.worker import bootstrap, patches
+from ckptrun.worker import patches, resume
 from ckptrun.worker.runtime import Runtime
 
 PERSIST_NEVER = ("--persist-every", "1000")  # on disk: the start and the final step only
@@ -260,7 +260,7 @@ def test_resume_from_memory_reads_nothing_from_disk():
     """The resume decision of a restarted worker whose engine holds a step touches no record."""
     rt = type("Rt", (), {"client": HeldClient(), "restart_count": 1, "world_size": 1, "rank": 0,
                          "cfg": RunConfig(strategy="lowdiff+", dir="unused")})()
-    assert bootstrap._agreed_resume(rt, NoDisk()) == (6, 4096)
+    assert resume.agreed_resume(rt, NoDisk()) == (6, 4096)
 
 
 def test_ddp_two_ranks_resume_from_memory_exactly(tmp_path):

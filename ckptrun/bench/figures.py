@@ -165,14 +165,17 @@ def ckptrun_figures(timing: Attempt, metrics_dir: Path, warmup: int, mem: Memory
                                               if any("layer_wait" in c for c in steps.values()) else None))
 
 
-def ckptrun_recovery(metrics_dir: Path) -> tuple[float, float | None, float]:
-    """Restarted worker's start to the end of its first resumed step, and of it the restart (its
-    set-up until the first optimizer exists) and the state restore (ckptrun's `restart` event)."""
-    restarts = [e for e in MetricsTailer(metrics_dir).poll() if e.get("type") == "restart"]
+def ckptrun_recovery(result: RunFigures, events: list[dict]) -> dict:
+    """Set `result`'s recovery figures from the restarted worker's `restart` event among its
+    metrics `events`: its start to the end of its first resumed step, and of it the restart (its
+    set-up until the first optimizer exists) and the state restore. Returns the event."""
+    restarts = [e for e in events if e.get("type") == "restart"]
     if not restarts:
-        raise CkptrunError(f"the crashed worker was not restarted and resumed (no restart event in {metrics_dir})")
+        raise CkptrunError("the crashed worker was not restarted and resumed (no restart event in its metrics)")
     if not restarts[0]["resume_step"]:
         raise CkptrunError("the restarted worker found no committed step and started over from step 0")
     first = restarts[0]
     setup = first.get("setup_s")
-    return float(first["recovery_s"]), None if setup is None else float(setup), float(first.get("restore_s") or 0.0)
+    result.recovery_s, result.setup_s = float(first["recovery_s"]), None if setup is None else float(setup)
+    result.restore_s = float(first.get("restore_s") or 0.0)
+    return first

@@ -97,13 +97,16 @@ def _run(cfg: Configuration, work: Workload, run_dir: Path, steps: int, warmup: 
     result.shipped_per_step = (sum(e["bytes"] for e in events if e.get("type") == "replica_sent"
                                    and timed[0]["step"] <= e["step"] <= timed[-1]["step"]) / len(timed)
                                if "--replicas" in cfg.flags else None)
-    result.recovery_s, result.setup_s, result.restore_s = figures.ckptrun_recovery(run_dir / "metrics-node1")
+    lost = MetricsTailer(run_dir / "metrics-node1").poll()
+    restart = figures.ckptrun_recovery(result, lost)
     if "--replicas" in cfg.flags:
-        back = [e for e in MetricsTailer(run_dir / "metrics-node1").poll() if e.get("type") == "replica_restored"]
+        back = [e for e in lost if e.get("type") == "replica_restored"]
         if not back:
             raise RunFailed(f"node 1 took no state back from node 0's memory; log {run_dir / 'node1.log'}")
-        result.restore_s += back[0]["seconds"]  # (the engine took it back while the worker set up)
-        result.setup_s = None if result.setup_s is None else result.setup_s - back[0]["seconds"]
+        # the engine took it back while the worker set up: what the worker waited for of it is restore
+        waited = min(back[0]["seconds"], restart.get("hello_wait_s", 0.0))
+        result.restore_s += waited
+        result.setup_s = None if result.setup_s is None else result.setup_s - waited
     return result, first.params
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 
 from ..errors import CkptrunError
+from ..launcher.console.metrics_feed import MetricsTailer
 from . import figures
 from .figures import RunFigures
 from .plan import Configuration, Launch, Workload, launch
@@ -94,7 +95,7 @@ def _ckptrun_run(cfg: Configuration, work: Workload, run_dir: Path, steps: int, 
     first = figures.attempts(run_dir / "timing.jsonl")[0]
     result = figures.ckptrun_figures(first, run_dir / "metrics", warmup, mem, cpu)
     if spec.crash_step is not None:
-        result.recovery_s, result.setup_s, result.restore_s = figures.ckptrun_recovery(run_dir / "metrics")
+        figures.ckptrun_recovery(result, MetricsTailer(run_dir / "metrics").poll())
     return result, first.params
 
 

@@ -17,10 +17,13 @@ class EngineLost(CkptrunError):
 
 
 class EngineClient:
-    def __init__(self, address: str, authkey: bytes, on_event: Callable[[Message], None],
+    """`on_event` may be given later (`listen`): events that come before are kept until then."""
+
+    def __init__(self, address: str, authkey: bytes, on_event: Callable[[Message], None] | None = None,
                  connect_timeout: float = 60.0) -> None:
         self.conn = self._connect(address, authkey, connect_timeout)
         self.on_event = on_event
+        self._early: list[Message] = []  # events before `listen`
         self._ids = itertools.count(1)
         self._replies: dict[int, Reply] = {}
         self._cond = threading.Condition()
@@ -51,11 +54,27 @@ class EngineClient:
                     self._replies[msg.id] = msg
                     self._cond.notify_all()
             else:
-                self.on_event(msg)
+                self._event(msg)
         with self._cond:
             self.lost = True
             self._cond.notify_all()
-        self.on_event(ConnectionLost())
+        self._event(ConnectionLost())
+
+    def _event(self, msg: Message) -> None:
+        with self._cond:
+            if self.on_event is None:
+                self._early.append(msg)
+                return
+        self.on_event(msg)
+
+    def listen(self, on_event: Callable[[Message], None]) -> None:
+        """Hand events to `on_event` from now on, those kept so far first, in order (on this
+        thread: the receiving thread keeps them until this returns)."""
+        with self._cond:
+            early, self._early = self._early, []
+            for msg in early:
+                on_event(msg)
+            self.on_event = on_event
 
     def send(self, msg: Message) -> None:
         with self._send_lock:
@@ -66,13 +85,21 @@ class EngineClient:
 
     def request(self, msg: Message, timeout: float | None = None) -> dict:
         """Send `msg` and wait for its reply's body."""
+        return self.answer(self.ask(msg), msg.op.value, timeout)
+
+    def ask(self, msg: Message) -> int:
+        """Send request `msg` without waiting; its id, for `answer`."""
         msg.id = rid = next(self._ids)
         self.send(msg)
+        return rid
+
+    def answer(self, rid: int, op: str, timeout: float | None = None) -> dict:
+        """The reply's body to request `rid` (an `op`), once it comes."""
         with self._cond:
             ok = self._cond.wait_for(lambda: rid in self._replies or self.lost, timeout)
             if rid in self._replies:
                 return self._replies.pop(rid).body
-        raise EngineLost("checkpoint engine went away" if ok else f"engine did not answer {msg.op.value!r}")
+        raise EngineLost("checkpoint engine went away" if ok else f"engine did not answer {op!r}")
 
     def close(self) -> None:
         try:

@@ -65,6 +65,7 @@ class StepHooks:
         self.interval = interval  # the run's save decision (`due`): --every N or auto, or the strategy's own
         self.recovery_started: float | None = None  # set on resume: time to the first resumed step
         self.setup_s: float | None = None  # of it, process start and the script's set-up up to its first optimizer
+        self.hello_wait_s = 0.0  # of that, waiting for the engine's answer to the Hello (worker/greeting.py)
         self.stop_signal: int | None = None  # SIGTERM/SIGINT received: stop at the agreed step
         self._stop_at: int | None = None
         self._stopping: tuple[str, int | None] | None = None  # (why, signal): stop before the next step
@@ -161,7 +162,7 @@ class StepHooks:
             self.metrics.emit(type="restart", restart_count=self.restart_count,
                               resume_step=resume.step if resume else 0,
                               recovery_s=time.time() - self.recovery_started, restore_s=self.loading.restore_s,
-                              setup_s=self.setup_s)
+                              setup_s=self.setup_s, hello_wait_s=self.hello_wait_s)
             self.recovery_started = None
         self.staging.report(self.step)
         record = self.metrics.end_step(self.step)

@@ -67,9 +67,14 @@ def meet(restart_count: int, name: str, rank: int, world_size: int, *, wait: boo
     return True
 
 
-def endpoint(restart_count: int) -> dict:
+def address(restart_count: int) -> dict:
     """Where another process of this node (the engine) finds this attempt's store: its address,
-    port and key prefix. The store is up once this returns (rank 0 hosts it without the agent's)."""
-    _server_or_client()
+    port and key prefix (torch-free; the store may not be up yet: `endpoint`)."""
     return {"addr": os.environ["MASTER_ADDR"], "port": int(os.environ["MASTER_PORT"]),
             "prefix": _prefix(restart_count)}
+
+
+def endpoint(restart_count: int) -> dict:
+    """`address`, once the store is up (rank 0 hosts it without the agent's)."""
+    _server_or_client()
+    return address(restart_count)

@@ -18,7 +18,6 @@ from ckptrun/worker/patches.py) and passes each to the parts that save and load 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +28,7 @@ from .. import faults
 from ..config import RunConfig
 from ..errors import CkptrunError, no_optimizer
 from ..ipc.client import EngineClient
-from ..ipc.messages import Bye, CommitPending, Hello, Message
+from ..ipc.messages import Bye, CommitPending, Message
 from ..log import log
 from ..restore import replay
 from ..strategies import REGISTRY, checkpoints_every_optimizer, names_where
@@ -37,6 +36,7 @@ from . import decisions, jobstore, sharded
 from .capture import Capture
 from .context import WorkerContext
 from .ddp_buckets import DDP_BUCKETS, BucketLayout
+from .greeting import Greeting, hello, store_up
 from .handoff import Handoff
 from .hooks import StepHooks
 from .loading import Loader, ResumeState
@@ -54,8 +54,10 @@ def current() -> Runtime | None:
 
 class Runtime(StepHooks):
     def __init__(self, cfg: RunConfig, rank: int, local_rank: int, world_size: int, restart_count: int,
-                 connect: Callable[..., EngineClient] = EngineClient):
-        """`connect(address, authkey, on_event)` opens the engine connection (tests pass an in-process fake)."""
+                 connect: Callable[..., EngineClient] = EngineClient, greeting: Greeting | None = None):
+        """`greeting`: the Hello bootstrap sent already (worker/greeting.py); without one,
+        `connect(address, authkey, on_event)` opens the engine connection (tests pass an
+        in-process fake) and the Hello is sent here."""
         self.cfg, self.rank, self.local_rank = cfg, rank, local_rank
         self.world_size, self.restart_count = world_size, restart_count
         self.metrics = WorkerMetrics(cfg.metrics_dir, rank)
@@ -72,27 +74,21 @@ class Runtime(StepHooks):
         self.staging = Staging(cfg, rank, self.metrics, self.handoff.check, self.handoff.lost, pin=cuda)
         self.capture = Capture(self.state, self.staging, self.metrics, cuda)
         self.handoff.attach(self.state, self.capture)
-        self.client = self.handoff.client = self.staging.client = connect(
-            cfg.engine_address(local_rank), bytes.fromhex(cfg.authkey), self._on_event)
-        hello = self.client.request(Hello(
-            rank=rank, world_size=world_size, restart_count=restart_count, dir=cfg.dir, keep=cfg.keep,
-            strategy=cfg.strategy, engine_handler=entry.engine_handler, writers=cfg.writers,
-            io_threads=cfg.io_threads,
-            fault=self.fault.text if self.fault else None, io_engine=cfg.io_engine,
-            replication=self._replication(restart_count),
-            node_local=jobstore.endpoint(restart_count) if cfg.node_local_dir and world_size > 1 else None))
-        self.engine_pid = hello["pid"]
-        self.staging.start(hello["slots"])
+        self.client = self.handoff.client = self.staging.client = (
+            connect(cfg.engine_address(local_rank), bytes.fromhex(cfg.authkey), self._on_event) if greeting is None
+            else greeting.client)
+        if greeting is None:
+            store_up(msg := hello(cfg, rank, world_size, restart_count))
+            reply = self.client.request(msg)
+        else:
+            self.client.listen(self._on_event)
+            reply = greeting.reply()
+            self.hello_wait_s = greeting.waited_s
+        self.engine_pid = reply["pid"]
+        self.staging.start(reply["slots"])
         strategy = entry.load()
         self.staging.min_slots = strategy.min_slots
         self.strategy = strategy(WorkerContext(self))
-
-    def _replication(self, restart_count: int) -> dict | None:
-        """What the engine needs to meet its partners' engines (--replicas > 1), else None."""
-        if self.cfg.replicas <= 1:
-            return None
-        return {**jobstore.endpoint(restart_count), "replicas": self.cfg.replicas, "jump": self.cfg.replica_jump,
-                "local": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
 
     def _on_event(self, msg: Message) -> None:
         """An event from the engine (its receiver thread): the hand-off's, then the strategy's."""
