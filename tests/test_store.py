@@ -58,6 +58,14 @@ def store(tmp_path: Path) -> Store:
     return s
 
 
+def test_a_written_part_summarises_itself_as_the_files_read_back_do(store):
+    """The engine reports a part's summary from what it wrote (`WrittenPart.summary`), not by
+    reading its index back: the two must be what a manifest pins."""
+    skeleton, data, specs = pack(make_state(3))
+    part = store.write_rank(full_name(3), 0, memoryview(data), specs, skeleton, {"step": 3})
+    assert part.summary() == store.part_summary(full_name(3), 0)
+
+
 def test_fault_points_are_every_step_of_a_commit(store):
     seen: list[str] = []
     write(store, 1, make_state(1), fault=seen.append)

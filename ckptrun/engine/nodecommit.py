@@ -46,9 +46,14 @@ class Board:
         return cls(dist.PrefixStore(f"{spec['prefix']}/commits", tcp), spec["prefix"])
 
     def _get(self, key: str) -> bytes | None:
+        got = self._get_all([key])
+        return None if got is None else got[0]
+
+    def _get_all(self, keys: list[str]) -> list[bytes] | None:
+        """Every key's value, or None while one is missing (two round trips, whatever the count)."""
         with self._lock:
             try:
-                return self.kv.get(key) if self.kv.check([key]) else None
+                return self.kv.multi_get(keys) if self.kv.check(keys) else None
             except RuntimeError:  # (torch's DistNetworkError / DistStoreError)
                 return None
 
@@ -61,22 +66,11 @@ class Board:
         self._set(f"part/{name}/{rank}", json.dumps(list(summary)))
 
     def reported(self, name: str, world_size: int) -> dict[int, tuple[str, int]] | None:
-        """Every rank's report of `name`, or None while one is missing (one round trip)."""
-        keys = [f"part/{name}/{r}" for r in range(world_size)]
-        with self._lock:
-            try:
-                if not self.kv.check(keys):
-                    return None
-            except RuntimeError:
-                return None
-        out = {}
-        for r, key in enumerate(keys):
-            raw = self._get(key)
-            if raw is None:
-                return None
-            sum_, nbytes = json.loads(raw)
-            out[r] = (str(sum_), int(nbytes))
-        return out
+        """Every rank's report of `name`, or None while one is missing."""
+        raw = self._get_all([f"part/{name}/{r}" for r in range(world_size)])
+        if raw is None:
+            return None
+        return {r: (str(sum_), int(nbytes)) for r, (sum_, nbytes) in enumerate(map(json.loads, raw))}
 
     def fail(self, name: str, reason: str) -> None:
         """`name` will never commit (a rank failed to write it, or rank 0 abandoned it)."""
@@ -117,5 +111,5 @@ class Board:
         """The newest step every rank's --dir has committed and, when `replicated`, every engine
         holds its partners' copies of (-1 while a rank has said none)."""
         kinds = ("acked", "held") if replicated else ("acked",)
-        steps = [self._get(f"{kind}/{r}") for kind in kinds for r in range(world_size)]
-        return -1 if None in steps else min(int(s) for s in steps)
+        steps = self._get_all([f"{kind}/{r}" for kind in kinds for r in range(world_size)])
+        return -1 if steps is None else min(int(s) for s in steps)

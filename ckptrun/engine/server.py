@@ -50,7 +50,7 @@ from ..storage import iowriter, memory_status
 from ..storage.dirlock import hold_for_engine
 from ..storage.fsutil import FaultHook, _no_fault
 from ..storage.leftovers import exit_with_owner, remove_staging, staging_path
-from ..storage.store import Manifest, Store
+from ..storage.store import Manifest, Store, WrittenPart
 from . import drain
 from .arena import HeapTrimmer, one_arena
 from .handlers import EngineContext, engine_handler
@@ -320,23 +320,24 @@ class Engine:
     def write_record(self, spec: RecordSpec, data: memoryview) -> int:
         """Persist this rank's part of a record and hand it to the committer (rank 0); with
         --replicas, the replicator cuts its copy from `data` while the slot still holds it."""
-        def write() -> int:
+        def write() -> WrittenPart:
             part = self.store.write_rank(spec.record, self.rank, data, spec.tensors, spec.skeleton, spec.meta,
                                          fault=self._fault_hook(spec.step), threads=self.io_threads)
             if self.replicator is not None:
                 self.replicator.written(spec.record, self.rank, part.index, data)
-            return part.nbytes
+            return part
 
         return self.record_with(spec, write)
 
-    def record_with(self, spec: RecordSpec, write: Callable[[], int], since: float | None = None) -> int:
-        """Persist this rank's part of record `spec` by `write()` (the bytes written; it raises
-        AlreadyCommitted, touching nothing, when the record is committed already) and hand it to
-        the committer (rank 0). A failure is a save error. `since`: when the writing began."""
+    def record_with(self, spec: RecordSpec, write: Callable[[], int | WrittenPart], since: float | None = None) -> int:
+        """Persist this rank's part of record `spec` by `write()` (the bytes written, or the part
+        written, which spares reading its index back; it raises AlreadyCommitted, touching
+        nothing, when the record is committed already) and hand it to the committer (rank 0). A
+        failure is a save error. `since`: when the writing began."""
         t0 = time.time() if since is None else since
         name, step = spec.record, spec.step
         try:
-            n = write()
+            written = write()
         except AlreadyCommitted:
             # A re-run reaching a step that is committed already (the same state, by exactness):
             # nothing to write, and the committed record is left exactly as it is.
@@ -354,10 +355,12 @@ class Engine:
                 self._on_board(lambda b: b.fail(name, f"rank {self.rank} failed to write it"))
             self.save_error(step, name, f"write: {e}")
             return 0
+        n = written.nbytes if isinstance(written, WrittenPart) else written
         self.durable(step, name, n, time.time() - t0)
         with self._pending_lock:
             self.pending[name] = spec
-        self._on_board(lambda b: b.report(name, self.rank, self.store.part_summary(name, self.rank, spec.layout)))
+        self._on_board(lambda b: b.report(name, self.rank, written.summary() if isinstance(written, WrittenPart)
+                                          else self.store.part_summary(name, self.rank, spec.layout)))
         if self.rank == 0:
             self.commit_ready()
         return n

@@ -76,6 +76,10 @@ class WrittenPart(NamedTuple):
     nbytes: int  # its data file's
     index: bytes  # its index file's bytes, which the record's manifest pins
 
+    def summary(self) -> tuple[str, int]:
+        """What `Store.part_summary` reads back from the files: (its index's checksum, its data bytes)."""
+        return checksum(self.index), self.nbytes
+
 
 class Store:
     """One run's checkpoint directory."""
