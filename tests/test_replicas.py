@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,8 @@ from ckptrun.restore.recovery import newest_good
 from ckptrun.storage.schema import Manifest, rank_files
 from ckptrun.storage.store import Store, full_name
 from ckptrun.storage.tiers import dpshared
+from ckptrun.storage.tiers import mirror as mirror_module
+from ckptrun.storage.tiers.base import MANIFEST
 from ckptrun.storage.tiers.group import ReplicationGroup
 from ckptrun.storage.tiers.memtier import MemoryTier
 from ckptrun.storage.tiers.mirror import fill
@@ -85,6 +88,25 @@ def test_a_lost_part_comes_back_from_a_partner(tmp_path):
     assert fill(tier, store, full_name(2)) == sorted(rank_files(1))
     assert {f: (store.root / full_name(2) / f).read_bytes() for f in rank_files(1)} == kept
     assert newest_good(Store(store.root)).step == 2
+
+
+def test_a_part_taken_back_is_on_disk_before_its_record_is(tmp_path, monkeypatch):
+    """A node that lost its --dir gets the record back whole: every file flushed to the disk
+    before the manifest that commits it is published (a power loss right after would otherwise
+    leave a committed record over files only the page cache held)."""
+    store = _steps(tmp_path / "ckpts", [1])
+    tier = MemoryTier()
+    _hold(tier, store, 1)
+    kept = {f: (store.root / full_name(1) / f).read_bytes() for f in rank_files(1)}
+    shutil.rmtree(store.root / full_name(1))
+    flushed = []
+    real = mirror_module.fsync_file
+    monkeypatch.setattr(mirror_module, "fsync_file", lambda path: flushed.append(
+        (path.name.split(".part-")[0].lstrip("."), store.is_committed(full_name(1)))) or real(path))
+    assert fill(tier, store, full_name(1), [1]) == sorted(rank_files(1))
+    assert sorted(flushed) == sorted([(f, False) for f in rank_files(1)] + [(MANIFEST, False)])
+    assert store.is_committed(full_name(1)) and store.ranks_present(full_name(1)) == [1]
+    assert {f: (store.root / full_name(1) / f).read_bytes() for f in rank_files(1)} == kept
 
 
 def test_damaged_copies_are_refused(tmp_path):

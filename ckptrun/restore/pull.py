@@ -20,7 +20,7 @@ def tier_plans(tier: Tier) -> dict[int, Plan]:
     """The steps `tier` can restore and their records, from its manifests alone (one listing)."""
     with tempfile.TemporaryDirectory(prefix="ckptrun-durable-") as tmp:
         view = Store(tmp)
-        mirror(tier, view.root, data=False)
+        mirror(tier, view.root, data=False, durable=False)
         return plans(view)
 
 

@@ -23,7 +23,16 @@ def _no_fault(point: str) -> None:
 
 
 def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    _fsync(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def fsync_file(path: Path) -> None:
+    """Flush a file written through the page cache (by a library that does not) to the disk."""
+    _fsync(path, os.O_RDONLY | os.O_NOFOLLOW)
+
+
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:

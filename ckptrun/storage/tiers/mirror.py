@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ...errors import CkptrunError, CorruptCheckpoint
 from ...log import log
-from ..fsutil import fsync_dir
+from ..fsutil import fsync_dir, fsync_file
 from ..store import Store
 from . import open_tier
 from .base import MANIFEST, Tier
@@ -27,9 +27,12 @@ from .base import MANIFEST, Tier
 WORKERS = 8  # files copied at once (a large object is itself fetched in parallel ranges)
 
 
-def mirror(tier: Tier, dest: Path, names: Iterable[str] | None = None, *, data: bool = True) -> list[str]:
+def mirror(tier: Tier, dest: Path, names: Iterable[str] | None = None, *, data: bool = True,
+           durable: bool = True) -> list[str]:
     """Copy the committed records `names` (all when None) of `tier` into `dest`, their data too
-    when `data`; records `dest` has committed already are left alone. Returns the names copied."""
+    when `data`; records `dest` has committed already are left alone. Each file is on disk
+    before the manifests go (fsynced), unless not `durable` (a private view read and thrown
+    away). Returns the names copied."""
     records, refused = tier.listing()
     for key in refused:
         log.warning(f"{tier.url}: refusing {key}: not a record file, or its size is out of range")
@@ -46,7 +49,7 @@ def mirror(tier: Tier, dest: Path, names: Iterable[str] | None = None, *, data: 
                            f"{free:,} free", exit_code=2)
 
     def fetch(item: tuple[str, str, int]) -> None:
-        _fetch(tier, dest, *item)
+        _fetch(tier, dest, *item, durable=durable)
 
     with ThreadPoolExecutor(WORKERS) as pool:
         for name in todo:
@@ -60,12 +63,16 @@ def mirror(tier: Tier, dest: Path, names: Iterable[str] | None = None, *, data: 
     return chosen
 
 
-def _fetch(tier: Tier, dest: Path, name: str, file: str, size: int) -> None:
-    """Copy one object into `dest/name/file`, under a hidden name until it is whole."""
+def _fetch(tier: Tier, dest: Path, name: str, file: str, size: int, *, durable: bool = True) -> None:
+    """Copy one object into `dest/name/file`, under a hidden name until it is whole (and, when
+    `durable`, on disk: a record restored into --dir is one a later resume may need, and a
+    manifest published over files the page cache alone holds would be torn by a power loss)."""
     path = dest / name / file
     tmp = path.with_name(f".{file}.part-{os.getpid()}")
     try:
         tier.get(f"{name}/{file}", tmp, size)
+        if durable:
+            fsync_file(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -119,13 +126,13 @@ def reading(url: str, endpoint: str | None = None,
     tier.probe(write=False)
     with tempfile.TemporaryDirectory(prefix="ckptrun-remote-") as tmp:
         store = Store(tmp)
-        mirror(tier, store.root, data=False)
+        mirror(tier, store.root, data=False, durable=False)
         if select is not None:
             picked = select(store)
             chosen = None if picked is None else list(picked)
             if chosen is None or chosen:
                 _drop_manifests(store.root, chosen)
-                mirror(tier, store.root, chosen)
+                mirror(tier, store.root, chosen, durable=False)
         yield store
 
 
