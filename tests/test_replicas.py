@@ -90,6 +90,18 @@ def test_a_lost_part_comes_back_from_a_partner(tmp_path):
     assert newest_good(Store(store.root)).step == 2
 
 
+def test_a_held_copy_is_the_buffer_received_not_a_copy_of_it(tmp_path):
+    """Holding a partner's part checks its bytes where they are: the 55 MB part of the bench's
+    model took 84 ms to hold when it was copied twice, 4 ms now (and half the memory)."""
+    store = _steps(tmp_path / "ckpts", [1])
+    m = store.manifest(full_name(1))
+    with record_parts(store, m) as (parts, manifest):
+        files = {f: b"".join(src.chunks(1 << 20)) for f, src in parts[1]}
+    tier = MemoryTier()
+    tier.hold(1, manifest, files)
+    assert all(tier.objects[f"{full_name(1)}/{f}"] is files[f] for f in rank_files(1))
+
+
 def test_a_part_taken_back_is_on_disk_before_its_record_is(tmp_path, monkeypatch):
     """A node that lost its --dir gets the record back whole: every file flushed to the disk
     before the manifest that commits it is published (a power loss right after would otherwise

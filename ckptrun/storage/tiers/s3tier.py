@@ -128,7 +128,7 @@ class S3Tier(Tier):
                 if len(running) >= PARALLEL:
                     finished, running = wait(running, return_when=FIRST_COMPLETED)
                     collect(finished)
-                running.add(pool.submit(one, number, body))
+                running.add(pool.submit(one, number, bytes(body)))  # (a view of a buffer: botocore takes bytes)
             collect(running)
         return sorted(done, key=lambda p: p["PartNumber"])
 

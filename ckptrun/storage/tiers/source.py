@@ -16,6 +16,8 @@ import xxhash
 
 from ...errors import CorruptCheckpoint
 
+CHECK_CHUNK = 8 << 20  # bytes hashed at a time by `checked`
+
 
 @dataclass(frozen=True)
 class Span:
@@ -30,10 +32,11 @@ class Span:
 class Source:
     """`nbytes` bytes given by `read(offset, n)`; `spans` sorted and disjoint; `what` names it."""
 
-    read: Callable[[int, int], bytes]
+    read: Callable[[int, int], bytes | memoryview]
     nbytes: int
     spans: list[Span]
     what: str
+    whole: bytes | None = None  # all of it, where it is one immutable buffer in memory already
     _hashes: list = field(default_factory=list)
     _next: int = 0
 
@@ -42,8 +45,18 @@ class Source:
         return cls.of_buffer(data, [Span(0, len(data), xxh3)], what)
 
     @classmethod
-    def of_buffer(cls, data: bytes, spans: list[Span], what: str) -> Source:
-        return cls(lambda off, n: data[off : off + n], len(data), sorted(spans, key=lambda s: s.offset), what)
+    def of_buffer(cls, data: bytes | bytearray, spans: list[Span], what: str) -> Source:
+        view = memoryview(data)  # chunks are views: nothing is copied to be checked
+        return cls(lambda off, n: view[off : off + n], len(data), sorted(spans, key=lambda s: s.offset), what,
+                   data if isinstance(data, bytes) else None)
+
+    def checked(self) -> bytes:
+        """All of it, once every span hashed right: `whole` itself where there is one (no copy)."""
+        if self.whole is None:
+            return b"".join(self.chunks(CHECK_CHUNK))
+        for _ in self.chunks(CHECK_CHUNK):
+            pass
+        return self.whole
 
     @classmethod
     def of_fd(cls, fd: int, base: int, nbytes: int, spans: list[Span], what: str) -> Source:
