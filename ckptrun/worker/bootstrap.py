@@ -1,9 +1,10 @@
 """Worker entry point (`python -m ckptrun.worker.bootstrap SCRIPT ARGS...`), started by the elastic agent.
 
-Says Hello to this rank's engine before importing torch (worker/greeting.py: the engine flushes
-and meets the round's engines meanwhile), agrees with the other ranks on the step to resume from
-(worker/resume.py), installs the hooks, then runs the user's script unmodified with runpy. This
-module imports torch only in `main`, once the Hello is sent.
+Says Hello to this rank's engine before importing the rest of ckptrun, and torch where the
+engine meets no round (worker/greeting.py: the engine flushes and meets the round's engines
+meanwhile), agrees with the other ranks on the step to resume from (worker/resume.py), installs
+the hooks, then runs the user's script unmodified with runpy. This module imports torch only in
+`main`, once the Hello is sent.
 """
 
 from __future__ import annotations
