@@ -355,12 +355,14 @@ class Engine:
                 self._on_board(lambda b: b.fail(name, f"rank {self.rank} failed to write it"))
             self.save_error(step, name, f"write: {e}")
             return 0
-        n = written.nbytes if isinstance(written, WrittenPart) else written
+        if isinstance(written, WrittenPart):
+            n, summary = written.nbytes, written.summary
+        else:
+            n, summary = written, lambda: self.store.part_summary(name, self.rank, spec.layout)
         self.durable(step, name, n, time.time() - t0)
         with self._pending_lock:
             self.pending[name] = spec
-        self._on_board(lambda b: b.report(name, self.rank, written.summary() if isinstance(written, WrittenPart)
-                                          else self.store.part_summary(name, self.rank, spec.layout)))
+        self._on_board(lambda b: b.report(name, self.rank, summary()))
         if self.rank == 0:
             self.commit_ready()
         return n
