@@ -32,7 +32,7 @@ from ..faults import Fault, die
 from ..ipc.events import EventLog
 from ..log import log
 from ..storage import memory_status
-from ..storage.schema import MAX_FILE_BYTES, MAX_METADATA_BYTES, Manifest, checksum, rank_files
+from ..storage.schema import MAX_FILE_BYTES, MAX_METADATA_BYTES, MAX_WORLD_SIZE, Manifest, checksum, rank_files
 from ..storage.store import Store
 from ..storage.tiers.dpshared import copy_spans, parse, rebuild, shared_keys
 from ..storage.tiers.group import ReplicationGroup
@@ -44,7 +44,7 @@ SHIP, FETCH = 1, 2  # gloo tags: a new copy for a partner; a copy sent back to i
 FORM_TIMEOUT_S = 60.0  # the round's engines meeting (all of them start their worker after rendezvous)
 SEND_TIMEOUT_S = 30.0  # one copy to one partner; past it the partner counts as stalled
 STOP = -1  # a header that ends the partner's receiving thread (a new round begins)
-MAX_META = 1 << 16
+HEADER = 5  # int64s of a copy's first message: owner, thin, bytes of its manifest, data and index
 FRESH_KEPT = 4  # thin copies cut as their parts were written, waiting for their records to commit
 
 
@@ -65,19 +65,23 @@ class Round:
         self.threads: list[threading.Thread] = []  # receiving partners' copies
 
     def send(self, dst: int, tag: int, owner: int, blobs: list[bytes | bytearray], *, thin: bool = False) -> None:
-        """Send one copy (owner rank, then the manifest and files as `blobs`: [manifest, *files];
-        `thin`: its data file lacks the shared tensors, storage/tiers/dpshared.py)."""
+        """Send one copy: `blobs` = [manifest, data file, index] of rank `owner`'s part (`thin`:
+        its data lacks the shared tensors, storage/tiers/dpshared.py). Three messages, whatever
+        its size: a header of sizes, the manifest and index together, the data (a per-step thin
+        copy's messages cost the engines more CPU in gloo than its bytes do)."""
         import torch
 
-        meta = json.dumps({"owner": owner, "thin": thin, "sizes": [len(b) for b in blobs]}).encode()
-        for t in [torch.tensor([len(meta)], dtype=torch.int64), *(_bytes_tensor(b) for b in [meta, *blobs] if b)]:
+        manifest, data, index = blobs
+        head = torch.tensor([owner, int(thin), len(manifest), len(data), len(index)], dtype=torch.int64)
+        for t in [head, _bytes_tensor(bytes(manifest) + bytes(index)), *([_bytes_tensor(data)] if data else [])]:
             self.pg.send([t], dst, tag).wait(timedelta(seconds=SEND_TIMEOUT_S))
 
     def stop(self, dst: int, tag: int = SHIP) -> None:
         """No (more) copies to `dst` on `tag`."""
         import torch
 
-        self.pg.send([torch.tensor([STOP], dtype=torch.int64)], dst, tag).wait(timedelta(seconds=2))
+        head = torch.tensor([STOP, 0, 0, 0, 0], dtype=torch.int64)
+        self.pg.send([head], dst, tag).wait(timedelta(seconds=2))
 
     def close(self) -> None:
         """End the group: receives still waiting (a partner that never said STOP) fail now, and
@@ -89,27 +93,25 @@ class Round:
 
     def recv(self, src: int, tag: int, timeout: float | None = None,
              on_manifest: Callable[[bytes], None] | None = None) -> tuple[int, bool, list[bytes]] | None:
-        """(owner, thin, [manifest, *files]) of the next copy from `src`; None: it said STOP.
-        `on_manifest` sees the manifest before the files are received."""
+        """(owner, thin, [manifest, data, index]) of the next copy from `src`; None: it said STOP.
+        The sizes are checked before anything is allocated; `on_manifest` sees the manifest
+        before the data is received."""
         import torch
 
         wait = timedelta(seconds=timeout) if timeout else timedelta(days=365)
-        head = torch.empty(1, dtype=torch.int64)
+        head = torch.empty(HEADER, dtype=torch.int64)
         self.pg.recv([head], src, tag).wait(wait)
-        if int(head) == STOP:
+        owner, thin, n_manifest, n_data, n_index = head.tolist()
+        if owner == STOP:
             return None
-        if not 0 < int(head) <= MAX_META:
-            raise CorruptCheckpoint(f"rank {src} sent a copy header of {int(head)} bytes")
-        meta = json.loads(self._recv_bytes(src, tag, int(head), wait))
-        sizes = meta["sizes"]
-        if not (isinstance(meta["owner"], int) and isinstance(meta["thin"], bool) and len(sizes) == 3
-                and 0 < sizes[0] <= MAX_METADATA_BYTES
-                and all(isinstance(n, int) and 0 <= n <= MAX_FILE_BYTES for n in sizes)):
-            raise CorruptCheckpoint(f"rank {src} sent a copy header out of range ({meta})")
-        manifest = self._recv_bytes(src, tag, sizes[0], wait)
+        if not (0 <= owner < MAX_WORLD_SIZE and thin in (0, 1) and 0 < n_manifest <= MAX_METADATA_BYTES
+                and 0 < n_index <= MAX_METADATA_BYTES and 0 <= n_data <= MAX_FILE_BYTES):
+            raise CorruptCheckpoint(f"rank {src} sent a copy header out of range ({head.tolist()})")
+        meta = self._recv_bytes(src, tag, n_manifest + n_index, wait)
+        manifest, index = meta[:n_manifest], meta[n_manifest:]
         if on_manifest is not None:
             on_manifest(manifest)
-        return meta["owner"], meta["thin"], [manifest, *(self._recv_bytes(src, tag, n, wait) for n in sizes[1:])]
+        return owner, bool(thin), [manifest, self._recv_bytes(src, tag, n_data, wait), index]
 
     def _recv_bytes(self, src: int, tag: int, n: int, wait: timedelta) -> bytes:
         import torch
@@ -370,6 +372,8 @@ class Replicator:
             m = self.store.manifest(name)
             thin = (self._cut(m, r.rank) or thin_rank_part(self.store, m, r.rank)) if self.node_local else None
             part = thin or self._whole_part(m, r.rank)
+            if len(part) != 2:
+                raise CorruptCheckpoint(f"{name}: rank {r.rank}'s part is not a data file and an index")
         except (CorruptCheckpoint, OSError) as e:  # pruned meanwhile: a newer one comes
             self.log.emit(type="replica_error", rank=r.rank, error=f"{name}: {_short(e)}")
             return
@@ -427,7 +431,7 @@ class Replicator:
 
     def _die_if_asked(self, manifest: bytes) -> None:
         """The injected fault `kill-engine:step=N:phase=receive` (tests): this engine dies while it
-        receives a partner's copy of step N or later, the copy's manifest in and its files not."""
+        receives a partner's copy of step N or later, the copy's manifest in and its data not."""
         fault = self.fault
         if fault is None or fault.target != "kill-engine" or fault.phase != "receive":
             return
