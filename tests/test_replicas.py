@@ -72,6 +72,54 @@ def _hold(tier: MemoryTier, store: Store, step: int, owner: int = 1) -> Manifest
     return tier.hold(owner, manifest, files)
 
 
+class _Wire:
+    """A gloo group's send/recv between two ends of one process: each message in a queue."""
+
+    def __init__(self) -> None:
+        self.queue: list[torch.Tensor] = []
+        self.received: list[int] = []  # the size of each buffer a receive was given
+
+    def send(self, tensors, dst, tag):
+        self.queue.append(tensors[0].clone())
+        return self
+
+    def recv(self, tensors, src, tag):
+        self.received.append(tensors[0].numel())
+        tensors[0].copy_(self.queue.pop(0))
+        return self
+
+    def wait(self, timeout=None):
+        return True
+
+
+def _round(wire: _Wire):
+    from ckptrun.engine.replicate import Round
+
+    r = Round.__new__(Round)  # (its group, without a job store to meet through)
+    r.pg = wire
+    return r
+
+
+def test_a_copy_crosses_the_wire_whole_and_a_hostile_header_allocates_nothing():
+    """A copy goes as a header of sizes, the manifest and index together, then the data; the
+    receiver checks the header before it allocates: a header claiming more than a file may hold
+    is refused after the header alone."""
+    from ckptrun.engine.replicate import SHIP
+
+    wire = _Wire()
+    r = _round(wire)
+    r.send(1, SHIP, 3, [b"{manifest}", bytearray(b"data" * 5), b"{index}"], thin=True)
+    assert len(wire.queue) == 3
+    assert r.recv(0, SHIP) == (3, True, [b"{manifest}", b"data" * 5, b"{index}"])
+    r.stop(1)
+    assert r.recv(0, SHIP) is None
+    wire.received.clear()
+    wire.queue.append(torch.tensor([3, 0, 10, 1 << 60, 7], dtype=torch.int64))
+    with pytest.raises(CorruptCheckpoint, match="header out of range"):
+        r.recv(0, SHIP)
+    assert wire.received == [5]  # the header only: nothing was allocated for its sizes
+
+
 def test_a_lost_part_comes_back_from_a_partner(tmp_path):
     """Rank 1's parts deleted (its node's disk lost): the held copy of the newest step completes
     that record again, read through Store; the older records stay incomplete."""
