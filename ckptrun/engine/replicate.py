@@ -73,7 +73,7 @@ class Round:
 
         manifest, data, index = blobs
         head = torch.tensor([owner, int(thin), len(manifest), len(data), len(index)], dtype=torch.int64)
-        for t in [head, _bytes_tensor(bytes(manifest) + bytes(index)), *([_bytes_tensor(data)] if data else [])]:
+        for t in [head, _bytes_tensor(bytearray(manifest) + index), *([_bytes_tensor(data)] if data else [])]:
             self.pg.send([t], dst, tag).wait(timedelta(seconds=SEND_TIMEOUT_S))
 
     def stop(self, dst: int, tag: int = SHIP) -> None:
@@ -475,8 +475,7 @@ def _tier(what: str, owner: int, manifest: bytes, files: dict[str, bytes]) -> Me
 
 
 def _files(owner: int, blobs: list[bytes]) -> dict[str, bytes]:
-    if len(blobs) != 2:
-        raise CorruptCheckpoint(f"rank {owner}'s copy has {len(blobs)} files, not a data file and an index")
+    """Rank `owner`'s files by name, of the [data, index] a copy's messages carry (`Round.recv`)."""
     return dict(zip(rank_files(owner), blobs, strict=True))
 
 
