@@ -19,6 +19,7 @@ from .strategies import DEFAULT
 
 if TYPE_CHECKING:
     from .storage.store import Manifest, Store
+    from .strategies.options import Option
     from .tuning.levels import FailureRates
 
 app = typer.Typer(
@@ -102,16 +103,27 @@ def _rates(mtbf_s: float, kinds: dict[str, str], source: str = "",
 
 def _with_strategy_options(func: Callable) -> Callable:
     """Add every registered strategy's options (ckptrun/strategies/options.py) to the `run`
-    command as typer options; `run` receives them in `**strategy_options`."""
+    command as typer options, a flag shared by several strategies once (its help per strategy,
+    no default: each strategy's applies, `_chosen_options`); `run` receives them in
+    `**strategy_options`."""
     from .strategies import all_options
 
     sig = inspect.signature(func, eval_str=True)
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    flags: dict[str, list[tuple[str, Option]]] = {}
     for strategy, opt in all_options():
-        ann = Annotated[str | None, typer.Option(opt.flag, help=f"{strategy}: {opt.help}")]
-        params.append(inspect.Parameter(opt.name, inspect.Parameter.KEYWORD_ONLY, default=opt.default,
-                                        annotation=ann))
-        func.__annotations__[opt.name] = ann
+        flags.setdefault(opt.name, []).append((strategy, opt))
+    for name, owners in flags.items():
+        helps: dict[str, list[str]] = {}
+        for strategy, opt in owners:
+            helps.setdefault(opt.help, []).append(strategy)
+        longest_first = sorted(helps.items(), key=lambda kv: -len(kv[0]))
+        text = " ".join(f"{', '.join(strategies)}: {h}" for h, strategies in longest_first)
+        defaults = {opt.default for _, opt in owners}
+        ann = Annotated[str | None, typer.Option(owners[0][1].flag, help=text)]
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                                        default=defaults.pop() if len(defaults) == 1 else None, annotation=ann))
+        func.__annotations__[name] = ann
     func.__signature__ = sig.replace(parameters=params)
     return func
 
@@ -142,16 +154,21 @@ def _given(ctx: typer.Context, param: str) -> bool:
 
 
 def _chosen_options(ctx: typer.Context, strategy: str, given: dict[str, str | None]) -> dict[str, str | None]:
-    """The chosen strategy's option values; an option of another strategy typed on the command
-    line is an error (it would be silently ignored)."""
+    """The chosen strategy's option values (its defaults where none was given); an option only
+    other strategies take, typed on the command line, is an error (it would be silently ignored)."""
     from .strategies import REGISTRY, all_options
 
+    owners: dict[str, list[str]] = {}
     for owner, opt in all_options():
-        if owner != strategy and getattr(ctx.get_parameter_source(opt.name), "name", "") == "COMMANDLINE":
-            raise UsageError(f"{opt.flag} is an option of --strategy {owner}, not of {strategy}; drop it or "
-                             f"pass --strategy {owner}")
+        owners.setdefault(opt.name, []).append(owner)
+    for name, names in owners.items():
+        if strategy not in names and getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE":
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} is an option of --strategy {' or '.join(names)}, not of {strategy}; drop it "
+                             f"or pass --strategy {names[0]}")
     entry = REGISTRY.get(strategy)
-    chosen = {opt.name: given[opt.name] for opt in entry.options} if entry else {}
+    chosen = {opt.name: opt.default if given[opt.name] is None else given[opt.name]
+              for opt in entry.options} if entry else {}
     for opt in entry.options if entry else ():
         opt.check(chosen)
     return chosen

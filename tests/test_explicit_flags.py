@@ -18,8 +18,8 @@ from ckptrun.strategies import REGISTRY, all_options
 from ckptrun.strategies.gockpt.trainer import GoCkpt
 from ckptrun.strategies.lightcheck.trainer import LightCheck
 from ckptrun.strategies.lowdiff.policy import FullEveryBatch
-from ckptrun.strategies.lowdiff_plus.policy import PersistInterval
 from ckptrun.strategies.lowdiff_plus.trainer import LowDiffPlus
+from ckptrun.strategies.memory_first.policy import PersistInterval
 from ckptrun.strategies.pccheck.trainer import PCcheck
 from ckptrun.strategies.save_policy import Measured
 from ckptrun.worker.decisions import FIRST_EVAL, DalyInterval, FixedInterval, PersistBound, Retuner

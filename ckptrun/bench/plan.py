@@ -93,6 +93,8 @@ VARIANTS = {"lowdiff+topk": ("lowdiff", ("--compress", "topk:0.01")),
             "lightcheck-region": ("lightcheck", ("--copy-to", "region")),
             "lightcheck-host": ("lightcheck", ("--copy-to", "host")),
             "lowdiff+persist1": ("lowdiff+", ("--persist-every", "1")),
+            "checkfreq-persist10": ("checkfreq", ("--persist-every", "10")),
+            "sync-persist10": ("sync", ("--persist-every", "10")),
             "gockpt-k1": ("gockpt", ("--spread", "1")),
             "gockpt-k4": ("gockpt", ("--spread", "4")),
             "gockpt-k7": ("gockpt", ("--spread", "7"))}

@@ -54,6 +54,7 @@ from ..storage.store import Manifest, Store, WrittenPart
 from . import drain
 from .arena import HeapTrimmer, one_arena
 from .handlers import EngineContext, engine_handler
+from .held import HeldSnapshot
 from .nodecommit import Board
 
 COMMIT_TRIES = 6  # a commit that fails this often is abandoned (reported; the previous step stays)
@@ -87,6 +88,7 @@ class Engine:
         self.committed_step: int | None = None
         self.io_engine: str | None = None  # the file writer running (storage/iowriter.py)
         self.holds_memory = False  # a handler said it holds a step in memory (memory_status)
+        self.memory = HeldSnapshot()  # a snapshot strategy's newest step, held in its slot (--persist-every)
         self.stopping = threading.Event()
         self.drain: drain.Drain | None = None  # --durable: copies this rank's part of committed steps there
         self.replicator = None  # --replicas > 1: this rank's copies in partners' memory (engine/replicate.py)
@@ -160,6 +162,8 @@ class Engine:
         if self.handler is not None and msg.rank != self.rank:
             self._give_up_handler()
         self.flush(restart=True)
+        if msg.rank != self.rank or msg.strategy != self.strategy:  # what is held is another worker's
+            self.memory.drop()
         with self._send_lock:
             self.conn = self.serving
         self.rank, self.world_size, self.keep = msg.rank, msg.world_size, msg.keep
@@ -185,9 +189,12 @@ class Engine:
         if msg.replication is not None:
             self._replicate(msg)
         newest = max((s.nbytes for s in self.slots.values()), default=0)
-        for i in [i for i, s in self.slots.items() if s.nbytes < newest]:
+        for i in [i for i, s in self.slots.items() if s.nbytes < newest and not self.memory.holds(i)]:
             self.slots.pop(i).close()
-        self.reply(msg, pid=os.getpid(), slots=self._slot_list(sorted(self.slots)),
+        # The slot held in memory goes to the worker too, in use: the engine gives it back once
+        # a newer step replaces it (the restarted worker may resume from it first).
+        held = [i for i in self.slots if self.memory.holds(i)]
+        self.reply(msg, pid=os.getpid(), slots=self._slot_list(sorted(self.slots)), busy=held,
                    committed_step=self.committed_step)
 
     def _replicate(self, msg: Hello) -> None:
@@ -249,14 +256,21 @@ class Engine:
         self.flush()
         # (on a node-local --dir only rank 0 commits; the others publish what it committed)
         self.commit_ready() if self.rank == 0 or self.board is None else self.watch_commits()
-        held = self.handler.held() if self.handler is not None else None
+        held = self._held()
         self.reply(msg, committed_step=self.committed_step, held_step=held and held[0], held_nbytes=held and held[1],
                    pending=len(self.pending))
 
+    def _held(self) -> tuple[int, int] | None:
+        """(step, bytes) of the state held in memory: the handler's (a replica), else a snapshot's slot."""
+        return (self.handler.held() if self.handler is not None else None) or self.memory.held()
+
     def op_fetch_held(self, msg: FetchHeld) -> None:
-        """A restarted worker resumes from the state the handler holds (no disk read)."""
+        """A restarted worker resumes from the state held in memory (no disk read)."""
         try:
-            self.reply(msg, **self.handler.fetch())
+            if self.handler is not None and self.handler.held() is not None:
+                self.reply(msg, **self.handler.fetch())
+            else:
+                self.reply(msg, **self.memory.fetch(self.slots[self.memory.slot].path))
         except Exception as e:  # any failure: the worker falls back to the committed records
             self.reply(msg, error=f"{type(e).__name__}: {e}")
 
@@ -407,10 +421,19 @@ class Engine:
         self.send(SaveError(step=step, record=record, error=error))
 
     def _persist(self, msg: Persist) -> None:
+        """Write the slot as its record; with `hold` (the memory tier), keep it as the newest
+        state in memory, written only when `write` says so."""
+        free: int | None = msg.slot
         try:
-            self.write_record(msg.spec, self.slots[msg.slot].view[: msg.nbytes])
+            if msg.write:
+                self.write_record(msg.spec, self.slots[msg.slot].view[: msg.nbytes])
+            if msg.hold:
+                free = self.memory.hold(msg.slot, msg.spec, msg.nbytes)
+                if free != msg.slot:
+                    self.in_memory(msg.spec.step, msg.nbytes)
         finally:
-            self.send(SlotFree(slot=msg.slot))
+            if free is not None:
+                self.send(SlotFree(slot=free))
 
     # ---- committing (global rank 0) ----------------------------------------------------
     def commit_ready(self) -> None:

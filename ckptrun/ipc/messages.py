@@ -104,12 +104,16 @@ class RecordSpec:
 
 @dataclass(kw_only=True)
 class Persist(Message):
-    """Write the slot's first `nbytes` as record `spec`, then free the slot."""
+    """Write the slot's first `nbytes` as record `spec`, then free the slot. The memory tier
+    (`--persist-every`): with `hold`, the engine keeps the slot as the rank's newest state in
+    memory (freeing the one it held before) and writes it only with `write`."""
 
     op: ClassVar[Op] = Op.PERSIST
     slot: int
     nbytes: int
     spec: RecordSpec
+    hold: bool = False
+    write: bool = True
 
 
 @dataclass(kw_only=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from ..log import log
-from . import datastates, gockpt, lightcheck, lowdiff, lowdiff_plus, pccheck
+from . import datastates, gockpt, lightcheck, lowdiff, lowdiff_plus, memory_first, pccheck
 from .options import Option
 
 GROUP = "ckptrun.strategies"
@@ -78,12 +78,18 @@ def _attr(path: str):
 BUILTIN: dict[str, Entry] = {
     "sync": Entry("ckptrun.strategies.sync:Sync",
                   "blocking write on the training path (the torch.save baseline)", sharded=True, write_once=True,
-                  replicas=True,
-                  intervals="one: a checkpoint captured and written every N steps."),
+                  replicas=True, options=(memory_first.SNAPSHOT_PERSIST_EVERY,),
+                  explicit_every="ckptrun.strategies.memory_first:snapshot_every",
+                  intervals="one: a checkpoint captured and written every N steps. With --persist-every P: "
+                            "captured every step and held in the engine's memory, written every P (P must "
+                            "divide N)."),
     "checkfreq": Entry("ckptrun.strategies.checkfreq:CheckFreq",
                        "snapshot to host overlapped with the next forward/backward; persist in the engine",
-                       sharded=True, write_once=True, replicas=True,
-                       intervals="one: a snapshot every N steps, persisted in the background."),
+                       sharded=True, write_once=True, replicas=True, options=(memory_first.SNAPSHOT_PERSIST_EVERY,),
+                       explicit_every="ckptrun.strategies.memory_first:snapshot_every",
+                       intervals="one: a snapshot every N steps, persisted in the background. With "
+                                 "--persist-every P: a snapshot every step held in the engine's memory, "
+                                 "written every P (P must divide N)."),
     "lowdiff": Entry("ckptrun.strategies.lowdiff.trainer:LowDiff",
                      "every step's gradient as a batched differential checkpoint; full every F; exact replay",
                      engine_handler="ckptrun.strategies.lowdiff.engine:LowDiffHandler", options=lowdiff.OPTIONS,
@@ -98,7 +104,7 @@ BUILTIN: dict[str, Entry] = {
                       engine_handler="ckptrun.strategies.lowdiff_plus.engine:LowDiffPlusHandler",
                       options=lowdiff_plus.OPTIONS, short_run_flags=("--persist-every", "1"),
                       tuning="ckptrun.strategies.lowdiff_plus.tuning:MODEL", write_once=True, replicas=True,
-                      explicit_every="ckptrun.strategies.lowdiff_plus:explicit_every",
+                      explicit_every="ckptrun.strategies.memory_first:replica_every",
                       intervals="in memory every step; the replica persisted every --persist-every P: --every N "
                                 "sets P = N (a given P must divide N); without --every, P is auto."),
     "pccheck": Entry("ckptrun.strategies.pccheck.trainer:PCcheck",
@@ -179,11 +185,17 @@ def checkpoints_every_optimizer(entry: Entry) -> bool:
 
 
 def all_options() -> Iterator[tuple[str, Option]]:
-    """(strategy, option) for every registered strategy's options; a flag belongs to one strategy."""
-    seen: dict[str, str] = {}
+    """(strategy, option) for every registered strategy's options. Strategies may share a flag
+    (`--persist-every`) when it takes the same values; its default and help may differ."""
+    seen: dict[str, tuple[str, Option]] = {}
     for name, entry in registry().items():
         for opt in entry.options:
-            if opt.name in seen:
-                raise RuntimeError(f"strategy {name} redeclares option {opt.flag} of {seen[opt.name]}")
-            seen[opt.name] = name
+            if opt.name in seen and not _same_values(seen[opt.name][1], opt):
+                raise RuntimeError(f"strategy {name} redeclares option {opt.flag} of {seen[opt.name][0]} "
+                                   "with other values")
+            seen.setdefault(opt.name, (name, opt))
             yield name, opt
+
+
+def _same_values(a: Option, b: Option) -> bool:
+    return (a.choices, a.ints, a.fraction, a.trains) == (b.choices, b.ints, b.fraction, b.trains)

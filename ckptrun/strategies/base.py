@@ -26,7 +26,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+from ..errors import UsageError
 from ..ipc.messages import Persist
+from .memory_first import SNAPSHOT_PERSIST_EVERY
+from .memory_first.model import HW_SHARE
+from .memory_first.policy import PersistInterval
 
 if TYPE_CHECKING:
     from ..ipc.messages import Message
@@ -83,6 +87,11 @@ class SnapshotStrategy(Strategy):
 
     `background`: copy parameters/optimizer state while the next forward/backward runs.
     `wait_durable`: block the trainer until the engine reports the bytes durable.
+    With `--persist-every` (an entry that declares the memory tier's option), every step is
+    captured and the engine holds the newest in memory (`Persist.hold`): a worker crash resumes
+    from it; every P-th step, and the last, is written too (`Persist.write`). Each rank then
+    captures its whole state (a replicated tensor too, where another rank writes it otherwise):
+    what a rank resumes from memory is its own slot.
     """
 
     background: ClassVar[bool] = False
@@ -96,22 +105,46 @@ class SnapshotStrategy(Strategy):
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         self.pending: Snapshot | None = None
+        self.persist = memory_first_policy(ctx)
+        if self.persist is not None:
+            self.min_slots = 2  # the one the engine holds, and the next capture's
+            if ctx.max_inflight < 2:
+                raise UsageError(f"--persist-every with --max-inflight {ctx.max_inflight}: the engine holds the "
+                                 "newest snapshot's staging slot, and the next capture needs another; give "
+                                 "--max-inflight 2 or more")
+
+    def settings(self) -> dict:
+        return {**super().settings(), **(self.persist.settings if self.persist else {})}
 
     def after_step(self, step: int) -> None:
-        if self.ctx.due(step):
-            self.pending = self.ctx.capture(step, background=self.background)
+        if self.persist is not None or self.ctx.due(step):
+            self.pending = self.ctx.capture(step, background=self.background, whole=self.persist is not None)
 
     def before_step(self, step: int) -> None:
         self._hand_over()
 
-    def _hand_over(self) -> None:
+    def _hand_over(self, final: bool = False) -> None:
         if self.pending is not None:
             snap, self.pending = self.pending, None
             self.ctx.seal(snap)
-            self.ctx.submit(snap, self.message, wait_durable=self.wait_durable, **self.submit_fields())
+            fields = self.submit_fields()
+            if self.persist is not None:
+                write = final or self.persist.due(snap.step)
+                fields.update(hold=True, write=write)
+            wait = self.wait_durable and fields.get("write", True)
+            self.ctx.submit(snap, self.message, wait_durable=wait, **fields)
 
     def finish(self) -> None:
         ctx = self.ctx
         if ctx.final_checkpoint and self.pending is None and ctx.step > 0 and ctx.checkpointed_step != ctx.step:
-            self.pending = ctx.capture(ctx.step, background=False)
-        self._hand_over()
+            self.pending = ctx.capture(ctx.step, background=False, whole=self.persist is not None)
+        self._hand_over(final=ctx.final_checkpoint or ctx.due(ctx.step))  # (due: a stop after this step)
+
+
+def memory_first_policy(ctx: StrategyContext) -> PersistInterval | None:
+    """The memory tier's write interval (`--persist-every`, its `auto` re-tuned like lowdiff+'s),
+    or None where the option is unset: one tier, every checkpoint written."""
+    if ctx.options.get("persist_every") is None:
+        return None
+    return ctx.policy(PersistInterval(SNAPSHOT_PERSIST_EVERY.integer(ctx.options),
+                                      ctx.options.get("machine_loss_share", HW_SHARE)))

@@ -85,7 +85,7 @@ class Runtime(StepHooks):
             reply = greeting.reply()
             self.hello_wait_s = greeting.waited_s
         self.engine_pid = reply["pid"]
-        self.staging.start(reply["slots"])
+        self.staging.start(reply["slots"], busy=reply.get("busy", []))
         strategy = entry.load()
         self.staging.min_slots = strategy.min_slots
         self.strategy = strategy(WorkerContext(self))

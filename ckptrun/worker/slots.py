@@ -44,8 +44,10 @@ class SlotPool:
         self.nbytes = 0
         self.cond = threading.Condition()
 
-    def add(self, slots: list[tuple[int, str, int]], pin: bool) -> list[int]:
-        """Make `slots` the current generation; returns the old slots already free (to retire)."""
+    def add(self, slots: list[tuple[int, str, int]], pin: bool, busy: list[int] = ()) -> list[int]:
+        """Make `slots` the current generation; returns the old slots already free (to retire).
+        `busy` ones are in the engine's use: free once it gives them back, or retired then when
+        their size is not the generation's."""
         with self.cond:
             old_free = [i for i in self.free]
             self.retired |= set(self.buffers)
@@ -59,8 +61,12 @@ class SlotPool:
                     self.unlocked_why = why
                     log.warning(f"staging slot {path} could not be page-locked ({why}): copies from the GPU "
                                 f"into it wait for the device; put {STAGING_ENV} on tmpfs (/dev/shm)")
-                self.free.append(index)
-                self.nbytes = n
+            self.nbytes = max(n for _, _, n in slots)
+            for index, _, n in slots:
+                if index not in busy:
+                    self.free.append(index)
+                elif n != self.nbytes:
+                    self.retired.add(index)
             for i in old_free:
                 self.retired.discard(i)
                 self._drop(i)
@@ -123,10 +129,11 @@ class Staging:
         self.sizes: dict[str, int] = {}  # bytes the last submitted snapshot of each kind took
         self._least = 0  # the fewest staging bytes this run could have done with so far
 
-    def start(self, slots: list[tuple[int, str, int]]) -> None:
-        """The slots a restarted worker's engine kept from before (its Hello reply)."""
+    def start(self, slots: list[tuple[int, str, int]], busy: list[int]) -> None:
+        """The slots a restarted worker's engine kept from before (its Hello reply); `busy`: in
+        use by the engine (the step it holds in memory), given back later."""
         if slots:
-            self.pool.add(slots, pin=self._pin)
+            self.pool.add(slots, pin=self._pin, busy=busy)
             self._least = sum(n for _, _, n in slots)
             self._used()
 

@@ -32,10 +32,11 @@ from ...storage.layout import Layout, TensorSpec
 from ...storage.tree import TENSOR, flatten
 from ..base import Strategy
 from ..context import Snapshot, StrategyContext
-from . import HW_FAILURE_SHARE, PERSIST_EVERY, REBASE_EVERY
+from ..memory_first import REPLICA_PERSIST_EVERY
+from ..memory_first.model import HW_SHARE
+from ..memory_first.policy import PersistInterval
+from . import HW_FAILURE_SHARE, REBASE_EVERY
 from .messages import Base, Grads
-from .model import HW_SHARE
-from .policy import PersistInterval
 
 GPU_REBASE_EVERY = 100
 PROBE_EVERY = 50  # steps between tries of the layer-wise copy while it is off
@@ -52,7 +53,7 @@ class LowDiffPlus(Strategy):
         super().__init__(ctx)
         opts = ctx.options
         hw_share = HW_FAILURE_SHARE.share(opts) or opts.get("machine_loss_share", HW_SHARE)
-        self.persist = ctx.policy(PersistInterval(PERSIST_EVERY.integer(opts), hw_share))
+        self.persist = ctx.policy(PersistInterval(REPLICA_PERSIST_EVERY.integer(opts), hw_share))
         self.rebase_every = REBASE_EVERY.integer(opts)  # None: auto
         self.params: list[torch.Tensor] = []
         self.position: dict[int, int] = {}  # id(param) -> its index among the optimizer's parameters

@@ -8,7 +8,7 @@ from dataclasses import replace
 from ...tuning.levels import Level
 from ...tuning.model import Inputs, Prediction, StrategyPlan, TuningModel
 from ...tuning.profile import Costs, StrategyCosts
-from .model import persist_every, waste
+from ..memory_first.model import persist_every, waste
 
 
 class LowDiffPlusTuning(TuningModel):

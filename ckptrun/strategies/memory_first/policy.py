@@ -1,4 +1,4 @@
-"""lowdiff+'s persistence interval P: the replica is written by the engine, off the training path.
+"""The memory tier's persistence interval P: the state the engine holds is written off the training path.
 `auto` follows the waste model of `model.py` (hardware failures only lose what is not on disk)
 from the re-tuner's measured write and step times, re-decided as they move."""
 
@@ -33,7 +33,7 @@ class PersistInterval(SavePolicy):
         if steps == self.every or abs(steps - self.every) < MIN_CHANGE * self.every:
             return None
         return Decision({"persist_every": steps},
-                        f"persist the replica every {self.every} -> {steps} steps at step {step}: {why}")
+                        f"persist the state held in memory every {self.every} -> {steps} steps at step {step}: {why}")
 
     def adopt(self, decision: Decision) -> None:
         self.every = decision.settings["persist_every"]

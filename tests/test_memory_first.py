@@ -1,0 +1,96 @@
+"""The memory tier of the snapshot strategies (`--persist-every` with every strategy whose
+registry entry takes it as a snapshot strategy does): every step held in the engine's memory,
+every P-th written. A worker crash resumes from the engine's memory, bit-exact, with one and two
+(DDP) ranks; an engine crash from the newest write; what cannot work is refused at start."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import (
+    EXAMPLE,
+    STEPS,
+    TINY,
+    assert_training_state,
+    ckptrun,
+    error_line,
+    load,
+    ok,
+    run_events,
+)
+from test_crash_matrix import assert_clean_and_final, resume_run
+
+from ckptrun.engine.held import HeldSnapshot
+from ckptrun.ipc.messages import RecordSpec
+from ckptrun.storage.store import Store
+from ckptrun.strategies import REGISTRY
+from ckptrun.strategies.memory_first import SNAPSHOT_PERSIST_EVERY
+
+HOLDING = [name for name, entry in REGISTRY.items() if SNAPSHOT_PERSIST_EVERY in entry.options]
+
+
+def test_the_snapshot_strategies_take_the_memory_first():
+    assert {"checkfreq", "sync"} <= set(HOLDING)
+
+
+@pytest.mark.parametrize("strategy", HOLDING)
+def test_worker_crash_resumes_from_memory_and_engine_crash_from_disk(strategy, example_truth, tmp_path):
+    """--persist-every 5. The worker killed at step 7: the restarted worker resumes at step 6,
+    which no record holds (the engine held its staging slot). Then the engine dies while writing
+    step 10: the new engine holds nothing, so the run resumes from the newest write (step 5).
+    Only multiples of 5 and the final step reach the disk, and the run ends bit-exact."""
+    proc = resume_run(tmp_path, strategy, tmp_path / "ckpts", "--persist-every", "5", "--max-restarts", "2",
+                      fault="kill:step=7;kill-engine:step=10:phase=write")
+    attempts = run_events(tmp_path / "metrics")
+    assert [(e["restart_count"], e["resume_step"]) for e in attempts] == [(0, 0), (1, 6), (2, 5)]
+    assert "resumed step 6 from the checkpoint engine's memory (no disk read)" in proc.stderr
+    steps = [m.step for m in Store(tmp_path / "ckpts").manifests()]
+    assert set(steps) <= {5, 10, STEPS} and steps[-1] == STEPS, steps
+    assert_training_state(load(tmp_path / "final.pt"), example_truth(STEPS))
+    assert_clean_and_final(tmp_path / "ckpts", example_truth(STEPS))
+
+
+def test_ddp_two_ranks_resume_from_memory_exactly(tmp_path):
+    """Rank 1 killed at step 5 of a DDP run on one shared --dir: both engines hold step 4 (each
+    rank's whole state, replicated tensors too), both ranks resume from memory there and end as
+    an uninterrupted run does; the records written hold every rank's whole state."""
+    common = ["--nproc-per-node", "2", "--strategy", "checkfreq", "--persist-every", "1000", "--max-restarts", "1"]
+    script = [EXAMPLE, *TINY, "--save-at", STEPS, "--save-path", "own-{rank}.pt"]
+    for run in ("plain", "killed"):
+        (tmp_path / run).mkdir()
+    ok(ckptrun(tmp_path / "plain", *common, "--dir", "ckpts", *script))
+    proc = ok(ckptrun(tmp_path / "killed", *common, "--dir", "ckpts", "--metrics-dir", "metrics", *script,
+                      fault="kill:step=5:rank=1"))
+    for rank in range(2):
+        attempts = run_events(tmp_path / "killed" / "metrics", rank)
+        assert [(e["restart_count"], e["resume_step"]) for e in attempts] == [(0, 0), (1, 4)], rank
+        assert f"rank {rank}: resumed step 4 from the checkpoint engine's memory" in proc.stderr
+        assert_training_state(load(tmp_path / "killed" / f"own-{rank}.pt"), load(tmp_path / "plain" / f"own-{rank}.pt"))
+    assert [m.step for m in Store(tmp_path / "killed" / "ckpts").manifests()] == [STEPS]
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    (["--every", "4", "--persist-every", "3"], "--persist-every 3 with --every 4"),
+    (["--persist-every", "2", "--max-inflight", "1"], "--persist-every with --max-inflight 1"),
+    (["--strategy", "pccheck", "--persist-every", "2"], "--persist-every is an option of --strategy"),
+])
+def test_what_cannot_work_is_refused_at_start(extra, says, tmp_path):
+    proc = ckptrun(tmp_path, "--dir", "ckpts", *extra, EXAMPLE, *TINY)
+    line = error_line(proc)
+    assert proc.returncode == 2 and says in line, line
+    assert not list(tmp_path.glob("ckpts/full-*"))
+
+
+def _spec(step: int) -> RecordSpec:
+    return RecordSpec(record=f"full-{step:08d}", kind="full", step=step, skeleton={}, tensors={}, meta={})
+
+
+def test_a_late_older_snapshot_never_replaces_a_newer_one():
+    """Writer threads finish out of order: the held slot is always the newest step's, and every
+    other slot is given back exactly once."""
+    held = HeldSnapshot()
+    assert held.hold(3, _spec(7), 100) is None
+    assert held.hold(4, _spec(9), 100) == 3  # newer: the old slot goes back
+    assert held.hold(5, _spec(8), 100) == 5  # older, late: given back at once
+    assert held.held() == (9, 100) and held.holds(4) and not held.holds(3)
+    assert held.fetch("slot-4")["step"] == 9
+    assert held.drop() == 4 and held.held() is None
