@@ -17,7 +17,7 @@ from conftest import (
     ok,
     run_events,
 )
-from test_crash_matrix import assert_clean_and_final, resume_run
+from test_crash_matrix import FAULTS, assert_clean_and_final, resume_run
 
 from ckptrun.engine.held import HeldSnapshot
 from ckptrun.ipc.messages import RecordSpec
@@ -45,6 +45,22 @@ def test_worker_crash_resumes_from_memory_and_engine_crash_from_disk(strategy, e
     assert "resumed step 6 from the checkpoint engine's memory (no disk read)" in proc.stderr
     steps = [m.step for m in Store(tmp_path / "ckpts").manifests()]
     assert set(steps) <= {5, 10, STEPS} and steps[-1] == STEPS, steps
+    assert_training_state(load(tmp_path / "final.pt"), example_truth(STEPS))
+    assert_clean_and_final(tmp_path / "ckpts", example_truth(STEPS))
+
+
+@pytest.mark.parametrize("strategy", HOLDING)
+def test_each_crash_matrix_fault_resumes_exactly(strategy, example_truth, tmp_path):
+    """The crash matrix's faults in turn, --persist-every 4: a worker killed mid-step 9 resumes
+    from memory at 8; one killed while step 10 is written (a step held only is written then, for
+    the fault to fire) from memory at 10; the engine killed while it writes 11, from the disk
+    at 10."""
+    proc = resume_run(tmp_path, strategy, tmp_path / "ckpts", "--persist-every", "4", "--max-restarts", len(FAULTS),
+                      fault=";".join(FAULTS.values()))
+    attempts = run_events(tmp_path / "metrics")
+    resumed = [e["resume_step"] for e in attempts[1:]]
+    assert resumed == [8, 10, 10], resumed
+    assert proc.stderr.count("from the checkpoint engine's memory (no disk read)") == 2, proc.stderr
     assert_training_state(load(tmp_path / "final.pt"), example_truth(STEPS))
     assert_clean_and_final(tmp_path / "ckpts", example_truth(STEPS))
 

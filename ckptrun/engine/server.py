@@ -424,8 +424,9 @@ class Engine:
         """Write the slot as its record; with `hold` (the memory tier), keep it as the newest
         state in memory, written only when `write` says so."""
         free: int | None = msg.slot
+        fault = self.fault  # (a crash-matrix fault in the write of a step held only: written now, for it to fire)
         try:
-            if msg.write:
+            if msg.write or fault is not None and fault.phase == "write" and fault.step == msg.spec.step:
                 self.write_record(msg.spec, self.slots[msg.slot].view[: msg.nbytes])
             if msg.hold:
                 free = self.memory.hold(msg.slot, msg.spec, msg.nbytes)
