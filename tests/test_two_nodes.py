@@ -353,6 +353,23 @@ def test_node_local_dirs_a_lost_node_resumes_from_partner_memory(strategy, nodes
           f"part, {restored['bytes']} bytes) from rank 0's memory in {restored['seconds']:.2f} s")
 
 
+def test_memory_first_a_lost_node_resumes_from_its_partner_at_the_newest_write(nodes, tmp_path, tmp_path_factory):
+    """--persist-every 5 on top: each engine holds every step in memory and writes every 5th,
+    and the copies its partner holds are of those. Node 1 lost with its --dir resumes from node
+    0's copy of the newest write (its engine's memory went with it, so the ranks do not all hold
+    a step: the disk, refilled from the partner, decides), and ends bit-exact."""
+    head, other = nodes
+    strategy = RunConfig.strategy
+    plain = _uninterrupted(strategy, nodes, tmp_path_factory)
+    lost = tmp_path / "lost"
+    held, t_kill = _lose_node1(lost, head, other, strategy, lost=lambda step: True,
+                               extra=(*NODE_LOCAL, "--persist-every", "5"))
+    assert held % 5 == 0, held
+    _back_from_partner(lost, plain, nodes, held, t_kill)
+    written = {m.step for m in Store(lost / head.own_dir).manifests()}
+    assert all(step % 5 == 0 or step == STOP for step in written), written
+
+
 @pytest.mark.parametrize("strategy", REPLICABLE)
 def test_both_nodes_lost_resume_from_disk(strategy, nodes, tmp_path, tmp_path_factory):
     """--replicas 2, both nodes' whole trees killed (every engine's memory, copies included, is
