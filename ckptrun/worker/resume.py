@@ -33,13 +33,13 @@ def _held(rt: Runtime) -> tuple[int, int] | None:
     return int(reply["held_step"]), int(reply["held_nbytes"])
 
 
-def set_aside(store: Store, names: list[str]) -> None:
+def set_aside(store: Store, names: list[str], why: str = "not restorable") -> None:
     """Move records that will not be restored to damaged/: a re-run writes these steps again (a
     corrupt manifest would block their commit); the bad copies are kept for inspection."""
     for name in names:
         if not os.path.lexists(store.root / name):  # another rank's attempt moved it already
             continue
-        log.warning(f"moving {name} (not restorable) aside to {store.root}/damaged/")
+        log.warning(f"moving {name} ({why}) aside to {store.root}/damaged/")
         (store.root / "damaged").mkdir(exist_ok=True)
         with contextlib.suppress(FileNotFoundError):  # (a rank of the same node moved it just now)
             os.replace(store.root / name, store.root / "damaged" / f"{name}-{int(time.time())}")
@@ -144,7 +144,10 @@ def _agreed_node_local(rt: Runtime, store: Store, kv, *, checksums: bool) -> Pla
         if newest not in plans(store):
             raise CkptrunError(f"--durable {tier.url}: rank {rt.rank}'s part of step {newest}, which the ranks "
                                f"agreed to resume from, did not come back into {store.root}")
-    set_aside(store, [m.name for m in store.manifests(warn=False) if m.step > newest] + list(store.unreadable()))
+    set_aside(store, [m.name for m in store.manifests(warn=False) if m.step > newest],
+              f"not reachable by every rank, which resume from {f'step {newest}' if newest >= 0 else 'the start'}; "
+              "the re-run writes it again")
+    set_aside(store, list(store.unreadable()))
     if newest < 0 or rt.cfg.on_restart == "fresh" and rt.restart_count > 0:
         return None
     return plans(store)[newest]
