@@ -104,9 +104,24 @@ def test_a_late_older_snapshot_never_replaces_a_newer_one():
     """Writer threads finish out of order: the held slot is always the newest step's, and every
     other slot is given back exactly once."""
     held = HeldSnapshot()
-    assert held.hold(3, _spec(7), 100) is None
-    assert held.hold(4, _spec(9), 100) == 3  # newer: the old slot goes back
-    assert held.hold(5, _spec(8), 100) == 5  # older, late: given back at once
+    assert held.hold(3, _spec(7), 100) == (True, None)
+    assert held.hold(4, _spec(9), 100) == (True, 3)  # newer: the old slot goes back
+    assert held.hold(5, _spec(8), 100) == (False, 5)  # older, late: given back at once
     assert held.held() == (9, 100) and held.holds(4) and not held.holds(3)
     assert held.fetch("slot-4")["step"] == 9
     assert held.drop() == 4 and held.held() is None
+
+
+def test_a_slot_being_written_goes_back_only_once_written():
+    """The step written every P steps is held as it arrives (the slot held before goes back at
+    once: the next capture never waits for the write); replaced while its write runs, its slot
+    goes back when the write is done, not before."""
+    held = HeldSnapshot()
+    assert held.hold(1, _spec(9), 100) == (True, None)
+    assert held.hold(2, _spec(10), 100, writing=True) == (True, 1)
+    assert held.hold(3, _spec(11), 100) == (True, None)  # slot 2 is still being written
+    assert held.written(2) == 2 and held.held() == (11, 100)
+    assert held.hold(4, _spec(12), 100, writing=True) == (True, 3)
+    assert held.written(4) is None and held.holds(4)  # written and still the newest: kept
+    assert held.hold(5, _spec(8), 100, writing=True) == (False, None)  # late and older, being written
+    assert held.written(5) == 5

@@ -422,16 +422,24 @@ class Engine:
 
     def _persist(self, msg: Persist) -> None:
         """Write the slot as its record; with `hold` (the memory tier), keep it as the newest
-        state in memory, written only when `write` says so."""
-        free: int | None = msg.slot
+        state in memory (replacing the one held before at once), written only when `write` says
+        so (engine/held.py)."""
         fault = self.fault  # (a crash-matrix fault in the write of a step held only: written now, for it to fire)
+        write = msg.write or fault is not None and fault.phase == "write" and fault.step == msg.spec.step
+        free: int | None = msg.slot
         try:
-            if msg.write or fault is not None and fault.phase == "write" and fault.step == msg.spec.step:
-                self.write_record(msg.spec, self.slots[msg.slot].view[: msg.nbytes])
             if msg.hold:
-                free = self.memory.hold(msg.slot, msg.spec, msg.nbytes)
-                if free != msg.slot:
+                held, free = self.memory.hold(msg.slot, msg.spec, msg.nbytes, writing=write)
+                if held:
                     self.in_memory(msg.spec.step, msg.nbytes)
+                if free is not None:
+                    self.send(SlotFree(slot=free))
+                free = None
+            if write:
+                try:
+                    self.write_record(msg.spec, self.slots[msg.slot].view[: msg.nbytes])
+                finally:
+                    free = self.memory.written(msg.slot) if msg.hold else msg.slot
         finally:
             if free is not None:
                 self.send(SlotFree(slot=free))

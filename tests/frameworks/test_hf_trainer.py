@@ -107,6 +107,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) 
         jobs = {s: pool.submit(_killed, root / s, ["--strategy", s, *REGISTRY[s].short_run_flags], RESTORED)
                 for s in selected_strategies(pytestconfig, STRATEGIES)}
         jobs["bounded"] = pool.submit(_killed, root / "bounded", ["--max-steps", BOUND], (BOUND,))
+        jobs["memory-first"] = pool.submit(_killed, root / "memory-first", ["--persist-every", "1000"], ())
         jobs["hf-resume"] = pool.submit(after_plain, _plain, root / "hf-resume", "--resume-from", hf_checkpoint)
         jobs["script-resumes"] = pool.submit(after_plain, _resuming_itself, root / "script-resumes", hf_checkpoint)
         return {"plain": plain.result(), **{name: job.result() for name, job in jobs.items()}}
@@ -214,6 +215,18 @@ def test_a_script_resuming_hf_itself_is_left_to_hf(runs):
     assert_same(restored["model"], final["model"])
     position = json.loads(restored["extra"]["transformers.Trainer"]["json"])
     assert position["trainer_state"]["global_step"] == STEPS
+
+
+def test_memory_first_resumes_from_the_engines_memory_as_the_uninterrupted_run(runs):
+    """The default strategy with --persist-every 1000: the killed worker resumes step KILL-1
+    from its engine's memory (HF's loop position and the trainer's state held in the slot, none
+    of it on disk), takes exactly the steps after it and ends as the uninterrupted run."""
+    run, plain = runs["memory-first"], runs["plain"]
+    assert run.resume_step() == KILL - 1
+    assert f"resumed step {KILL - 1} from the checkpoint engine's memory" in run.output
+    assert [line["step"] for line in run.losses()] == [*range(1, KILL), *range(KILL, STEPS + 1)]
+    assert [m.step for m in Store(run.cwd / "ckpts").manifests()] == [STEPS]
+    assert_same(comparable(run.final(), summary=False), comparable(plain.final(), summary=False))
 
 
 def test_max_steps_bounds_the_resumed_loop(runs):

@@ -66,16 +66,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) 
         python(root / "own", SCRIPT, "--max-steps", LAST_SAVED, "--every", EVERY)
         python(root / "own", SCRIPT, *args, "--ckpt-path", ckpt_file(root / "own", LAST_SAVED))
 
-    def managed(strategy: str) -> str:
-        (root / strategy).mkdir()
-        proc = ckptrun(root / strategy, "--strategy", strategy, *REGISTRY[strategy].short_run_flags, "--dir", "ckpts",
-                       "--every", 1, "--keep", 0,
-                       "--max-restarts", 1, "--metrics-dir", "metrics", SCRIPT, *args, fault=f"kill:step={KILL}")
+    def managed(name: str, *flags: Any) -> str:
+        (root / name).mkdir()
+        proc = ckptrun(root / name, *flags, "--dir", "ckpts", "--keep", 0, "--max-restarts", 1,
+                       "--metrics-dir", "metrics", SCRIPT, *args, fault=f"kill:step={KILL}")
         return ok(proc).stderr
 
     with ThreadPoolExecutor(2) as pool:
         own = pool.submit(plain_and_own)
-        stderr = {s: pool.submit(managed, s) for s in selected_strategies(pytestconfig, STRATEGIES)}
+        stderr = {s: pool.submit(managed, s, "--strategy", s, *REGISTRY[s].short_run_flags, "--every", 1)
+                  for s in selected_strategies(pytestconfig, STRATEGIES)}
+        stderr["memory-first"] = pool.submit(managed, "memory-first", "--persist-every", 1000)
         own.result()
         return {"root": root, "stderr": {s: f.result() for s, f in stderr.items()}}
 
@@ -162,6 +163,18 @@ def test_killed_run_ends_as_the_uninterrupted_one(runs, strategy):
     assert_same(final, truth)  # model, optimizer (its step counts too), scheduler, epoch: bit for bit
     for step in (s for s in SAVED if s > resumed):  # loops and callbacks (best-k scores) as if never killed
         assert_same(lightning_ckpt(folder, step), lightning_ckpt(root / "plain", step), f"step {step}")
+
+
+def test_memory_first_resumes_from_the_engines_memory_as_the_uninterrupted_run(runs):
+    """The default strategy with --persist-every 1000 (steps taken through Lightning's closure):
+    the killed worker resumes step KILL-1 from its engine's memory, none of it on disk, takes
+    exactly the steps after it and ends as the uninterrupted run, bit for bit."""
+    root, folder = runs["root"], runs["root"] / "memory-first"
+    assert [e["resume_step"] for e in run_events(folder / "metrics")] == [0, KILL - 1]
+    assert f"resumed step {KILL - 1} from the checkpoint engine's memory" in runs["stderr"]["memory-first"]
+    assert steps_by_attempt(folder / "metrics") == [list(range(1, KILL)), list(range(KILL, STEPS + 1))]
+    assert [m.step for m in Store(folder / "ckpts").manifests()] == [STEPS]
+    assert_same(load(folder / "final.pt"), load(root / "plain" / "final.pt"))
 
 
 def test_lightnings_own_resume_takes_the_same_steps_but_is_not_exact(runs):
