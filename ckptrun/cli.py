@@ -341,10 +341,14 @@ def run(
 @app.command()
 def strategies() -> None:
     """List the checkpointing strategies."""
+    import textwrap
+
     from .strategies import REGISTRY
 
+    width = max(40, min(out.width, 100))
     for name, entry in REGISTRY.items():
-        out.print(f"{name:<10} {entry.summary}")
+        out.print(textwrap.fill(entry.summary, width, initial_indent=f"{name:<11}", subsequent_indent=" " * 11),
+                  soft_wrap=True)
 
 
 @app.command()

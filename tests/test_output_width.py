@@ -79,3 +79,19 @@ def test_bench_table_names_every_configuration_and_puts_ranges_apart(width):
     shown = wide.file.getvalue()
     assert all(h in shown for h in ("page cache MB", "fwd+bwd ratio", "trainer CPU ms", "engine CPU ms"))
     assert "not shown" not in shown
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_strategies_lines_hang_under_their_summary(monkeypatch, width):
+    """`ckptrun strategies`: each summary folded within the width, under itself, never mid-word."""
+    from ckptrun.strategies import REGISTRY
+
+    console = Console(file=io.StringIO(), width=width)
+    monkeypatch.setattr(cli, "out", console)
+    assert cli.main(["strategies"]) == 0
+    lines = _lines(console)
+    assert all(len(ln) <= width for ln in lines), lines
+    starts = [ln.split()[0] for ln in lines if not ln.startswith(" ")]
+    assert starts == list(REGISTRY), lines
+    text = " ".join(ln.split(None, 1)[1] if not ln.startswith(" ") else ln.strip() for ln in lines)
+    assert all(entry.summary in text for entry in REGISTRY.values()), lines
