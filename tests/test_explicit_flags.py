@@ -156,8 +156,9 @@ def _spread() -> None:
     assert (given.k, given.fixed_k) == (2, 2)  # never re-chosen (`_measure` and the byte ratio skip it)
     auto = GoCkpt(_ctx(spread="auto"))
     assert auto.fixed_k is None and auto._max_k() == 7
+    assert auto._auto_k() == 7  # training on the CPU: the widest spread
     auto.ctx.every, auto.ctx.every_given = 3, True
-    assert auto._max_k() == 3  # --every 3 given: an auto k ends each spread at a multiple of 3
+    assert auto._max_k() == 3 == auto._auto_k()  # --every 3 given: an auto k ends each spread at a multiple of 3
 
 
 def _chunk_mb() -> None:

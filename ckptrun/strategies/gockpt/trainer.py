@@ -35,6 +35,11 @@ from .blocks import Piece, block_states, plan, shares
 from .messages import Spread
 
 STEP_TIMES_KEPT = 8
+# Why auto k is the widest on the CPU: the stall model weighs the copy a step hides against the
+# gradients shipped for early blocks, but a copy on the CPU is not hidden at all (it and the
+# engine's roll-forward take the trainer's own cores); what a step costs there falls as k grows
+# (a 1/k share of the copy and of the record's write). Measured in docs/performance.md.
+CPU_REASON = "training on the CPU: no copy is hidden, so the widest spread costs least"
 
 
 WRITES_QUEUED = 2  # = engine.WRITES_QUEUED (the engine module imports torch's optimizers: not imported here)
@@ -115,11 +120,11 @@ class GoCkpt(Strategy):
             aligned = self.ctx.every_given
             if not (aligned or self.ctx.due(step)):
                 return
-            k = self.k if (self.fixed_k or self.measured) else self._ratio_k()
+            k = self.k if (self.fixed_k or self.measured) else self._auto_k()
             if aligned and not self.ctx.due(step + k - 1):  # (the spread must end at a due step)
                 return
             if k != self.k:
-                self._set_k(k, step, "byte ratio")
+                self._set_k(k, step, "byte ratio" if self._on_device() else CPU_REASON)
             self._start(step, self.k)
         self._hand_share(step, self.shares[step - self.start], last=step == self.version)
 
@@ -212,13 +217,20 @@ class GoCkpt(Strategy):
         ctx.submit(snap, Spread, start=start, last=last, exact=not (self.params and self.params[0].is_cuda),
                    replicated=ctx.replicated_positions() if last else [],
                    shared=ctx.shared_positions() if last else [])
-        if last and self.fixed_k is None and not self.measured and self.ctx.world_size == 1:
+        if last and self.fixed_k is None and not self.measured and self.ctx.world_size == 1 and self._on_device():
             self._measure(snap.step)
 
-    def _ratio_k(self) -> int:
-        """k* = 1/r + 1/2 from the byte ratio alone (before anything is measured; the same on every
-        rank), at most MAX_AUTO_SPREAD. Before the optimizer's first step its state does not
-        exist yet: two state tensors per parameter (Adam's) are assumed."""
+    def _on_device(self) -> bool:
+        """Training on an accelerator, whose copies to the host the stall model is about."""
+        return bool(self.params) and self.params[0].device.type != "cpu"
+
+    def _auto_k(self) -> int:
+        """On an accelerator, k* = 1/r + 1/2 from the byte ratio alone (before anything is
+        measured; the same on every rank), at most MAX_AUTO_SPREAD. Before the optimizer's first
+        step its state does not exist yet: two state tensors per parameter (Adam's) are assumed.
+        On the CPU, the widest spread (CPU_REASON)."""
+        if not self._on_device():
+            return self._max_k()
         state, grad = self._sizes()
         if state == grad:
             state = 3 * grad
