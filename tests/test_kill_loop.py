@@ -73,8 +73,8 @@ def committed(ckpts: Path) -> int:
 class Loop:
     """One strategy's kill loop, and what happened so far for the failure message."""
 
-    def __init__(self, strategy: str, seed: int, truth: Callable[[int], dict]) -> None:
-        self.strategy, self.seed, self.truth = strategy, seed, truth
+    def __init__(self, strategy: str, seed: int, truth: Callable[[int], dict], flags: tuple[str, ...] = ()) -> None:
+        self.strategy, self.seed, self.truth, self.flags = strategy, seed, truth, flags
         self.rng = random.Random(f"{seed}:{strategy}")
         self.history: list[str] = []
         self.launchers: list[int] = []
@@ -83,7 +83,7 @@ class Loop:
 
     def start(self, cwd: Path) -> subprocess.Popen:
         proc = spawn(cwd, "--strategy", self.strategy, "--dir", "ckpts", *OPTIONS,
-                     *REGISTRY[self.strategy].short_run_flags, *ARGS,
+                     *REGISTRY[self.strategy].short_run_flags, *self.flags, *ARGS,
                      "--save-at", STEPS, "--save-path", "final.pt")
         self.launchers.append(proc.pid)
         self.proc = proc
@@ -163,7 +163,8 @@ class Loop:
 
     def failed(self, cwd: Path, e: AssertionError) -> AssertionError:
         log = (cwd / "ckptrun.log").read_text()[-3000:] if (cwd / "ckptrun.log").exists() else ""
-        return type(e)(f"strategy {self.strategy}, seed {self.seed} (replay: --kill-seed {self.seed}); "
+        return type(e)(f"strategy {' '.join([self.strategy, *self.flags])}, seed {self.seed} (replay: --kill-seed "
+                       f"{self.seed}); "
                        f"so far: {'; '.join(self.history)}\n{e}\n--- ckptrun log (tail) ---\n{log}")
 
 
@@ -174,8 +175,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def test_kill_loop(strategy, seed, truth, tmp_path, request):
-    kills = request.config.getoption("--soak") or DEFAULT_KILLS
-    loop, done, cycle = Loop(strategy, seed, truth), 0, 0
+    run_loop(Loop(strategy, seed, truth), tmp_path, request.config.getoption("--soak") or DEFAULT_KILLS)
+
+
+def test_kill_loop_memory_first(seed, truth, tmp_path, request):
+    """The default strategy holding every step in memory and writing every 3rd (`--persist-every`):
+    a slot held is written as the next capture starts, and the disk holds fewer steps."""
+    run_loop(Loop(STRATEGIES[0], seed, truth, ("--persist-every", "3")), tmp_path,
+             request.config.getoption("--soak") or DEFAULT_KILLS)
+
+
+def run_loop(loop: Loop, tmp_path: Path, kills: int) -> None:
+    strategy, seed, done, cycle = loop.strategy, loop.seed, 0, 0
     while done < kills:
         assert cycle <= kills, f"the runs end before the kills (seed {seed}): {loop.history}"
         cwd = tmp_path / f"cycle-{cycle}"
@@ -186,5 +197,5 @@ def test_kill_loop(strategy, seed, truth, tmp_path, request):
         finally:
             loop.stop()
         cycle += 1
-    print(f"{strategy}, seed {seed}:", "; ".join(loop.history))
+    print(f"{' '.join([strategy, *loop.flags])}, seed {seed}:", "; ".join(loop.history))
     assert loop.leftovers() == [], f"left behind by killed runs (seed {seed}): {loop.leftovers()}"
