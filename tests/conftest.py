@@ -356,6 +356,24 @@ def unpack(skeleton: Any, data: bytes, specs: dict[str, dict]) -> Any:
     return unflatten(skeleton, {k: view(buf, TensorSpec.from_json(k, s)) for k, s in specs.items()})
 
 
+def assert_ddp_ranks_resume_from_memory(cwd: Path, flags: list[Any]) -> None:
+    """Two DDP ranks with `flags` (a strategy that holds every step in its engine's memory), run
+    uninterrupted and with rank 1 killed at step 5: both engines hold step 4, both ranks resume
+    from memory there and end as the uninterrupted run does."""
+    common = ["--nproc-per-node", "2", *flags, "--max-restarts", "1"]
+    script = [EXAMPLE, *TINY, "--save-at", STEPS, "--save-path", "own-{rank}.pt"]
+    for run in ("plain", "killed"):
+        (cwd / run).mkdir()
+    ok(ckptrun(cwd / "plain", *common, "--dir", "ckpts", *script))
+    proc = ok(ckptrun(cwd / "killed", *common, "--dir", "ckpts", "--metrics-dir", "metrics", *script,
+                      fault="kill:step=5:rank=1"))
+    for rank in range(2):
+        attempts = run_events(cwd / "killed" / "metrics", rank)
+        assert [(e["restart_count"], e["resume_step"]) for e in attempts] == [(0, 0), (1, 4)], rank
+        assert f"rank {rank}: resumed step 4 from the checkpoint engine's memory" in proc.stderr
+        assert_training_state(load(cwd / "killed" / f"own-{rank}.pt"), load(cwd / "plain" / f"own-{rank}.pt"))
+
+
 def assert_training_state(state: dict, truth: dict) -> None:
     """A restored or resumed state equals a script's own save: model and optimizer, bit for bit."""
     for key in truth:

@@ -21,6 +21,7 @@ from conftest import (
     LONG,
     STEPS,
     TINY,
+    assert_ddp_ranks_resume_from_memory,
     assert_same,
     assert_training_state,
     ckptrun,
@@ -265,18 +266,7 @@ def test_resume_from_memory_reads_nothing_from_disk():
 
 def test_ddp_two_ranks_resume_from_memory_exactly(tmp_path):
     """Rank 1 killed at step 5: both ranks' engines hold step 4, both resume from memory there."""
-    common = ["--nproc-per-node", "2", "--strategy", "lowdiff+", *PERSIST_NEVER, "--max-restarts", "1"]
-    script = [EXAMPLE, *TINY, "--save-at", STEPS, "--save-path", "own-{rank}.pt"]
-    for run in ("plain", "killed"):
-        (tmp_path / run).mkdir()
-    ok(ckptrun(tmp_path / "plain", *common, "--dir", "ckpts", *script))
-    proc = ok(ckptrun(tmp_path / "killed", *common, "--dir", "ckpts", "--metrics-dir", "metrics", *script,
-                      fault="kill:step=5:rank=1"))
-    for rank in range(2):
-        attempts = run_events(tmp_path / "killed" / "metrics", rank)
-        assert [(e["restart_count"], e["resume_step"]) for e in attempts] == [(0, 0), (1, 4)], rank
-        assert f"rank {rank}: resumed step 4 from the checkpoint engine's memory" in proc.stderr
-        assert_training_state(load(tmp_path / "killed" / f"own-{rank}.pt"), load(tmp_path / "plain" / f"own-{rank}.pt"))
+    assert_ddp_ranks_resume_from_memory(tmp_path, ["--strategy", "lowdiff+", *PERSIST_NEVER])
 
 
 def test_host_memory_too_small_is_refused():

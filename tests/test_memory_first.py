@@ -10,11 +10,11 @@ from conftest import (
     EXAMPLE,
     STEPS,
     TINY,
+    assert_ddp_ranks_resume_from_memory,
     assert_training_state,
     ckptrun,
     error_line,
     load,
-    ok,
     run_events,
 )
 from test_crash_matrix import FAULTS, assert_clean_and_final, resume_run
@@ -68,19 +68,8 @@ def test_each_crash_matrix_fault_resumes_exactly(strategy, example_truth, tmp_pa
 def test_ddp_two_ranks_resume_from_memory_exactly(tmp_path):
     """Rank 1 killed at step 5 of a DDP run on one shared --dir: both engines hold step 4 (each
     rank's whole state, replicated tensors too), both ranks resume from memory there and end as
-    an uninterrupted run does; the records written hold every rank's whole state."""
-    common = ["--nproc-per-node", "2", "--strategy", "checkfreq", "--persist-every", "1000", "--max-restarts", "1"]
-    script = [EXAMPLE, *TINY, "--save-at", STEPS, "--save-path", "own-{rank}.pt"]
-    for run in ("plain", "killed"):
-        (tmp_path / run).mkdir()
-    ok(ckptrun(tmp_path / "plain", *common, "--dir", "ckpts", *script))
-    proc = ok(ckptrun(tmp_path / "killed", *common, "--dir", "ckpts", "--metrics-dir", "metrics", *script,
-                      fault="kill:step=5:rank=1"))
-    for rank in range(2):
-        attempts = run_events(tmp_path / "killed" / "metrics", rank)
-        assert [(e["restart_count"], e["resume_step"]) for e in attempts] == [(0, 0), (1, 4)], rank
-        assert f"rank {rank}: resumed step 4 from the checkpoint engine's memory" in proc.stderr
-        assert_training_state(load(tmp_path / "killed" / f"own-{rank}.pt"), load(tmp_path / "plain" / f"own-{rank}.pt"))
+    an uninterrupted run does; nothing but the final step was written."""
+    assert_ddp_ranks_resume_from_memory(tmp_path, ["--strategy", "checkfreq", "--persist-every", "1000"])
     assert [m.step for m in Store(tmp_path / "killed" / "ckpts").manifests()] == [STEPS]
 
 

@@ -95,7 +95,8 @@ def plan(cpu: bool, out: Path, parts: list[str], budgets: dict[str, int] | None 
     pytest = (py, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "gpucheck.instafail", "--tb=short",
               "--durations=10")
     cuda_tests = ("-m", "cuda", "tests/test_cuda.py")
-    matrix = ("tests/test_crash_matrix.py", "-k", "restore_any_step or killed_run_finishes")
+    matrix = ("tests/test_crash_matrix.py", "tests/test_memory_first.py", "-k",
+              "restore_any_step or killed_run_finishes or worker_crash_resumes_from_memory")
     parallel = ("-n", "4") if has_xdist() else ()
     chosen = [*REFERENCES, *strategies()]  # the references first: a bench cut at its budget still compares
     def bench(every: int, steps: int) -> Part:
@@ -117,7 +118,8 @@ def plan(cpu: bool, out: Path, parts: list[str], budgets: dict[str, int] | None 
         Part("cuda-tests", "pytest -m cuda tests/test_cuda.py", BUDGETS["cuda-tests"][mode],
              (*pytest, *cuda_tests), tests=cuda_tests),
         Part("crash-matrix", f"the crash matrix on {device} for every registered strategy: restore at several "
-                             "steps, a worker killed and restarted", BUDGETS["crash-matrix"][mode],
+                             "steps, a worker killed and restarted (and resumed from the engine's memory with "
+                             "--persist-every)", BUDGETS["crash-matrix"][mode],
              (*pytest, *parallel, *matrix), env={"CKPTRUN_TEST_DEVICE": device}, tests=matrix),
         bench(10, 12),
         bench(1, 6),
