@@ -135,7 +135,7 @@ def pytest_configure(config: pytest.Config) -> None:
 LONGEST_FIRST = ("test_crash_matrix.py", "test_trust.py", "test_two_nodes.py", "test_durable.py",
                  "test_optimizers.py", "test_lowdiff.py", "test_writeonce.py", "test_lowdiff_plus.py",
                  "test_sharded.py", "test_scripts.py", "test_hf_trainer.py", "test_kill_loop.py",
-                 "test_bench.py", "test_tune.py", "test_gockpt.py", "test_host_memory.py",
+                 "test_memory_first.py", "test_bench.py", "test_tune.py", "test_gockpt.py", "test_host_memory.py",
                  "test_untrusted_dir.py", "test_accelerate.py", "test_lightning.py", "test_goodput.py")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from conftest import (
     EXAMPLE,
+    FULL,
     STEPS,
     TINY,
     assert_ddp_ranks_resume_from_memory,
@@ -19,6 +20,7 @@ from conftest import (
 )
 from test_crash_matrix import FAULTS, assert_clean_and_final, resume_run
 
+from ckptrun.config import RunConfig
 from ckptrun.engine.held import HeldSnapshot
 from ckptrun.ipc.messages import RecordSpec
 from ckptrun.storage.store import Store
@@ -26,13 +28,15 @@ from ckptrun.strategies import REGISTRY
 from ckptrun.strategies.memory_first import SNAPSHOT_PERSIST_EVERY
 
 HOLDING = [name for name, entry in REGISTRY.items() if SNAPSHOT_PERSIST_EVERY in entry.options]
+# Every strategy that takes it; the default one by default, the others under --full.
+HOLDING_PARAMS = [pytest.param(s, marks=() if s == RunConfig.strategy else FULL) for s in HOLDING]
 
 
 def test_the_snapshot_strategies_take_the_memory_first():
     assert {"checkfreq", "sync"} <= set(HOLDING)
 
 
-@pytest.mark.parametrize("strategy", HOLDING)
+@pytest.mark.parametrize("strategy", HOLDING_PARAMS)
 def test_worker_crash_resumes_from_memory_and_engine_crash_from_disk(strategy, example_truth, tmp_path):
     """--persist-every 5. The worker killed at step 7: the restarted worker resumes at step 6,
     which no record holds (the engine held its staging slot). Then the engine dies while writing
@@ -49,7 +53,7 @@ def test_worker_crash_resumes_from_memory_and_engine_crash_from_disk(strategy, e
     assert_clean_and_final(tmp_path / "ckpts", example_truth(STEPS))
 
 
-@pytest.mark.parametrize("strategy", HOLDING)
+@pytest.mark.parametrize("strategy", HOLDING_PARAMS)
 def test_each_crash_matrix_fault_resumes_exactly(strategy, example_truth, tmp_path):
     """The crash matrix's faults in turn, --persist-every 4: a worker killed mid-step 9 resumes
     from memory at 8; one killed while step 10 is written (a step held only is written then, for
