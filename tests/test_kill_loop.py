@@ -178,6 +178,7 @@ def test_kill_loop(strategy, seed, truth, tmp_path, request):
     run_loop(Loop(strategy, seed, truth), tmp_path, request.config.getoption("--soak") or DEFAULT_KILLS)
 
 
+@pytest.mark.full  # (tests/test_memory_first.py kills workers and engines at set points by default)
 def test_kill_loop_memory_first(seed, truth, tmp_path, request):
     """The default strategy holding every step in memory and writing every 3rd (`--persist-every`):
     a slot held is written as the next capture starts, and the disk holds fewer steps."""

@@ -36,7 +36,8 @@ def test_the_snapshot_strategies_take_the_memory_first():
     assert {"checkfreq", "sync"} <= set(HOLDING)
 
 
-@pytest.mark.parametrize("strategy", HOLDING_PARAMS)
+@pytest.mark.full  # (the crash matrix's faults below take the same paths by default)
+@pytest.mark.parametrize("strategy", HOLDING)
 def test_worker_crash_resumes_from_memory_and_engine_crash_from_disk(strategy, example_truth, tmp_path):
     """--persist-every 5. The worker killed at step 7: the restarted worker resumes at step 6,
     which no record holds (the engine held its staging slot). Then the engine dies while writing

@@ -96,7 +96,7 @@ def plan(cpu: bool, out: Path, parts: list[str], budgets: dict[str, int] | None 
               "--durations=10")
     cuda_tests = ("-m", "cuda", "tests/test_cuda.py")
     matrix = ("tests/test_crash_matrix.py", "tests/test_memory_first.py", "-k",
-              "restore_any_step or killed_run_finishes or worker_crash_resumes_from_memory")
+              "restore_any_step or killed_run_finishes or each_crash_matrix_fault_resumes")
     parallel = ("-n", "4") if has_xdist() else ()
     chosen = [*REFERENCES, *strategies()]  # the references first: a bench cut at its budget still compares
     def bench(every: int, steps: int) -> Part:
