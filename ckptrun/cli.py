@@ -19,7 +19,6 @@ from .strategies import DEFAULT
 
 if TYPE_CHECKING:
     from .storage.store import Manifest, Store
-    from .strategies.options import Option
     from .tuning.levels import FailureRates
 
 app = typer.Typer(
@@ -106,14 +105,11 @@ def _with_strategy_options(func: Callable) -> Callable:
     command as typer options, a flag shared by several strategies once (its help per strategy,
     no default: each strategy's applies, `_chosen_options`); `run` receives them in
     `**strategy_options`."""
-    from .strategies import all_options
+    from .strategies import options_by_flag
 
     sig = inspect.signature(func, eval_str=True)
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    flags: dict[str, list[tuple[str, Option]]] = {}
-    for strategy, opt in all_options():
-        flags.setdefault(opt.name, []).append((strategy, opt))
-    for name, owners in flags.items():
+    for name, owners in options_by_flag().items():
         helps: dict[str, list[str]] = {}
         for strategy, opt in owners:
             helps.setdefault(opt.help, []).append(strategy)
@@ -156,16 +152,13 @@ def _given(ctx: typer.Context, param: str) -> bool:
 def _chosen_options(ctx: typer.Context, strategy: str, given: dict[str, str | None]) -> dict[str, str | None]:
     """The chosen strategy's option values (its defaults where none was given); an option only
     other strategies take, typed on the command line, is an error (it would be silently ignored)."""
-    from .strategies import REGISTRY, all_options
+    from .strategies import REGISTRY, options_by_flag
 
-    owners: dict[str, list[str]] = {}
-    for owner, opt in all_options():
-        owners.setdefault(opt.name, []).append(owner)
-    for name, names in owners.items():
+    for name, owners in options_by_flag().items():
+        names = [owner for owner, _ in owners]
         if strategy not in names and getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE":
-            flag = "--" + name.replace("_", "-")
-            raise UsageError(f"{flag} is an option of --strategy {' or '.join(names)}, not of {strategy}; drop it "
-                             f"or pass --strategy {names[0]}")
+            raise UsageError(f"{owners[0][1].flag} is an option of --strategy {' or '.join(names)}, not of "
+                             f"{strategy}; drop it or pass --strategy {names[0]}")
     entry = REGISTRY.get(strategy)
     chosen = {opt.name: opt.default if given[opt.name] is None else given[opt.name]
               for opt in entry.options} if entry else {}

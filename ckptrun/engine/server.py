@@ -423,26 +423,29 @@ class Engine:
     def _persist(self, msg: Persist) -> None:
         """Write the slot as its record; with `hold` (the memory tier), keep it as the newest
         state in memory (replacing the one held before at once), written only when `write` says
-        so (engine/held.py)."""
-        fault = self.fault  # (a crash-matrix fault in the write of a step held only: written now, for it to fire)
-        write = msg.write or fault is not None and fault.phase == "write" and fault.step == msg.spec.step
-        free: int | None = msg.slot
-        try:
-            if msg.hold:
-                held, free = self.memory.hold(msg.slot, msg.spec, msg.nbytes, writing=write)
-                if held:
-                    self.in_memory(msg.spec.step, msg.nbytes)
-                if free is not None:
-                    self.send(SlotFree(slot=free))
-                free = None
-            if write:
-                try:
-                    self.write_record(msg.spec, self.slots[msg.slot].view[: msg.nbytes])
-                finally:
-                    free = self.memory.written(msg.slot) if msg.hold else msg.slot
-        finally:
-            if free is not None:
-                self.send(SlotFree(slot=free))
+        so, or when a crash-matrix write fault is due at its step (engine/held.py)."""
+        write = msg.write or self.write_fault_due(msg.spec.step)
+        if msg.hold:
+            held, back = self.memory.hold(msg.slot, msg.spec, msg.nbytes, writing=write)
+            if held:
+                self.in_memory(msg.spec.step, msg.nbytes)
+            self._give_back(back)
+        if write:
+            try:
+                self.write_record(msg.spec, self.slots[msg.slot].view[: msg.nbytes])
+            finally:
+                self._give_back(self.memory.written(msg.slot) if msg.hold else msg.slot)
+        elif not msg.hold:  # (neither written nor held: nothing keeps the slot)
+            self._give_back(msg.slot)
+
+    def _give_back(self, slot: int | None) -> None:
+        if slot is not None:
+            self.send(SlotFree(slot=slot))
+
+    def write_fault_due(self, step: int) -> bool:
+        """Is the crash-matrix fault a write-phase fault at `step` (`EngineContext.write_fault_due`)?"""
+        fault = self.fault
+        return fault is not None and fault.phase == "write" and fault.step == step
 
     # ---- committing (global rank 0) ----------------------------------------------------
     def commit_ready(self) -> None:
@@ -697,8 +700,7 @@ class ServerContext(EngineContext):
         return staging_path(self._engine.tag, self._engine.local_rank, name)
 
     def write_fault_due(self, step: int) -> bool:
-        fault = self._engine.fault
-        return fault is not None and fault.phase == "write" and fault.step == step
+        return self._engine.write_fault_due(step)
 
     def free_slot(self, slot: int) -> None:
         self._engine.send(SlotFree(slot=slot))

@@ -197,5 +197,13 @@ def all_options() -> Iterator[tuple[str, Option]]:
             yield name, opt
 
 
+def options_by_flag() -> dict[str, list[tuple[str, Option]]]:
+    """Each option name, with the (strategy, option) pairs that declare it, in registry order."""
+    flags: dict[str, list[tuple[str, Option]]] = {}
+    for strategy, opt in all_options():
+        flags.setdefault(opt.name, []).append((strategy, opt))
+    return flags
+
+
 def _same_values(a: Option, b: Option) -> bool:
     return (a.choices, a.ints, a.fraction, a.trains) == (b.choices, b.ints, b.fraction, b.trains)

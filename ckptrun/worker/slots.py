@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -44,7 +44,7 @@ class SlotPool:
         self.nbytes = 0
         self.cond = threading.Condition()
 
-    def add(self, slots: list[tuple[int, str, int]], pin: bool, busy: list[int] = ()) -> list[int]:
+    def add(self, slots: list[tuple[int, str, int]], pin: bool, busy: Collection[int] = ()) -> list[int]:
         """Make `slots` the current generation; returns the old slots already free (to retire).
         `busy` ones are in the engine's use: free once it gives them back, or retired then when
         their size is not the generation's."""
