@@ -294,6 +294,7 @@ def run(
     from .memory_budget import node_budget
     from .storage.iowriter import ENGINES
     from .strategies import REGISTRY
+    from .strategies.memory_first import held_slots
 
     configure(quiet=quiet)
     if every != "auto" and not every.lstrip("-").isdigit():
@@ -310,6 +311,8 @@ def run(
     every_given = every != "auto" and _given(ctx, "every")
     if every_given and int(every) >= 1 and strategy in REGISTRY:
         options = REGISTRY[strategy].honour_every(options, int(every))
+    if strategy in REGISTRY and REGISTRY[strategy].holds_snapshots(options) and not _given(ctx, "max_inflight"):
+        max_inflight = max(max_inflight, held_slots(replicas) + 1)  # (an explicit one too small is refused)
     node_bytes, node_source = node_budget(host_memory or None)
     cfg = RunConfig(host_memory_node=node_bytes, host_memory_source=node_source,
                     max_inflight_given=_given(ctx, "max_inflight"),
@@ -441,10 +444,13 @@ def _ls(store: Store, as_json: bool, wide: bool, remote: Store | None = None) ->
         for m in there:
             tiers.setdefault(m.name, []).append("remote")
         ms.sort(key=lambda m: (m.step, m.kind != "full"))
-    for c in memory_status.live(store.root, copies=True):
+    for c in memory_status.live(store.root, of=memory_status.COPIES):
         if full_name(c["step"]) in tiers:
             tiers[full_name(c["step"])].append(f"copy:{c['rank']}")
-    listed = remote is not None or any(len(t) > 1 for t in tiers.values())
+    held = memory_status.live(store.root)
+    step = min((h["step"] for h in held), default=None)
+    copies = memory_status.live(store.root, of=memory_status.HELD_COPIES)  # of steps held in memory only
+    listed = remote is not None or bool(copies) or any(len(t) > 1 for t in tiers.values())
     here = {m.name: _ranks_here(store, m) for m in ms if "local" in tiers.get(m.name, [])}
     rows = [{"step": m.step, "kind": m.kind, "record": m.name, "bytes": m.bytes, "ranks": m.world_size,
              "ranks_here": here.get(m.name), "rank_bytes": m.rank_bytes or None,
@@ -454,13 +460,10 @@ def _ls(store: Store, as_json: bool, wide: bool, remote: Store | None = None) ->
              "snapshot_done_at": _time_or_none(m.meta.get("snapshot_done_at")), "persisted_at": m.committed_at,
              **({"tiers": tiers[m.name]} if listed else {})}
             for m in ms]
-    held = memory_status.live(store.root)
     if held:
-        step = min(h["step"] for h in held)
-        rows.append({"step": step, "kind": "memory", "record": "-", "bytes": sum(h["nbytes"] for h in held),
-                     "ranks": len(held), "rank_bytes": [h["nbytes"] for h in held], "depends_on": [],
-                     "first_step": step, "layout": "engine memory",
-                     "snapshot_done_at": None, "persisted_at": None})
+        rows.append(_memory_row(step, held, "engine memory", ["memory"] if listed else None))
+    for c in copies:
+        rows.append(_memory_row(c["step"], [c], f"rank {c['rank']}'s copy", [f"copy:{c['rank']}"]))
     if as_json:
         out.print_json(json.dumps(rows))
         return
@@ -485,6 +488,14 @@ def _ls(store: Store, as_json: bool, wide: bool, remote: Store | None = None) ->
                   soft_wrap=True)
     if left_out:
         out.print(left_out_line(left_out, "--wide or --json shows them"))
+
+
+def _memory_row(step: int, held: list[dict], layout: str, tiers: list[str] | None) -> dict:
+    """`ls`'s row of a step held in engines' memory (`held`: memory_status.live's, by rank)."""
+    return {"step": step, "kind": "memory", "record": "-", "bytes": sum(h["nbytes"] for h in held),
+            "ranks": len(held), "rank_bytes": [h["nbytes"] for h in held], "depends_on": [], "first_step": step,
+            "layout": layout, "snapshot_done_at": None, "persisted_at": None,
+            **({"tiers": tiers} if tiers is not None else {})}
 
 
 def _ranks_here(store: Store, m: Manifest) -> list[int] | None:

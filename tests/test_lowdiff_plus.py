@@ -254,7 +254,7 @@ class NoDisk:
 
 class HeldClient:
     def request(self, msg: Message) -> dict:
-        return {"committed_step": 0, "held_step": 6, "held_nbytes": 4096}
+        return {"committed_step": 0, "held": [[6, 4096]]}
 
 
 def test_resume_from_memory_reads_nothing_from_disk():

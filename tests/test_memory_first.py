@@ -98,12 +98,13 @@ def test_a_late_older_snapshot_never_replaces_a_newer_one():
     """Writer threads finish out of order: the held slot is always the newest step's, and every
     other slot is given back exactly once."""
     held = HeldSnapshot()
-    assert held.hold(3, _spec(7), 100) == (True, None)
-    assert held.hold(4, _spec(9), 100) == (True, 3)  # newer: the old slot goes back
-    assert held.hold(5, _spec(8), 100) == (False, 5)  # older, late: given back at once
-    assert held.held() == (9, 100) and held.holds(4) and not held.holds(3)
-    assert held.fetch("slot-4")["step"] == 9
-    assert held.drop() == 4 and held.held() is None
+    assert held.hold(3, _spec(7), 100) == (True, [])
+    assert held.hold(4, _spec(9), 100) == (True, [3])  # newer: the old slot goes back
+    assert held.hold(5, _spec(8), 100) == (False, [5])  # older, late: given back at once
+    assert held.held() == [(9, 100)] and held.holds(4) and not held.holds(3)
+    assert held.fetch(None, lambda slot: f"slot-{slot}")["path"] == "slot-4"
+    held.drop()
+    assert held.held() == [] and not held.holds(4)
 
 
 def test_a_slot_being_written_goes_back_only_once_written():
@@ -111,11 +112,29 @@ def test_a_slot_being_written_goes_back_only_once_written():
     once: the next capture never waits for the write); replaced while its write runs, its slot
     goes back when the write is done, not before."""
     held = HeldSnapshot()
-    assert held.hold(1, _spec(9), 100) == (True, None)
-    assert held.hold(2, _spec(10), 100, writing=True) == (True, 1)
-    assert held.hold(3, _spec(11), 100) == (True, None)  # slot 2 is still being written
-    assert held.written(2) == 2 and held.held() == (11, 100)
-    assert held.hold(4, _spec(12), 100, writing=True) == (True, 3)
-    assert held.written(4) is None and held.holds(4)  # written and still the newest: kept
-    assert held.hold(5, _spec(8), 100, writing=True) == (False, None)  # late and older, being written
-    assert held.written(5) == 5
+    assert held.hold(1, _spec(9), 100) == (True, [])
+    assert held.hold(2, _spec(10), 100, writing=True) == (True, [1])
+    assert held.hold(3, _spec(11), 100) == (True, [])  # slot 2 is still being written
+    assert held.written(2) == [2] and held.held() == [(11, 100)]
+    assert held.hold(4, _spec(12), 100, writing=True) == (True, [3])
+    assert held.written(4) == [] and held.holds(4)  # written and still the newest: kept
+    assert held.hold(5, _spec(8), 100, writing=True) == (False, [])  # late and older, being written
+    assert held.written(5) == [5]
+
+
+def test_with_replicas_the_step_before_stays_held_and_a_pinned_slot_waits_for_its_reader():
+    """--replicas (keep 2): the two newest steps are held, either can be fetched; a slot a
+    partner's copy is cut from goes back only once the copy is cut, and once only."""
+    held = HeldSnapshot()
+    held.keep = 2
+    assert held.hold(1, _spec(4), 100) == (True, [])
+    assert held.hold(2, _spec(5), 100) == (True, [])
+    assert held.held() == [(5, 100), (4, 100)]
+    assert held.fetch(4, lambda slot: f"slot-{slot}")["path"] == "slot-1"
+    assert held.pin(4)[0] == 1 and held.pin(3) is None
+    assert held.hold(3, _spec(6), 100) == (True, [])  # slot 1 is being read
+    assert held.unpin(1) == [1] and held.held() == [(6, 100), (5, 100)]
+    assert held.pin(6)[0] == 3 and held.pin(6)[0] == 3  # two readers
+    assert held.hold(4, _spec(7), 100) == (True, [2])
+    assert held.hold(5, _spec(8), 100) == (True, [])
+    assert held.unpin(3) == [] and held.unpin(3) == [3]

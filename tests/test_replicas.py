@@ -104,13 +104,13 @@ def test_a_copy_crosses_the_wire_whole_and_a_hostile_header_allocates_nothing():
     """A copy goes as a header of sizes, the manifest and index together, then the data; the
     receiver checks the header before it allocates: a header claiming more than a file may hold
     is refused after the header alone."""
-    from ckptrun.engine.replicate import SHIP
+    from ckptrun.engine.replicate import SHIP, THIN
 
     wire = _Wire()
     r = _round(wire)
-    r.send(1, SHIP, 3, [b"{manifest}", bytearray(b"data" * 5), b"{index}"], thin=True)
+    r.send(1, SHIP, 3, [b"{manifest}", bytearray(b"data" * 5), b"{index}"], THIN)
     assert len(wire.queue) == 3
-    assert r.recv(0, SHIP) == (3, True, [b"{manifest}", b"data" * 5, b"{index}"])
+    assert r.recv(0, SHIP) == (3, THIN, [b"{manifest}", b"data" * 5, b"{index}"])
     r.stop(1)
     assert r.recv(0, SHIP) is None
     wire.received.clear()

@@ -353,21 +353,33 @@ def test_node_local_dirs_a_lost_node_resumes_from_partner_memory(strategy, nodes
           f"part, {restored['bytes']} bytes) from rank 0's memory in {restored['seconds']:.2f} s")
 
 
-def test_memory_first_a_lost_node_resumes_from_its_partner_at_the_newest_write(nodes, tmp_path, tmp_path_factory):
-    """--persist-every 5 on top: each engine holds every step in memory and writes every 5th,
-    and the copies its partner holds are of those. Node 1 lost with its --dir resumes from node
-    0's copy of the newest write (its engine's memory went with it, so the ranks do not all hold
-    a step: the disk, refilled from the partner, decides), and ends bit-exact."""
+def test_memory_first_a_lost_node_resumes_from_its_partners_memory_at_a_step_held_only(nodes, tmp_path,
+                                                                                     tmp_path_factory):
+    """--persist-every 4 on top: each engine holds every step in memory (the two newest, with
+    --replicas), ships each to its partner as it holds it (per-rank state only: the DDP
+    short-cut), and writes every 4th. Node 1 lost with its --dir: its new engine takes rank 1's
+    newest step that node 0 can make whole back into its own memory before its worker starts;
+    both ranks resume there from memory, reading no disk, and end bit-exact."""
     head, other = nodes
     strategy = RunConfig.strategy
     plain = _uninterrupted(strategy, nodes, tmp_path_factory)
     lost = tmp_path / "lost"
-    held, t_kill = _lose_node1(lost, head, other, strategy, lost=lambda step: True,
-                               extra=(*NODE_LOCAL, "--persist-every", "5"))
-    assert held % 5 == 0, held
-    _back_from_partner(lost, plain, nodes, held, t_kill)
+    newest, t_kill = _lose_node1(lost, head, other, strategy, lost=lambda step: True,
+                                 extra=(*NODE_LOCAL, "--persist-every", "4"))
+    events = [json.loads(line) for line in (lost / "metrics-node1" / "engine-0.jsonl").read_text().splitlines()]
+    restored = [e for e in events if e.get("type") == "replica_restored" and e.get("held")]
+    assert len(restored) == 1 and restored[0]["holder"] == 0, _logs(lost)
+    step = restored[0]["step"]
+    assert newest - 1 <= step <= newest and _resumed_at(lost, nodes, t_kill) == step, (newest, step)
+    for node in nodes:
+        log = (lost / f"node{node.rank}.log").read_text()
+        assert f"resumed step {step} from the checkpoint engine's memory (no disk read)" in log, _logs(lost)
+    sent = [e for e in events if e.get("type") == "replica_sent" and e.get("held") and e["t"] < t_kill]
+    assert sent and all(e["bytes"] < restored[0]["bytes"] // 10 for e in sent), (sent, restored)
+    for rank in (0, 1):
+        assert_training_state(load(lost / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
     written = {m.step for m in Store(lost / head.own_dir).manifests()}
-    assert all(step % 5 == 0 or step == STOP for step in written), written
+    assert all(s % 4 == 0 or s == STOP for s in written), written
 
 
 @pytest.mark.parametrize("strategy", REPLICABLE)

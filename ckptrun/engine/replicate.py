@@ -14,6 +14,11 @@ one line, and the step stays in --dir as before. Received parts are checked befo
 held (`MemoryTier.hold`). A new round starts with an exchange through the job store: every engine
 says which copies it holds, and one whose --dir lacks its part of the newest step its partners
 hold asks one of them for it before its worker resumes (`mirror.fill` then `Store` check it).
+
+With a snapshot strategy's --persist-every, the steps held in memory only are copied too, each
+as it is held (engine/held_copies.py): an engine that holds no step of its rank (a replaced
+node's) takes the newest one a partner can make whole back into a staging slot of its own, and
+the ranks resume from memory at the newest step all of them hold (worker/resume.py).
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import CkptrunError, CorruptCheckpoint
 from ..faults import Fault, die
 from ..ipc.events import EventLog
+from ..ipc.messages import RecordSpec
 from ..log import log
 from ..storage import memory_status
 from ..storage.schema import MAX_FILE_BYTES, MAX_METADATA_BYTES, MAX_WORLD_SIZE, Manifest, checksum, rank_files
@@ -39,12 +45,14 @@ from ..storage.tiers.group import ReplicationGroup
 from ..storage.tiers.memtier import MemoryTier
 from ..storage.tiers.mirror import fill
 from ..storage.tiers.parts import rank_part, thin_part, thin_rank_part
+from .held_copies import HeldCopies, HeldCopy, checked, cut, spec_of
 
 SHIP, FETCH = 1, 2  # gloo tags: a new copy for a partner; a copy sent back to its owner
+THIN, HELD = 1, 2  # a copy's flags: its data lacks the shared tensors; it is of a step held in memory only
 FORM_TIMEOUT_S = 60.0  # the round's engines meeting (all of them start their worker after rendezvous)
 SEND_TIMEOUT_S = 30.0  # one copy to one partner; past it the partner counts as stalled
 STOP = -1  # a header that ends the partner's receiving thread (a new round begins)
-HEADER = 5  # int64s of a copy's first message: owner, thin, bytes of its manifest, data and index
+HEADER = 5  # int64s of a copy's first message: owner, flags, bytes of its manifest (or header), data and index
 FRESH_KEPT = 4  # thin copies cut as their parts were written, waiting for their records to commit
 
 
@@ -64,15 +72,16 @@ class Round:
         self.live = set(self.partners)  # partners not (yet) found dead or stalled
         self.threads: list[threading.Thread] = []  # receiving partners' copies
 
-    def send(self, dst: int, tag: int, owner: int, blobs: list[bytes | bytearray], *, thin: bool = False) -> None:
-        """Send one copy: `blobs` = [manifest, data file, index] of rank `owner`'s part (`thin`:
-        its data lacks the shared tensors, storage/tiers/dpshared.py). Three messages, whatever
-        its size: a header of sizes, the manifest and index together, the data (a per-step thin
-        copy's messages cost the engines more CPU in gloo than its bytes do)."""
+    def send(self, dst: int, tag: int, owner: int, blobs: list[bytes | bytearray], flags: int = 0) -> None:
+        """Send one copy: `blobs` = [manifest, data file, index] of rank `owner`'s part, or
+        [header, data, index] of a step it holds (`flags` HELD; THIN: its data lacks the shared
+        tensors, storage/tiers/dpshared.py). Three messages, whatever its size: a header of
+        sizes, the manifest and index together, the data (a per-step thin copy's messages cost
+        the engines more CPU in gloo than its bytes do)."""
         import torch
 
         manifest, data, index = blobs
-        head = torch.tensor([owner, int(thin), len(manifest), len(data), len(index)], dtype=torch.int64)
+        head = torch.tensor([owner, flags, len(manifest), len(data), len(index)], dtype=torch.int64)
         for t in [head, _bytes_tensor(bytearray(manifest) + index), *([_bytes_tensor(data)] if data else [])]:
             self.pg.send([t], dst, tag).wait(timedelta(seconds=SEND_TIMEOUT_S))
 
@@ -92,8 +101,8 @@ class Round:
             t.join(timeout=5)
 
     def recv(self, src: int, tag: int, timeout: float | None = None,
-             on_manifest: Callable[[bytes], None] | None = None) -> tuple[int, bool, list[bytes]] | None:
-        """(owner, thin, [manifest, data, index]) of the next copy from `src`; None: it said STOP.
+             on_manifest: Callable[[bytes], None] | None = None) -> tuple[int, int, list[bytes]] | None:
+        """(owner, flags, [manifest, data, index]) of the next copy from `src`; None: it said STOP.
         The sizes are checked before anything is allocated; `on_manifest` sees the manifest
         before the data is received."""
         import torch
@@ -101,17 +110,17 @@ class Round:
         wait = timedelta(seconds=timeout) if timeout else timedelta(days=365)
         head = torch.empty(HEADER, dtype=torch.int64)
         self.pg.recv([head], src, tag).wait(wait)
-        owner, thin, n_manifest, n_data, n_index = head.tolist()
+        owner, flags, n_manifest, n_data, n_index = head.tolist()
         if owner == STOP:
             return None
-        if not (0 <= owner < MAX_WORLD_SIZE and thin in (0, 1) and 0 < n_manifest <= MAX_METADATA_BYTES
+        if not (0 <= owner < MAX_WORLD_SIZE and 0 <= flags <= THIN | HELD and 0 < n_manifest <= MAX_METADATA_BYTES
                 and 0 < n_index <= MAX_METADATA_BYTES and 0 <= n_data <= MAX_FILE_BYTES):
             raise CorruptCheckpoint(f"rank {src} sent a copy header out of range ({head.tolist()})")
         meta = self._recv_bytes(src, tag, n_manifest + n_index, wait)
         manifest, index = meta[:n_manifest], meta[n_manifest:]
         if on_manifest is not None:
             on_manifest(manifest)
-        return owner, bool(thin), [manifest, self._recv_bytes(src, tag, n_data, wait), index]
+        return owner, flags, [manifest, self._recv_bytes(src, tag, n_data, wait), index]
 
     def _recv_bytes(self, src: int, tag: int, n: int, wait: timedelta) -> bytes:
         import torch
@@ -130,12 +139,24 @@ def _bytes_tensor(b: bytes | bytearray) -> Any:
     return torch.frombuffer(b if isinstance(b, bytearray) else bytearray(b), dtype=torch.uint8)
 
 
+class HeldMemory(Protocol):
+    """The steps this engine holds in memory (a snapshot strategy's slots: `server.HeldSlots`)."""
+
+    def held_steps(self) -> list[int]: ...
+
+    def pinned(self, step: int) -> contextlib.AbstractContextManager[tuple[RecordSpec, memoryview] | None]: ...
+
+    def install(self, spec: RecordSpec, data: bytes | bytearray) -> None: ...
+
+
 class Replicator:
     """This engine's side of the replicated memory tier (see the module docstring)."""
 
     def __init__(self, events: EventLog) -> None:
         self.log = events
         self.held = MemoryTier("partner memory")
+        self.copies = HeldCopies()  # partners' steps held in memory only
+        self.memory: HeldMemory | None = None
         self.round: Round | None = None
         self.store: Store | None = None
         self.fault: Fault | None = None
@@ -143,6 +164,7 @@ class Replicator:
         self.on_held: Callable[[int], None] | None = None  # called by `_say_held`
         self._lock = threading.Lock()  # the round and the held copies
         self._offered: str | None = None  # the newest committed record not shipped yet
+        self._offered_held: int | None = None  # the newest step held in memory not shipped yet
         self._newest = -1  # the step of the newest record offered
         self._fresh: dict[str, tuple[bytes, bytes]] = {}  # record -> this rank's thin copy, cut as written
         self._wake = threading.Condition()
@@ -152,13 +174,14 @@ class Replicator:
 
     # ---- rounds ------------------------------------------------------------------------
     def join(self, spec: dict, rank: int, world_size: int, store: Store, fault: Fault | None, *,
-             node_local: bool = False) -> None:
+             node_local: bool = False, memory: HeldMemory | None = None) -> None:
         """A worker's Hello in round `spec` (the job store's address and prefix, K, J, local
         ranks per node): make the round's group with every other engine, exchange copies a
         replaced node lacks, then receive partners' new copies. `node_local`: --dir is this
-        node's own, so a record it lost comes back whole (manifest and this rank's part). Never
-        raises: replication off for the round is said in one line."""
-        self.store, self.fault, self.node_local = store, fault, node_local
+        node's own, so a record it lost comes back whole (manifest and this rank's part).
+        `memory`: the steps this engine holds in memory. Never raises: replication off for the
+        round is said in one line."""
+        self.store, self.fault, self.node_local, self.memory = store, fault, node_local, memory
         if self.round is not None and self.round.key == spec["prefix"] and self.round.rank == rank:
             return  # the same round (a worker restarted alone)
         self._end_round()
@@ -195,7 +218,9 @@ class Replicator:
 
     def _exchange(self, r: Round) -> None:
         """Through the job store: what each engine holds, what each owner wants back; then the
-        wanted copies go back point to point (sends on threads, so no pair waits on the other)."""
+        wanted copies go back point to point (sends on threads, so no pair waits on the other).
+        Steps held in memory first, then records."""
+        self._exchange_held(r)
         held = {str(o): list(v) for o, v in self.held.owners.items() if o in r.partners}
         r.store.set(f"held/{r.rank}", json.dumps(held))
         offers = [(step, name, p) for p in r.partners
@@ -215,6 +240,72 @@ class Replicator:
             self._take_back(r, want["holder"], want["record"])
         for t in senders:
             t.join(SEND_TIMEOUT_S)
+
+    def _exchange_held(self, r: Round) -> None:
+        """Each engine says which of its partners' held steps it can give back whole (a thin
+        copy needs its own slot of the same step); one that holds no step of its rank asks for
+        the newest of them, into its memory."""
+        own = set(self.memory.held_steps()) if self.memory is not None else set()
+        with self._lock:
+            can = {str(o): [s for s in self.copies.steps(o) if s in own or not self.copies.get(o, s).thin]
+                   for o in r.partners}
+        r.store.set(f"held-steps/{r.rank}", json.dumps(can))
+        want = {}
+        if self.memory is not None and not own:
+            offers = [(int(s), p) for p in r.partners
+                      for s in json.loads(r.store.get(f"held-steps/{p}")).get(str(r.rank), [])]
+            if offers:
+                step, holder = max(offers)
+                want = {"holder": holder, "step": step}
+        r.store.set(f"want-held/{r.rank}", json.dumps(want))
+        senders = []
+        for p in r.partners:
+            asked = json.loads(r.store.get(f"want-held/{p}"))
+            if asked.get("holder") == r.rank:
+                t = threading.Thread(target=self._give_back_held, args=(r, p, int(asked["step"])), daemon=True)
+                t.start()
+                senders.append(t)
+        if want:
+            self._take_back_held(r, want["holder"], want["step"])
+        for t in senders:
+            t.join(SEND_TIMEOUT_S)
+
+    def _give_back_held(self, r: Round, owner: int, step: int) -> None:
+        """Send `owner` the copy of its `step`, made whole; if it cannot be, say so (STOP)."""
+        try:
+            with self.memory.pinned(step) as got:
+                own = None if got is None else _reader(*got)
+                copy = self.copies.whole(owner, step, own)
+        except CorruptCheckpoint as e:
+            log.warning(f"rank {r.rank}: cannot give rank {owner} its step {step} back ({_short(e)})")
+            self.log.emit(type="replica_error", rank=r.rank, partner=owner, error=_short(e))
+            with contextlib.suppress(RuntimeError):
+                r.stop(owner, FETCH)
+            return
+        with contextlib.suppress(RuntimeError):  # it died again: it resumes without
+            r.send(owner, FETCH, owner, copy.blobs(), HELD)
+
+    def _take_back_held(self, r: Round, holder: int, step: int) -> None:
+        """Hold this rank's `step` again, from `holder`'s copy, checked whole."""
+        t0 = time.time()
+        try:
+            got = r.recv(holder, FETCH, SEND_TIMEOUT_S)
+            if got is None or got[0] != r.rank or got[1] != HELD:
+                raise CorruptCheckpoint(f"rank {holder} sent no whole copy of it")
+            copy = checked(r.rank, *got[2], thin=False)
+            if copy.step != step:
+                raise CorruptCheckpoint(f"rank {holder} sent step {copy.step}")
+            self.memory.install(spec_of(copy), copy.data)
+        except (CorruptCheckpoint, RuntimeError, OSError) as e:
+            log.warning(f"rank {r.rank}: step {step}, held in rank {holder}'s memory, did not come back "
+                        f"({_short(e)}); resuming from --dir")
+            self.log.emit(type="replica_error", rank=r.rank, error=_short(e))
+            return
+        took = time.time() - t0
+        log.info(f"rank {r.rank}: step {step} taken back from rank {holder}'s memory into this engine's in "
+                 f"{took:.2f} s (held in memory only)")
+        self.log.emit(type="replica_restored", rank=r.rank, step=step, holder=holder, held=True,
+                      bytes=len(copy.data), seconds=took)
 
     def _wanted(self, rank: int, offer: tuple[int, str, int] | None) -> dict:
         """{holder, record} to ask for, if the newest copy partners hold is missing from --dir."""
@@ -254,7 +345,7 @@ class Replicator:
     def _received(self, r: Round, holder: int) -> tuple[bytes, dict[str, bytes]]:
         """(manifest, files) of the copy of this rank's part `holder` sends back, whole."""
         got = r.recv(holder, FETCH, SEND_TIMEOUT_S)
-        if got is None or got[0] != r.rank or got[1]:
+        if got is None or got[0] != r.rank or got[1] != 0:
             raise CorruptCheckpoint(f"rank {holder} sent no whole copy of rank {r.rank}")
         manifest, *files = got[2]
         return manifest, _files(r.rank, files)
@@ -318,6 +409,12 @@ class Replicator:
             self.on_held(min(steps))
 
     # ---- shipping and holding ----------------------------------------------------------
+    def offer_held(self, step: int) -> None:
+        """This engine holds `step` in memory now (its newest): ship it."""
+        with self._wake:
+            self._offered_held = step
+            self._wake.notify()
+
     def offer(self, record: str, step: int) -> None:
         """A record of `step` this rank wrote has committed: ship it, if no newer step has been
         (records commit out of step order when one's parts are late; only the newest waits)."""
@@ -329,15 +426,37 @@ class Replicator:
     def _ship_loop(self) -> None:
         while True:
             with self._wake:
-                while self._offered is None and not self._closing:
+                while self._offered is None and self._offered_held is None and not self._closing:
                     self._wake.wait()
                 if self._closing:
                     return
-                name, self._offered = self._offered, None
+                name, step, self._offered, self._offered_held = self._offered, self._offered_held, None, None
             with self._lock:
                 r = self.round
-            if r is not None and r.live:
+            if r is not None and r.live and step is not None:
+                self._ship_held(r, step)
+            if r is not None and r.live and name is not None:
                 self._ship(r, name)
+
+    def _ship_held(self, r: Round, step: int) -> None:
+        """Ship this rank's copy of `step`, held in memory, to the live partners (thin under DDP)."""
+        t0 = time.time()
+        try:
+            with self.memory.pinned(step) as got:
+                if got is None:  # replaced meanwhile: the newer one is offered
+                    return
+                copy = cut(r.rank, *got)
+        except CorruptCheckpoint as e:
+            self.log.emit(type="replica_error", rank=r.rank, error=f"step {step}: {_short(e)}")
+            return
+        for p in sorted(r.live):
+            try:
+                r.send(p, SHIP, r.rank, copy.blobs(), HELD | (THIN if copy.thin else 0))
+            except RuntimeError as e:
+                self._drop(r, p, e)
+        self.log.emit(type="replica_sent", rank=r.rank, step=step, held=True,
+                      bytes=len(copy.data) + len(copy.raw_index), partners=sorted(r.live), of=len(r.partners),
+                      seconds=time.time() - t0)
 
     def written(self, name: str, rank: int, index: bytes, data: memoryview) -> None:
         """This rank's part of `name` was just written from `data` (its staging slot, not yet
@@ -380,7 +499,7 @@ class Replicator:
         manifest = json.dumps(m.to_json(), indent=1).encode()
         for p in sorted(r.live):
             try:
-                r.send(p, SHIP, r.rank, [manifest, *part], thin=thin is not None)
+                r.send(p, SHIP, r.rank, [manifest, *part], THIN if thin is not None else 0)
             except RuntimeError as e:
                 self._drop(r, p, e)
         self.log.emit(type="replica_sent", rank=r.rank, step=m.step, bytes=sum(map(len, part)),
@@ -411,12 +530,15 @@ class Replicator:
             if got is None:
                 r.live.discard(src)
                 return
-            owner, is_thin, (manifest, *files) = got
+            owner, flags, (manifest, *files) = got
+            if flags & HELD:
+                self._hold_copy(r, src, owner, flags, [manifest, *files])
+                continue
             try:
                 if owner != src:
                     raise CorruptCheckpoint(f"rank {src} sent a copy of rank {owner}")
                 with self._lock:
-                    m = self.held.hold(owner, manifest, _files(owner, files), thin=is_thin)
+                    m = self.held.hold(owner, manifest, _files(owner, files), thin=bool(flags & THIN))
                     if m is None:
                         continue
                     self._corrupt_if_asked(owner, m.step)
@@ -426,8 +548,38 @@ class Replicator:
                 continue
             self.log.emit(type="replica_held", rank=r.rank, owner=owner, step=m.step, bytes=sum(map(len, files)))
             with contextlib.suppress(OSError):  # (only `ls` misses it)
-                memory_status.publish(self.store.root, owner, m.step, sum(map(len, files)), copy=True)
+                memory_status.publish(self.store.root, owner, m.step, sum(map(len, files)),
+                                      of=memory_status.COPIES)
             self._say_held(r)
+
+    def _hold_copy(self, r: Round, src: int, owner: int, flags: int, blobs: list[bytes]) -> None:
+        """Keep partner `src`'s copy of a step it holds in memory, once checked."""
+        try:
+            if owner != src:
+                raise CorruptCheckpoint(f"rank {src} sent a copy of rank {owner}")
+            copy = self._corrupt_held_if_asked(checked(owner, *blobs, thin=bool(flags & THIN)))
+            with self._lock:
+                if not self.copies.hold(owner, copy):
+                    return
+        except CorruptCheckpoint as e:
+            log.warning(f"rank {r.rank}: refused rank {src}'s copy ({_short(e)}); keeping the ones held")
+            self.log.emit(type="replica_error", rank=r.rank, partner=src, error=_short(e))
+            return
+        nbytes = len(copy.data) + len(copy.raw_index)
+        self.log.emit(type="replica_held", rank=r.rank, owner=owner, step=copy.step, held=True, bytes=nbytes)
+        with contextlib.suppress(OSError):  # (only `ls` misses it)
+            memory_status.publish(self.store.root, owner, copy.step, nbytes, of=memory_status.HELD_COPIES)
+
+    def _corrupt_held_if_asked(self, copy: HeldCopy) -> HeldCopy:
+        """`corrupt-replica:step=N` (tests) on a copy of a step held in memory only: a bit of
+        its largest tensor flips after its checks."""
+        fault = self.fault
+        if fault is None or fault.target != "corrupt-replica" or copy.step < fault.step:
+            return copy
+        span = max(copy_spans(copy.index, copy.thin)[0], key=lambda s: s.nbytes)
+        data = bytearray(copy.data)
+        data[span.offset + span.nbytes // 2] ^= 1
+        return HeldCopy(copy.header, bytes(data), copy.raw_index, copy.thin, copy.step, copy.index)
 
     def _die_if_asked(self, manifest: bytes) -> None:
         """The injected fault `kill-engine:step=N:phase=receive` (tests): this engine dies while it
@@ -464,7 +616,21 @@ class Replicator:
         self._shipper.join(timeout=SEND_TIMEOUT_S)
         if self.store is not None:
             for owner in list(self.held.owners):
-                memory_status.withdraw(self.store.root, owner, copy=True)
+                memory_status.withdraw(self.store.root, owner, of=memory_status.COPIES)
+            for owner in list(self.copies.owners):
+                memory_status.withdraw(self.store.root, owner, of=memory_status.HELD_COPIES)
+
+
+def _reader(spec: RecordSpec, view: memoryview) -> Callable[[str, memoryview], int]:
+    """`rebuild`'s `peer`: a tensor of this engine's own held state of the same step, by key."""
+    def read(key: str, into: memoryview) -> int:
+        t = spec.tensors.get(key)
+        if t is None or t["nbytes"] != len(into):
+            return -1
+        into[:] = view[t["offset"] : t["offset"] + t["nbytes"]]
+        return len(into)
+
+    return read
 
 
 def _tier(what: str, owner: int, manifest: bytes, files: dict[str, bytes]) -> MemoryTier:

@@ -10,6 +10,7 @@ the plain persist path.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib
 import json
@@ -18,7 +19,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
@@ -49,6 +50,7 @@ from ..ipc.staging import EngineSlot
 from ..storage import iowriter, memory_status
 from ..storage.dirlock import hold_for_engine
 from ..storage.fsutil import FaultHook, _no_fault
+from ..storage.layout import align
 from ..storage.leftovers import exit_with_owner, remove_staging, staging_path
 from ..storage.store import Manifest, Store, WrittenPart
 from . import drain
@@ -164,6 +166,7 @@ class Engine:
         self.flush(restart=True)
         if msg.rank != self.rank or msg.strategy != self.strategy:  # what is held is another worker's
             self.memory.drop()
+        self.memory.keep = 1 if msg.replication is None else 2
         with self._send_lock:
             self.conn = self.serving
         self.rank, self.world_size, self.keep = msg.rank, msg.world_size, msg.keep
@@ -207,7 +210,7 @@ class Engine:
             self.replicator = Replicator(self.log)
             self.replicator.on_held = lambda step: self._on_board(lambda b: b.hold(self.rank, step))
         self.replicator.join(msg.replication, msg.rank, msg.world_size, self.store, self.fault,
-                             node_local=msg.node_local is not None)
+                             node_local=msg.node_local is not None, memory=HeldSlots(self))
 
     def _join_board(self, spec: dict | None) -> None:
         """--node-local-dir: meet the round's commit keys (a new round: new keys; what the old
@@ -256,13 +259,13 @@ class Engine:
         self.flush()
         # (on a node-local --dir only rank 0 commits; the others publish what it committed)
         self.commit_ready() if self.rank == 0 or self.board is None else self.watch_commits()
-        held = self._held()
-        self.reply(msg, committed_step=self.committed_step, held_step=held and held[0], held_nbytes=held and held[1],
-                   pending=len(self.pending))
+        self.reply(msg, committed_step=self.committed_step, held=self._held(), pending=len(self.pending))
 
-    def _held(self) -> tuple[int, int] | None:
-        """(step, bytes) of the state held in memory: the handler's (a replica), else a snapshot's slot."""
-        return (self.handler.held() if self.handler is not None else None) or self.memory.held()
+    def _held(self) -> list[tuple[int, int]]:
+        """(step, bytes) of each state held in memory, newest first: the handler's (a replica),
+        else a snapshot strategy's slots."""
+        replica = self.handler.held() if self.handler is not None else None
+        return [replica] if replica is not None else self.memory.held()
 
     def op_fetch_held(self, msg: FetchHeld) -> None:
         """A restarted worker resumes from the state held in memory (no disk read)."""
@@ -270,7 +273,7 @@ class Engine:
             if self.handler is not None and self.handler.held() is not None:
                 self.reply(msg, **self.handler.fetch())
             else:
-                self.reply(msg, **self.memory.fetch(self.slots[self.memory.slot].path))
+                self.reply(msg, **self.memory.fetch(msg.step, lambda slot: self.slots[slot].path))
         except Exception as e:  # any failure: the worker falls back to the committed records
             self.reply(msg, error=f"{type(e).__name__}: {e}")
 
@@ -409,6 +412,10 @@ class Engine:
 
     def in_memory(self, step: int, nbytes: int) -> None:
         self.send(InMemory(step=step))
+        self.publish_memory(step, nbytes)
+
+    def publish_memory(self, step: int, nbytes: int) -> None:
+        """`ls` shows the step this rank's engine holds in memory."""
         try:
             memory_status.publish(self.store.root, self.rank, step, nbytes)
         except OSError as e:  # only `ls` misses it
@@ -429,17 +436,19 @@ class Engine:
             held, back = self.memory.hold(msg.slot, msg.spec, msg.nbytes, writing=write)
             if held:
                 self.in_memory(msg.spec.step, msg.nbytes)
+                if self.replicator is not None:
+                    self.replicator.offer_held(msg.spec.step)
             self._give_back(back)
         if write:
             try:
                 self.write_record(msg.spec, self.slots[msg.slot].view[: msg.nbytes])
             finally:
-                self._give_back(self.memory.written(msg.slot) if msg.hold else msg.slot)
+                self._give_back(self.memory.written(msg.slot) if msg.hold else [msg.slot])
         elif not msg.hold:  # (neither written nor held: nothing keeps the slot)
-            self._give_back(msg.slot)
+            self._give_back([msg.slot])
 
-    def _give_back(self, slot: int | None) -> None:
-        if slot is not None:
+    def _give_back(self, slots: list[int]) -> None:
+        for slot in slots:
             self.send(SlotFree(slot=slot))
 
     def write_fault_due(self, step: int) -> bool:
@@ -716,6 +725,47 @@ class ServerContext(EngineContext):
 
     def emit(self, **event: Any) -> None:
         self._engine.log.emit(**event)
+
+
+class HeldSlots:
+    """The steps a snapshot strategy's engine holds in its staging slots, as the replicator reads
+    them (to copy them to partners, or to make a partner's copy whole) and refills them (a
+    replaced node's engine, from a partner's copy): `replicate.HeldMemory`."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def held_steps(self) -> list[int]:
+        return [step for step, _ in self._engine.memory.held()]
+
+    @contextlib.contextmanager
+    def pinned(self, step: int) -> Iterator[tuple[RecordSpec, memoryview] | None]:
+        """The spec and bytes of `step`, if held; its slot goes back to the worker (if replaced
+        meanwhile) only once this is done with it."""
+        e = self._engine
+        got = e.memory.pin(step)
+        if got is None:
+            yield None
+            return
+        slot, spec, nbytes = got
+        view = e.slots[slot].view[:nbytes]
+        try:
+            yield spec, view
+        finally:
+            view.release()
+            e._give_back(e.memory.unpin(slot))
+
+    def install(self, spec: RecordSpec, data: bytes | bytearray) -> None:
+        """Hold `data`, the state of `spec` a partner gave back, in a new staging slot (before the
+        worker's Hello is answered: the reply hands it over, in use)."""
+        e = self._engine
+        i = max(e.slots, default=-1) + 1
+        slot = EngineSlot(staging_path(e.tag, e.local_rank, i), align(len(data)))
+        slot.view[: len(data)] = data
+        e.slots[i] = slot
+        _, back = e.memory.hold(i, spec, len(data))
+        e._give_back(back)  # (none: it asked, holding no step)
+        e.publish_memory(spec.step, len(data))
 
 
 def _import_all(modules: tuple[str, ...]) -> None:

@@ -5,7 +5,7 @@ of one run (never read from a checkpoint directory). A worker `request`s (and wa
 `Reply` carrying its `id`) or `send`s; the engine pushes events back.
 
 Call order, worker to engine: `Hello` (reply: pid, slots, committed_step) first on every
-connection; `CommitPending` (reply: committed_step, held_step) before the resume decision, then
+connection; `CommitPending` (reply: committed_step, held: the steps held in memory) before the resume decision, then
 `FetchHeld` (reply: the shared-memory file holding it, and its layout) if it resumes from the
 state the engine holds in memory; `Alloc` (reply:
 slots) whenever the slots are too small; per checkpoint a `Persist`, or a strategy's own message
@@ -138,10 +138,11 @@ class StrategyMessage(Message):
 
 @dataclass(kw_only=True)
 class FetchHeld(Message):
-    """Where the state the engine holds in memory (`CommitPending`'s held_step) is (reply: a
-    shared-memory file, the skeleton and each tensor's place in it)."""
+    """Where the state of `step` the engine holds in memory (one of `CommitPending`'s held;
+    None: the newest) is (reply: a shared-memory file, the skeleton and each tensor's place in it)."""
 
     op: ClassVar[Op] = Op.FETCH_HELD
+    step: int | None = None
 
 
 @dataclass(kw_only=True)

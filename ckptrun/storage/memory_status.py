@@ -3,8 +3,10 @@ replica) and, with --replicas, the copies it holds of its partners' parts.
 
 Not a record: the state itself is in the engine's memory, survives a worker crash and is lost
 with the engine. Each engine that holds one rewrites `<dir>/ckptrun.memory.rNNNNN` (its rank,
-step, bytes, pid, host) when it moves, and `<dir>/ckptrun.copies.rNNNNN.pPID` for each copy of
-rank NNNNN's part it holds; `ckptrun ls` lists them while that process lives.
+step, bytes, pid, host) when it moves, `<dir>/ckptrun.copies.rNNNNN.pPID` for each copy of
+rank NNNNN's part of a record it holds, and `<dir>/ckptrun.heldcopies.rNNNNN.pPID` for its copy
+of the newest step rank NNNNN holds in memory only; `ckptrun ls` lists them while that process
+lives.
 The files are read as untrusted input like the rest of the directory.
 """
 
@@ -17,37 +19,38 @@ import socket
 import stat
 from pathlib import Path
 
-PREFIX = "ckptrun.memory.r"
-COPIES = "ckptrun.copies.r"  # a partner's copy: `{COPIES}{owner:05d}.p{the holding engine's pid}`
+OWN = "ckptrun.memory.r"  # what an engine holds of its own rank
+COPIES = "ckptrun.copies.r"  # a partner's copy of a record: `{COPIES}{owner:05d}.p{the holding engine's pid}`
+HELD_COPIES = "ckptrun.heldcopies.r"  # a partner's copy of a step it holds in memory only (the same)
 FIELDS = ("rank", "step", "nbytes", "pid")
 
 
-def _path(root: Path, rank: int, copy: bool) -> Path:
-    return root / (f"{COPIES}{rank:05d}.p{os.getpid()}" if copy else f"{PREFIX}{rank:05d}")
+def _path(root: Path, rank: int, of: str) -> Path:
+    return root / (f"{OWN}{rank:05d}" if of == OWN else f"{of}{rank:05d}.p{os.getpid()}")
 
 
-def publish(root: Path, rank: int, step: int, nbytes: int, *, copy: bool = False) -> None:
-    """Say that this process holds `step` of `rank` (a partner's copy, with `copy`);
+def publish(root: Path, rank: int, step: int, nbytes: int, *, of: str = OWN) -> None:
+    """Say that this process holds `step` of `rank` (`of`: its own, or a partner's copy);
     write-then-rename, no fsync: it is volatile."""
-    path = _path(root, rank, copy)
+    path = _path(root, rank, of)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps({"rank": rank, "step": step, "nbytes": nbytes, "pid": os.getpid(),
                                "host": socket.gethostname()}))
     os.replace(tmp, path)
 
 
-def withdraw(root: Path, rank: int, *, copy: bool = False) -> None:
+def withdraw(root: Path, rank: int, *, of: str = OWN) -> None:
     with contextlib.suppress(OSError):
-        _path(root, rank, copy).unlink()
+        _path(root, rank, of).unlink()
 
 
-def live(root: Path, *, copies: bool = False) -> list[dict]:
-    """The in-memory steps of engines alive on this host, by rank: their own, or with `copies`
-    the partners' copies they hold (by the rank whose part each is)."""
+def live(root: Path, *, of: str = OWN) -> list[dict]:
+    """The in-memory steps of engines alive on this host, by rank: their own, or (`of`) the
+    partners' copies they hold (by the rank whose part each is)."""
     import psutil
 
     found = []
-    for path in sorted(root.glob(f"{COPIES if copies else PREFIX}*")):
+    for path in sorted(root.glob(f"{of}*")):
         try:  # only a regular file, never followed through a link, at most a few KiB
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
         except OSError:

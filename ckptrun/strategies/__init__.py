@@ -69,6 +69,10 @@ class Entry:
         `explicit_every`)."""
         return _attr(self.explicit_every)(options, every) if self.explicit_every else options
 
+    def holds_snapshots(self, options: dict) -> bool:
+        """Does the engine hold its snapshots in memory (a snapshot strategy given --persist-every)?"""
+        return memory_first.SNAPSHOT_PERSIST_EVERY in self.options and options.get("persist_every") is not None
+
 
 def _attr(path: str):
     module, _, name = path.partition(":")

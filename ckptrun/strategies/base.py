@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from ..errors import UsageError
 from ..ipc.messages import Persist
-from .memory_first import SNAPSHOT_PERSIST_EVERY
+from .memory_first import HELD_WHY, SNAPSHOT_PERSIST_EVERY, held_slots
 from .memory_first.model import HW_SHARE
 from .memory_first.policy import PersistInterval
 
@@ -107,11 +107,12 @@ class SnapshotStrategy(Strategy):
         self.pending: Snapshot | None = None
         self.persist = memory_first_policy(ctx)
         if self.persist is not None:
-            self.min_slots = 2  # the one the engine holds, and the next capture's
-            if ctx.max_inflight < 2:
+            # the one the engine holds (with --replicas, the one before too), and the next capture's
+            self.min_slots = held_slots(ctx.replicas) + 1
+            if ctx.max_inflight < self.min_slots:
                 raise UsageError(f"--persist-every with --max-inflight {ctx.max_inflight}: the engine holds the "
-                                 "newest snapshot's staging slot, and the next capture needs another; give "
-                                 "--max-inflight 2 or more")
+                                 f"newest snapshot's staging slot{HELD_WHY if ctx.replicas > 1 else ''}, and the next "
+                                 f"capture needs another; give --max-inflight {self.min_slots} or more")
 
     def settings(self) -> dict:
         return {**super().settings(), **(self.persist.settings if self.persist else {})}

@@ -103,6 +103,11 @@ class StrategyContext(ABC):
 
     @property
     @abstractmethod
+    def replicas(self) -> int:
+        """--replicas K: copies of each step in partners' memory (1: none)."""
+
+    @property
+    @abstractmethod
     def host_memory(self) -> Budget:
         """This rank's host-memory budget (--host-memory, ckptrun/memory_budget.py): declare each
         host buffer the strategy keeps (`set`, or `claim` for an explicit setting, refused when it

@@ -59,6 +59,10 @@ class WorkerContext(StrategyContext):
         return self._cfg.max_inflight
 
     @property
+    def replicas(self) -> int:
+        return self._cfg.replicas
+
+    @property
     def host_memory(self) -> Budget:
         return self._rt.staging.budget
 

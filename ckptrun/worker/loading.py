@@ -145,7 +145,7 @@ def fetch_held(client: EngineClient, step: int, nbytes: int, rank: int, world_si
     views of that file (`load_state_dict` copies them into the model before the engine may
     change it, at the next step's gradients); the rest is cloned (an optimizer keeps the
     tensors it loads)."""
-    body = client.request(FetchHeld())
+    body = client.request(FetchHeld(step=step))
     if "error" in body:
         raise CkptrunError(f"the checkpoint engine could not hand over step {step} from memory ({body['error']})")
     buf = torch.from_file(body["path"], shared=True, size=max(1, nbytes), dtype=torch.uint8)

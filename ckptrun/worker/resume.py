@@ -24,13 +24,14 @@ if TYPE_CHECKING:
     from .runtime import Runtime
 
 
-def _held(rt: Runtime) -> tuple[int, int] | None:
-    """Flush this rank's engine; (step, bytes) of the state it holds in memory (a replica that
-    outlived the crashed worker), if a restart may resume from it."""
+def _held(rt: Runtime) -> dict[int, int]:
+    """Flush this rank's engine; {step: bytes} of the states it holds in memory (that outlived
+    the crashed worker, or that partners gave back to a replaced node's engine), if a restart
+    may resume from them."""
     reply = rt.client.request(CommitPending())
-    if rt.restart_count == 0 or rt.cfg.on_restart == "fresh" or reply.get("held_step") is None:
-        return None
-    return int(reply["held_step"]), int(reply["held_nbytes"])
+    if not rt.cfg.resume and rt.restart_count == 0 or rt.cfg.on_restart == "fresh" and rt.restart_count > 0:
+        return {}
+    return {int(step): int(nbytes) for step, nbytes in reply.get("held", [])}
 
 
 def set_aside(store: Store, names: list[str], why: str = "not restorable") -> None:
@@ -87,14 +88,15 @@ def read_resume(rt: Runtime, store: Store, plan: Plan, restarts: bool) -> tuple[
 def agreed_resume(rt: Runtime, store: Store, *, checksums: bool = True) -> Plan | tuple[int, int] | None:
     """Where to resume: a committed plan, or (step, bytes) of the state every rank's engine
     holds in memory: after a worker crash the engines outlive, no disk is read. Ranks resume
-    from memory only when all of theirs hold the same step."""
+    from memory at the newest step all of theirs hold."""
     held = _held(rt)
     if rt.world_size == 1:
-        return held or _decide(rt, store, checksums=checksums)
+        return max(held.items()) if held else _decide(rt, store, checksums=checksums)
     kv = job_store(rt.restart_count)
-    kv.set(f"flushed/{rt.rank}", str(held[0]) if held else "-")
+    kv.set(f"flushed/{rt.rank}", ",".join(map(str, sorted(held))))
     if rt.cfg.node_local_dir:  # every rank decides alike, each from its own node's --dir
-        return held if _all_hold(kv, rt.world_size) else _agreed_node_local(rt, store, kv, checksums=checksums)
+        step = _all_hold(kv, rt.world_size)
+        return (step, held[step]) if step is not None else _agreed_node_local(rt, store, kv, checksums=checksums)
     if rt.rank == 0:
         if (step := _all_hold(kv, rt.world_size)) is not None:
             kv.set("resume", f"memory:{step}")
@@ -103,16 +105,17 @@ def agreed_resume(rt: Runtime, store: Store, *, checksums: bool = True) -> Plan 
             kv.set("resume", str(plan.step) if plan else "")
     step = kv.get("resume").decode()
     if step.startswith("memory:"):
-        return held
+        return int(step.removeprefix("memory:")), held[int(step.removeprefix("memory:"))]
     return plans(store)[int(step)] if step else None
 
 
-def _all_hold(kv, world_size: int) -> str | None:
-    """The step every rank's engine holds in memory, once every engine has flushed; None if not one."""
+def _all_hold(kv, world_size: int) -> int | None:
+    """The newest step every rank's engine holds in memory, once every engine has flushed; None
+    if not one."""
     keys = [f"flushed/{r}" for r in range(world_size)]
     kv.wait(keys)
-    steps = {kv.get(k).decode() for k in keys}
-    return steps.pop() if len(steps) == 1 and steps != {"-"} else None
+    common = set.intersection(*({int(s) for s in kv.get(k).decode().split(",") if s} for k in keys))
+    return max(common, default=None)
 
 
 def _agreed_node_local(rt: Runtime, store: Store, kv, *, checksums: bool) -> Plan | None:

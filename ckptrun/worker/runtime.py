@@ -68,7 +68,8 @@ class Runtime(StepHooks):
         cuda = torch.cuda.is_available()
         # a node-local --dir holds its own ranks' parts only: each rank writes all of its state
         self.state = TrainingState(rank, world_size, entry.write_once and not cfg.node_local_dir,
-                                   mark_shared=cfg.node_local_dir and cfg.replicas > 1)
+                                   mark_shared=cfg.replicas > 1 and (cfg.node_local_dir
+                                                                     or entry.holds_snapshots(cfg.options)))
         self.loading = Loader(self.state, cfg.dir, self.retuner.observe_replay)
         self.handoff = Handoff(cfg, rank, world_size, self.metrics, self.retuner, self.fault)
         self.staging = Staging(cfg, rank, self.metrics, self.handoff.check, self.handoff.lost, pin=cuda)

@@ -73,6 +73,12 @@ class SlotPool:
             self.cond.notify_all()
             return old_free
 
+    def retire_all(self) -> None:
+        """No slot is of the current generation any more (the next `add` makes one)."""
+        with self.cond:
+            self.retired |= set(self.buffers)
+            self.nbytes = 0
+
     def acquire(self, lost: threading.Event) -> int:
         with self.cond:
             self.cond.wait_for(lambda: self.free or lost.is_set())
@@ -131,9 +137,13 @@ class Staging:
 
     def start(self, slots: list[tuple[int, str, int]], busy: list[int]) -> None:
         """The slots a restarted worker's engine kept from before (its Hello reply); `busy`: in
-        use by the engine (the step it holds in memory), given back later."""
+        use by the engine (the step it holds in memory), given back later. Slots all busy (a
+        replaced node's engine holds only the step partners gave back) are no generation to
+        capture into: retired once given back, and `ensure` allocates one."""
         if slots:
             self.pool.add(slots, pin=self._pin, busy=busy)
+            if not self.pool.free:
+                self.pool.retire_all()
             self._least = sum(n for _, _, n in slots)
             self._used()
 

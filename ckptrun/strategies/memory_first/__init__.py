@@ -22,6 +22,16 @@ SNAPSHOT_PERSIST_EVERY = Option(
     ints=(1, 10**9))
 
 
+HELD_WHY = (" and, with --replicas, the one before (a partner's copy of a lost node's newest step may not "
+            "have left it)")
+
+
+def held_slots(replicas: int) -> int:
+    """The staging slots a snapshot strategy's engine holds: the newest step's, and with
+    --replicas the step before's (engine/held.py)."""
+    return 2 if replicas > 1 else 1
+
+
 def replica_every(options: dict, every: int) -> dict:
     """lowdiff+ with --every N: P = N unless given (see `_divisor`)."""
     if REPLICA_PERSIST_EVERY.integer(options) is None:
