@@ -221,7 +221,9 @@ def run(
                                                  "state, warn that its loop starts over), fresh (restarted "
                                                  "workers start from scratch) or fail.")] = "resume",
     max_inflight: Annotated[int, typer.Option(help="Checkpoints in flight (staging slots) before the "
-                                                   "trainer waits (back-pressure).")] = 2,
+                                                   "trainer waits (back-pressure). Raised where not given to "
+                                                   "what the strategy holds: --persist-every needs 2, 3 with "
+                                                   "--replicas.")] = 2,
     host_memory: Annotated[str, typer.Option(help="Host-memory budget per node for checkpoint staging, shared "
                                                   "equally by its ranks: 8G, 512M, 1.5GiB (default: 25% of the "
                                                   "memory available at start). Staging slots (x --max-inflight) "
@@ -294,7 +296,6 @@ def run(
     from .memory_budget import node_budget
     from .storage.iowriter import ENGINES
     from .strategies import REGISTRY
-    from .strategies.memory_first import held_slots
 
     configure(quiet=quiet)
     if every != "auto" and not every.lstrip("-").isdigit():
@@ -311,8 +312,8 @@ def run(
     every_given = every != "auto" and _given(ctx, "every")
     if every_given and int(every) >= 1 and strategy in REGISTRY:
         options = REGISTRY[strategy].honour_every(options, int(every))
-    if strategy in REGISTRY and REGISTRY[strategy].holds_snapshots(options) and not _given(ctx, "max_inflight"):
-        max_inflight = max(max_inflight, held_slots(replicas) + 1)  # (an explicit one too small is refused)
+    if strategy in REGISTRY and not _given(ctx, "max_inflight"):  # (an explicit one too small is refused)
+        max_inflight = max(max_inflight, REGISTRY[strategy].least_inflight(options, replicas))
     node_bytes, node_source = node_budget(host_memory or None)
     cfg = RunConfig(host_memory_node=node_bytes, host_memory_source=node_source,
                     max_inflight_given=_given(ctx, "max_inflight"),

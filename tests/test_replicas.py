@@ -405,3 +405,51 @@ def test_an_engine_whose_partner_closes_while_it_ships_exits_cleanly(tmp_path):
     first = _peer(store.root, master, 0, "-", f"r1={full_name(1)}", f"r2={full_name(3)}")
     second = _peer(store.root, master, 1, "-", "r1=", "r2=")
     assert (first.wait(120), second.wait(120)) == (0, 0), first.stderr.read() + second.stderr.read()
+
+
+def _held_step(step: int, shared_fill: int = 7) -> tuple:
+    """(spec, slot bytes) of a step held in a staging slot: a shared tensor (every DDP rank's
+    alike) and a per-rank one, at 4 KiB-aligned places."""
+    from ckptrun.ipc.messages import RecordSpec
+
+    slot = bytearray(8192)
+    slot[:4096] = bytes([shared_fill]) * 4096
+    slot[4096:4100] = step.to_bytes(4, "little")
+    tensors = {"models/model/w": {"dtype": "float32", "shape": [1024], "offset": 0, "nbytes": 4096},
+               "rng/cpu": {"dtype": "uint8", "shape": [4], "offset": 4096, "nbytes": 4}}
+    spec = RecordSpec(record=full_name(step), kind="full", step=step, skeleton={"step": step}, tensors=tensors,
+                      meta={"shared": ["models/model/w"]})
+    return spec, slot
+
+
+def test_a_held_step_ships_thin_is_checked_kept_two_deep_and_made_whole_from_the_partners_own_step():
+    """A copy of a step held in memory only: cut thin (the shared tensor left out), checked as it
+    arrives, the two newest kept per owner; made whole with the partner's own tensor of the same
+    step, checked against the owner's index. A bit gone bad, or a partner whose own tensor
+    differs, is refused."""
+    from ckptrun.engine.held_copies import HeldCopies, checked, cut, spec_of
+    from ckptrun.engine.replicate import _reader
+
+    copies = HeldCopies()
+    for step in (5, 6, 7):
+        spec, slot = _held_step(step)
+        copy = cut(1, spec, memoryview(slot))
+        assert copy.thin and len(copy.data) == 4  # the per-rank tensor only
+        assert copies.hold(1, checked(1, copy.header, copy.data, copy.raw_index, thin=True))
+    assert copies.steps(1) == [7, 6] and not copies.hold(1, copies.get(1, 6))  # older: not kept
+    own_spec, own_slot = _held_step(6)  # the partner's own step 6: the shared tensor alike
+    whole = copies.whole(1, 6, _reader(own_spec, memoryview(own_slot)))
+    assert bytes(whole.data) == bytes(_held_step(6)[1]) and not whole.thin
+    again = checked(1, whole.header, whole.data, whole.raw_index, thin=False)
+    assert spec_of(again).tensors == _held_step(6)[0].tensors and spec_of(again).step == 6
+    bad = bytearray(copies.get(1, 7).data)
+    bad[0] ^= 1
+    with pytest.raises(CorruptCheckpoint, match="rank 1's copy of step 7"):
+        checked(1, copies.get(1, 7).header, bytes(bad), copies.get(1, 7).raw_index, thin=True)
+    other_spec, other_slot = _held_step(6, shared_fill=9)  # not data-parallel after all
+    with pytest.raises(CorruptCheckpoint, match="differs from the owner's"):
+        copies.whole(1, 6, _reader(other_spec, memoryview(other_slot)))
+    with pytest.raises(CorruptCheckpoint, match="no longer held"):
+        copies.whole(1, 7, None)
+    with pytest.raises(CorruptCheckpoint, match="no valid header"):
+        checked(1, b'{"step": -1, "kind": "full"}', copies.get(1, 7).data, copies.get(1, 7).raw_index, thin=True)

@@ -247,17 +247,23 @@ class Replicator:
         the newest of them, into its memory."""
         own = set(self.memory.held_steps()) if self.memory is not None else set()
         with self._lock:
-            can = {str(o): [s for s in self.copies.steps(o) if s in own or not self.copies.get(o, s).thin]
-                   for o in r.partners}
-        r.store.set(f"held-steps/{r.rank}", json.dumps(can))
+            kept = {str(o): self.copies.steps(o) for o in r.partners}
+            can = {o: [s for s in steps if s in own or not self.copies.get(int(o), s).thin]
+                   for o, steps in kept.items()}
+        r.store.set(f"held-steps/{r.rank}", json.dumps({"kept": kept, "whole": can}))
         want = {}
         if self.memory is not None and not own:
-            offers = [(int(s), p) for p in r.partners
-                      for s in json.loads(r.store.get(f"held-steps/{p}")).get(str(r.rank), [])]
+            said = {p: json.loads(r.store.get(f"held-steps/{p}")) for p in r.partners}
+            offers = [(int(s), p) for p, d in said.items() for s in d["whole"].get(str(r.rank), [])]
             if offers:
                 step, holder = max(offers)
                 want = {"holder": holder, "step": step}
+            elif copies := sorted({s for d in said.values() for s in d["kept"].get(str(r.rank), [])}):
+                log.warning(f"rank {r.rank}: its partners hold copies of its steps {_steps(copies)} in memory, but no "
+                            "longer their own state of those steps to complete them (they ran ahead); resuming from "
+                            "--dir")
         r.store.set(f"want-held/{r.rank}", json.dumps(want))
+        self.log.emit(type="replica_exchange", rank=r.rank, holds=sorted(own), kept=kept, whole=can, wants=want)
         senders = []
         for p in r.partners:
             asked = json.loads(r.store.get(f"want-held/{p}"))
@@ -643,6 +649,10 @@ def _tier(what: str, owner: int, manifest: bytes, files: dict[str, bytes]) -> Me
 def _files(owner: int, blobs: list[bytes]) -> dict[str, bytes]:
     """Rank `owner`'s files by name, of the [data, index] a copy's messages carry (`Round.recv`)."""
     return dict(zip(rank_files(owner), blobs, strict=True))
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps))
 
 
 def _short(e: BaseException) -> str:

@@ -73,6 +73,10 @@ class Entry:
         """Does the engine hold its snapshots in memory (a snapshot strategy given --persist-every)?"""
         return memory_first.SNAPSHOT_PERSIST_EVERY in self.options and options.get("persist_every") is not None
 
+    def least_inflight(self, options: dict, replicas: int) -> int:
+        """The fewest staging slots it works with: those the engine holds, and one to capture into."""
+        return memory_first.least_slots(replicas) if self.holds_snapshots(options) else 1
+
 
 def _attr(path: str):
     module, _, name = path.partition(":")

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from ..errors import UsageError
 from ..ipc.messages import Persist
-from .memory_first import HELD_WHY, SNAPSHOT_PERSIST_EVERY, held_slots
+from .memory_first import HELD_WHY, SNAPSHOT_PERSIST_EVERY, least_slots
 from .memory_first.model import HW_SHARE
 from .memory_first.policy import PersistInterval
 
@@ -108,7 +108,7 @@ class SnapshotStrategy(Strategy):
         self.persist = memory_first_policy(ctx)
         if self.persist is not None:
             # the one the engine holds (with --replicas, the one before too), and the next capture's
-            self.min_slots = held_slots(ctx.replicas) + 1
+            self.min_slots = least_slots(ctx.replicas)
             if ctx.max_inflight < self.min_slots:
                 raise UsageError(f"--persist-every with --max-inflight {ctx.max_inflight}: the engine holds the "
                                  f"newest snapshot's staging slot{HELD_WHY if ctx.replicas > 1 else ''}, and the next "

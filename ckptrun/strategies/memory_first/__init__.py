@@ -26,10 +26,10 @@ HELD_WHY = (" and, with --replicas, the one before (a partner's copy of a lost n
             "have left it)")
 
 
-def held_slots(replicas: int) -> int:
-    """The staging slots a snapshot strategy's engine holds: the newest step's, and with
-    --replicas the step before's (engine/held.py)."""
-    return 2 if replicas > 1 else 1
+def least_slots(replicas: int) -> int:
+    """The fewest staging slots a snapshot strategy holding its steps works with: the newest
+    step's, with --replicas the step before's (engine/held.py), and the next capture's."""
+    return 3 if replicas > 1 else 2
 
 
 def replica_every(options: dict, every: int) -> dict:
