@@ -227,17 +227,25 @@ class Replicator:
                   for o, (name, step) in json.loads(r.store.get(f"held/{p}")).items() if int(o) == r.rank]
         if r.rank in self.held.owners:  # the rendezvous gave this node the rank whose copy it held
             offers.append((self.held.owners[r.rank][1], self.held.owners[r.rank][0], r.rank))
-        want = self._wanted(r.rank, max(offers, default=None))
-        r.store.set(f"want/{r.rank}", json.dumps(want))
+        self._trade(r, "want", self._wanted(r.rank, max(offers, default=None)),
+                    give=lambda p, asked: self._give_back(r, p),
+                    take=lambda want: self._take_back(r, want["holder"], want["record"]))
+
+    def _trade(self, r: Round, key: str, want: dict, give: Callable[[int, dict], None],
+               take: Callable[[dict], None]) -> None:
+        """Say under `key` what this engine asks for (`want`: {holder, ...}, or {}), `give` each
+        partner what it asked of this one (on threads: no pair waits on the other), `take` its
+        own, then wait for the sends."""
+        r.store.set(f"{key}/{r.rank}", json.dumps(want))
         senders = []
         for p in r.partners:
-            asked = json.loads(r.store.get(f"want/{p}"))
+            asked = json.loads(r.store.get(f"{key}/{p}"))
             if asked.get("holder") == r.rank:
-                t = threading.Thread(target=self._give_back, args=(r, p), daemon=True)
+                t = threading.Thread(target=give, args=(p, asked), daemon=True)
                 t.start()
                 senders.append(t)
         if want:
-            self._take_back(r, want["holder"], want["record"])
+            take(want)
         for t in senders:
             t.join(SEND_TIMEOUT_S)
 
@@ -262,34 +270,17 @@ class Replicator:
                 log.warning(f"rank {r.rank}: its partners hold copies of its steps {_steps(copies)} in memory, but no "
                             "longer their own state of those steps to complete them (they ran ahead); resuming from "
                             "--dir")
-        r.store.set(f"want-held/{r.rank}", json.dumps(want))
         self.log.emit(type="replica_exchange", rank=r.rank, holds=sorted(own), kept=kept, whole=can, wants=want)
-        senders = []
-        for p in r.partners:
-            asked = json.loads(r.store.get(f"want-held/{p}"))
-            if asked.get("holder") == r.rank:
-                t = threading.Thread(target=self._give_back_held, args=(r, p, int(asked["step"])), daemon=True)
-                t.start()
-                senders.append(t)
-        if want:
-            self._take_back_held(r, want["holder"], want["step"])
-        for t in senders:
-            t.join(SEND_TIMEOUT_S)
+        self._trade(r, "want-held", want, give=lambda p, asked: self._give_back_held(r, p, int(asked["step"])),
+                    take=lambda want: self._take_back_held(r, want["holder"], want["step"]))
 
     def _give_back_held(self, r: Round, owner: int, step: int) -> None:
-        """Send `owner` the copy of its `step`, made whole; if it cannot be, say so (STOP)."""
-        try:
+        """Send `owner` the copy of its `step`, made whole with this engine's own state of it."""
+        def whole() -> tuple[list[bytes | bytearray], int]:
             with self.memory.pinned(step) as got:
-                own = None if got is None else _reader(*got)
-                copy = self.copies.whole(owner, step, own)
-        except CorruptCheckpoint as e:
-            log.warning(f"rank {r.rank}: cannot give rank {owner} its step {step} back ({_short(e)})")
-            self.log.emit(type="replica_error", rank=r.rank, partner=owner, error=_short(e))
-            with contextlib.suppress(RuntimeError):
-                r.stop(owner, FETCH)
-            return
-        with contextlib.suppress(RuntimeError):  # it died again: it resumes without
-            r.send(owner, FETCH, owner, copy.blobs(), HELD)
+                return self.copies.whole(owner, step, None if got is None else _reader(*got)).blobs(), HELD
+
+        self._send_back(r, owner, f"its step {step}", whole)
 
     def _take_back_held(self, r: Round, holder: int, step: int) -> None:
         """Hold this rank's `step` again, from `holder`'s copy, checked whole."""
@@ -357,18 +348,27 @@ class Replicator:
         return manifest, _files(r.rank, files)
 
     def _give_back(self, r: Round, owner: int) -> None:
-        """Send `owner` the copy held for it, whole; if it cannot be made whole, say so to it at
-        once (STOP), so that it resumes from --dir without waiting."""
-        try:
+        """Send `owner` the copy of a record held for it, whole."""
+        def whole() -> tuple[list[bytes | bytearray], int]:
             manifest, files = self._whole(owner)
+            return [manifest, *files.values()], 0
+
+        self._send_back(r, owner, "its copy", whole)
+
+    def _send_back(self, r: Round, owner: int, what: str,
+                   whole: Callable[[], tuple[list[bytes | bytearray], int]]) -> None:
+        """Send `owner` the copy `whole()` makes ([blobs], flags); if it cannot be made, say so
+        to it at once (STOP), so that it resumes from --dir without waiting."""
+        try:
+            blobs, flags = whole()
         except (CorruptCheckpoint, OSError, KeyError) as e:
-            log.warning(f"rank {r.rank}: cannot give rank {owner} its copy back ({_short(e)})")
+            log.warning(f"rank {r.rank}: cannot give rank {owner} {what} back ({_short(e)})")
             self.log.emit(type="replica_error", rank=r.rank, partner=owner, error=_short(e))
             with contextlib.suppress(RuntimeError):
                 r.stop(owner, FETCH)
             return
         with contextlib.suppress(RuntimeError):  # it died again: it resumes without
-            r.send(owner, FETCH, owner, [manifest, *files.values()])
+            r.send(owner, FETCH, owner, blobs, flags)
 
     def _whole(self, owner: int) -> tuple[bytes, dict[str, bytes]]:
         """(manifest, files) of the copy held for `owner`; a thin one with its shared tensors read
