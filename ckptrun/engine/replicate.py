@@ -38,7 +38,15 @@ from ..ipc.events import EventLog
 from ..ipc.messages import RecordSpec
 from ..log import log
 from ..storage import memory_status
-from ..storage.schema import MAX_FILE_BYTES, MAX_METADATA_BYTES, MAX_WORLD_SIZE, Manifest, checksum, rank_files
+from ..storage.schema import (
+    MAX_FILE_BYTES,
+    MAX_METADATA_BYTES,
+    MAX_WORLD_SIZE,
+    Manifest,
+    RankIndex,
+    checksum,
+    rank_files,
+)
 from ..storage.store import Store
 from ..storage.tiers.dpshared import copy_spans, parse, rebuild, shared_keys
 from ..storage.tiers.group import ReplicationGroup
@@ -455,14 +463,8 @@ class Replicator:
         except CorruptCheckpoint as e:
             self.log.emit(type="replica_error", rank=r.rank, error=f"step {step}: {_short(e)}")
             return
-        for p in sorted(r.live):
-            try:
-                r.send(p, SHIP, r.rank, copy.blobs(), HELD | (THIN if copy.thin else 0))
-            except RuntimeError as e:
-                self._drop(r, p, e)
-        self.log.emit(type="replica_sent", rank=r.rank, step=step, held=True,
-                      bytes=len(copy.data) + len(copy.raw_index), partners=sorted(r.live), of=len(r.partners),
-                      seconds=time.time() - t0)
+        self._to_partners(r, copy.blobs(), HELD | (THIN if copy.thin else 0), step,
+                          len(copy.data) + len(copy.raw_index), t0)
 
     def written(self, name: str, rank: int, index: bytes, data: memoryview) -> None:
         """This rank's part of `name` was just written from `data` (its staging slot, not yet
@@ -503,13 +505,19 @@ class Replicator:
             self.log.emit(type="replica_error", rank=r.rank, error=f"{name}: {_short(e)}")
             return
         manifest = json.dumps(m.to_json(), indent=1).encode()
+        self._to_partners(r, [manifest, *part], THIN if thin is not None else 0, m.step, sum(map(len, part)), t0)
+
+    def _to_partners(self, r: Round, blobs: list[bytes | bytearray], flags: int, step: int, nbytes: int,
+                     t0: float) -> None:
+        """Send one copy of `step` (`nbytes` said in its event) to each live partner; one that
+        fails is dropped for the round."""
         for p in sorted(r.live):
             try:
-                r.send(p, SHIP, r.rank, [manifest, *part], THIN if thin is not None else 0)
+                r.send(p, SHIP, r.rank, blobs, flags)
             except RuntimeError as e:
                 self._drop(r, p, e)
-        self.log.emit(type="replica_sent", rank=r.rank, step=m.step, bytes=sum(map(len, part)),
-                      partners=sorted(r.live), of=len(r.partners), seconds=time.time() - t0)
+        self.log.emit(type="replica_sent", rank=r.rank, step=step, bytes=nbytes, partners=sorted(r.live),
+                      of=len(r.partners), seconds=time.time() - t0, **({"held": True} if flags & HELD else {}))
 
     def _whole_part(self, m: Manifest, rank: int) -> tuple[bytes, ...]:
         """Rank `rank`'s files of committed record `m`, read whole and checked."""
@@ -536,56 +544,44 @@ class Replicator:
             if got is None:
                 r.live.discard(src)
                 return
-            owner, flags, (manifest, *files) = got
-            if flags & HELD:
-                self._hold_copy(r, src, owner, flags, [manifest, *files])
-                continue
+            owner, flags, blobs = got
             try:
                 if owner != src:
                     raise CorruptCheckpoint(f"rank {src} sent a copy of rank {owner}")
-                with self._lock:
-                    m = self.held.hold(owner, manifest, _files(owner, files), thin=bool(flags & THIN))
-                    if m is None:
-                        continue
-                    self._corrupt_if_asked(owner, m.step)
+                (self._hold_copy if flags & HELD else self._hold_record)(r, owner, flags, blobs)
             except CorruptCheckpoint as e:
-                log.warning(f"rank {r.rank}: refused rank {src}'s copy ({_short(e)}); keeping the one held")
+                log.warning(f"rank {r.rank}: refused rank {src}'s copy ({_short(e)}); keeping what it holds")
                 self.log.emit(type="replica_error", rank=r.rank, partner=src, error=_short(e))
-                continue
-            self.log.emit(type="replica_held", rank=r.rank, owner=owner, step=m.step, bytes=sum(map(len, files)))
-            with contextlib.suppress(OSError):  # (only `ls` misses it)
-                memory_status.publish(self.store.root, owner, m.step, sum(map(len, files)),
-                                      of=memory_status.COPIES)
-            self._say_held(r)
 
-    def _hold_copy(self, r: Round, src: int, owner: int, flags: int, blobs: list[bytes]) -> None:
-        """Keep partner `src`'s copy of a step it holds in memory, once checked."""
-        try:
-            if owner != src:
-                raise CorruptCheckpoint(f"rank {src} sent a copy of rank {owner}")
-            copy = self._corrupt_held_if_asked(checked(owner, *blobs, thin=bool(flags & THIN)))
-            with self._lock:
-                if not self.copies.hold(owner, copy):
-                    return
-        except CorruptCheckpoint as e:
-            log.warning(f"rank {r.rank}: refused rank {src}'s copy ({_short(e)}); keeping the ones held")
-            self.log.emit(type="replica_error", rank=r.rank, partner=src, error=_short(e))
-            return
-        nbytes = len(copy.data) + len(copy.raw_index)
-        self.log.emit(type="replica_held", rank=r.rank, owner=owner, step=copy.step, held=True, bytes=nbytes)
+    def _hold_record(self, r: Round, owner: int, flags: int, blobs: list[bytes]) -> None:
+        """Keep `owner`'s copy of its part of a record, once checked (else CorruptCheckpoint)."""
+        manifest, *files = blobs
+        with self._lock:
+            m = self.held.hold(owner, manifest, _files(owner, files), thin=bool(flags & THIN))
+            if m is None:
+                return
+            if self._corrupt_due(m.step):
+                self._corrupt_record(owner)
+        self._said_held(r, owner, m.step, sum(map(len, files)), memory_status.COPIES)
+        self._say_held(r)
+
+    def _hold_copy(self, r: Round, owner: int, flags: int, blobs: list[bytes]) -> None:
+        """Keep `owner`'s copy of a step it holds in memory, once checked (else CorruptCheckpoint)."""
+        copy = checked(owner, *blobs, thin=bool(flags & THIN))
+        if self._corrupt_due(copy.step):
+            copy = HeldCopy(copy.header, _flipped(copy.data, copy.index, copy.thin), copy.raw_index, copy.thin,
+                            copy.step, copy.index)
+        with self._lock:
+            if not self.copies.hold(owner, copy):
+                return
+        self._said_held(r, owner, copy.step, len(copy.data) + len(copy.raw_index), memory_status.HELD_COPIES)
+
+    def _said_held(self, r: Round, owner: int, step: int, nbytes: int, of: str) -> None:
+        """A copy of `owner`'s `step` is held: in the metrics, and for `ls` (`of` its status file)."""
+        self.log.emit(type="replica_held", rank=r.rank, owner=owner, step=step, bytes=nbytes,
+                      **({"held": True} if of == memory_status.HELD_COPIES else {}))
         with contextlib.suppress(OSError):  # (only `ls` misses it)
-            memory_status.publish(self.store.root, owner, copy.step, nbytes, of=memory_status.HELD_COPIES)
-
-    def _corrupt_held_if_asked(self, copy: HeldCopy) -> HeldCopy:
-        """`corrupt-replica:step=N` (tests) on a copy of a step held in memory only: a bit of
-        its largest tensor flips after its checks."""
-        fault = self.fault
-        if fault is None or fault.target != "corrupt-replica" or copy.step < fault.step:
-            return copy
-        span = max(copy_spans(copy.index, copy.thin)[0], key=lambda s: s.nbytes)
-        data = bytearray(copy.data)
-        data[span.offset + span.nbytes // 2] ^= 1
-        return HeldCopy(copy.header, bytes(data), copy.raw_index, copy.thin, copy.step, copy.index)
+            memory_status.publish(self.store.root, owner, step, nbytes, of=of)
 
     def _die_if_asked(self, manifest: bytes) -> None:
         """The injected fault `kill-engine:step=N:phase=receive` (tests): this engine dies while it
@@ -597,19 +593,19 @@ class Replicator:
             if json.loads(manifest)["step"] >= fault.step:
                 die()
 
-    def _corrupt_if_asked(self, owner: int, step: int) -> None:
-        """The injected fault `corrupt-replica:step=N` (tests): a bit flips in the held copy of
-        step N or later after its checks, as memory going bad would."""
+    def _corrupt_due(self, step: int) -> bool:
+        """The injected fault `corrupt-replica:step=N` (tests): a bit flips in each copy held of
+        step N or later, after its checks, as memory going bad would."""
         fault = self.fault
-        if fault is None or fault.target != "corrupt-replica" or step < fault.step:
-            return
+        return fault is not None and fault.target == "corrupt-replica" and step >= fault.step
+
+    def _corrupt_record(self, owner: int) -> None:
+        """`_corrupt_due` on the copy of `owner`'s part of a record, just held."""
         name = self.held.owners[owner][0]
         data_file, index_file = rank_files(owner)
         index = parse(self.held.objects[f"{name}/{index_file}"], name)
-        span = max(copy_spans(index, owner in self.held.thin)[0], key=lambda s: s.nbytes)
-        data = bytearray(self.held.objects[f"{name}/{data_file}"])
-        data[span.offset + span.nbytes // 2] ^= 1  # inside a tensor (not the alignment padding)
-        self.held.objects[f"{name}/{data_file}"] = bytes(data)
+        self.held.objects[f"{name}/{data_file}"] = _flipped(self.held.objects[f"{name}/{data_file}"], index,
+                                                            owner in self.held.thin)
 
     def close(self) -> None:
         """Stop shipping and end the round. The shipping thread is joined once the round's group
@@ -649,6 +645,15 @@ def _tier(what: str, owner: int, manifest: bytes, files: dict[str, bytes]) -> Me
 def _files(owner: int, blobs: list[bytes]) -> dict[str, bytes]:
     """Rank `owner`'s files by name, of the [data, index] a copy's messages carry (`Round.recv`)."""
     return dict(zip(rank_files(owner), blobs, strict=True))
+
+
+def _flipped(data: bytes | bytearray, index: RankIndex, thin: bool) -> bytes:
+    """`data` (a copy's, laid out as `thin` says) with one bit flipped inside its largest tensor
+    (not the alignment padding)."""
+    span = max(copy_spans(index, thin)[0], key=lambda s: s.nbytes)
+    flipped = bytearray(data)
+    flipped[span.offset + span.nbytes // 2] ^= 1
+    return bytes(flipped)
 
 
 def _steps(steps: list[int]) -> str:

@@ -237,10 +237,14 @@ class Engine:
 
     def op_alloc(self, msg: Alloc) -> None:
         """Add a generation of staging slots; the worker retires the old ones as they free up."""
+        self.reply(msg, slots=self._slot_list(self.new_slots(msg.nslots, msg.nbytes)))
+
+    def new_slots(self, n: int, nbytes: int) -> range:
+        """Make `n` staging slots of `nbytes` each; their indices."""
         first = max(self.slots, default=-1) + 1
-        for i in range(first, first + msg.nslots):
-            self.slots[i] = EngineSlot(staging_path(self.tag, self.local_rank, i), msg.nbytes)
-        self.reply(msg, slots=self._slot_list(range(first, first + msg.nslots)))
+        for i in range(first, first + n):
+            self.slots[i] = EngineSlot(staging_path(self.tag, self.local_rank, i), nbytes)
+        return range(first, first + n)
 
     def op_retire(self, msg: Retire) -> None:
         for i in msg.slots:
@@ -438,16 +442,16 @@ class Engine:
                 self.in_memory(msg.spec.step, msg.nbytes)
                 if self.replicator is not None:
                     self.replicator.offer_held(msg.spec.step)
-            self._give_back(back)
+            self.give_back(back)
         if write:
             try:
                 self.write_record(msg.spec, self.slots[msg.slot].view[: msg.nbytes])
             finally:
-                self._give_back(self.memory.written(msg.slot) if msg.hold else [msg.slot])
+                self.give_back(self.memory.written(msg.slot) if msg.hold else [msg.slot])
         elif not msg.hold:  # (neither written nor held: nothing keeps the slot)
-            self._give_back([msg.slot])
+            self.give_back([msg.slot])
 
-    def _give_back(self, slots: list[int]) -> None:
+    def give_back(self, slots: list[int]) -> None:
         for slot in slots:
             self.send(SlotFree(slot=slot))
 
@@ -753,18 +757,16 @@ class HeldSlots:
             yield spec, view
         finally:
             view.release()
-            e._give_back(e.memory.unpin(slot))
+            e.give_back(e.memory.unpin(slot))
 
     def install(self, spec: RecordSpec, data: bytes | bytearray) -> None:
         """Hold `data`, the state of `spec` a partner gave back, in a new staging slot (before the
         worker's Hello is answered: the reply hands it over, in use)."""
         e = self._engine
-        i = max(e.slots, default=-1) + 1
-        slot = EngineSlot(staging_path(e.tag, e.local_rank, i), align(len(data)))
-        slot.view[: len(data)] = data
-        e.slots[i] = slot
+        (i,) = e.new_slots(1, align(len(data)))
+        e.slots[i].view[: len(data)] = data
         _, back = e.memory.hold(i, spec, len(data))
-        e._give_back(back)  # (none: it asked, holding no step)
+        e.give_back(back)  # (none: it asked, holding no step)
         e.publish_memory(spec.step, len(data))
 
 

@@ -105,7 +105,8 @@ def agreed_resume(rt: Runtime, store: Store, *, checksums: bool = True) -> Plan 
             kv.set("resume", str(plan.step) if plan else "")
     step = kv.get("resume").decode()
     if step.startswith("memory:"):
-        return int(step.removeprefix("memory:")), held[int(step.removeprefix("memory:"))]
+        at = int(step.removeprefix("memory:"))
+        return at, held[at]
     return plans(store)[int(step)] if step else None
 
 
