@@ -8,6 +8,7 @@ hold is refused at start."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import signal
@@ -39,11 +40,15 @@ from torch import nn
 from torch.nn.utils import clip_grad
 
 from ckptrun.config import RunConfig
-from ckptrun.errors import CkptrunError
+from ckptrun.engine.held_copies import checked, spec_of
+from ckptrun.errors import CkptrunError, CorruptCheckpoint
 from ckptrun.ipc.messages import FetchHeld, Flush, Message, Persist, SlotFree
 from ckptrun.ipc.staging import EngineSlot
+from ckptrun.restore.recovery import optimizer_classes
 from ckptrun.storage.store import Store
+from ckptrun.strategies.lowdiff_plus.copies import REPLICA_META, PartnerReplicas
 from ckptrun.strategies.lowdiff_plus.engine import LowDiffPlusHandler
+from ckptrun.strategies.lowdiff_plus.replica import KEPT_BACK, Arena, tree_of
 from ckptrun.strategies.lowdiff_plus.trainer import check_host_memory
 from ckptrun.worker import patches, resume
 from ckptrun.worker.runtime import Runtime
@@ -53,6 +58,8 @@ PERSIST_NEVER = ("--persist-every", "1000")  # on disk: the start and the final 
 
 class ReplicaContext:
     """The EngineContext surface the lowdiff+ handler uses, in-process (writes are recorded)."""
+
+    replicas = None  # (no --replicas: see ShippedCopies)
 
     def __init__(self, engine: ReplicaEngine) -> None:
         self.engine, self.rank = engine, 0
@@ -103,7 +110,7 @@ class ReplicaEngine(FakeEngine):
 
     def request(self, msg: Message, timeout: float | None = None) -> dict:
         if isinstance(msg, FetchHeld):
-            return self.handler.fetch()
+            return self.handler.fetch(msg.step)
         if isinstance(msg, Flush):
             self.handler.flush()
         return super().request(msg, timeout)
@@ -117,8 +124,8 @@ class ReplicaEngine(FakeEngine):
     def dispose(self) -> None:
         for slot in self.views.values():
             slot.close(unlink=False)
-        if self.handler.arena is not None:
-            self.handler.arena.close()
+        self.handler.own.stepped.drop()
+        self.handler.copies.close()
 
 
 class Net(nn.Module):
@@ -191,7 +198,7 @@ def test_replica_equals_the_trainer_at_every_step(variant, tmp_path, monkeypatch
         before_step(step)
 
     monkeypatch.setattr(strategy, "before_step", counted)
-    truth, replica = {}, engine.handler
+    truth, replica = {}, engine.handler.own.stepped
     for it in range(50):
         opt.zero_grad()
         for m in range(micro):
@@ -317,3 +324,95 @@ def test_a_bad_option_is_refused_before_anything_is_created(flag, value, says, t
     line = error_line(proc)
     assert proc.returncode == 2 and flag in line and says in line, line
     assert not (tmp_path / "ckpts").exists()
+
+
+class ShippedCopies:
+    """The replicator as a lowdiff+ handler sees it (`handlers.Replicas`): what it offers is
+    delivered, checked as a partner's receiving thread checks it, to `partner` (a copy of rank
+    0's replica) at once."""
+
+    def __init__(self, partner: PartnerReplicas) -> None:
+        self.partner, self.due, self.kinds = partner, True, []
+        self.damage = False
+
+    def offer_copy(self, copy) -> None:
+        self.due = self.due and copy.kind != "full"
+        self.kinds.append((copy.kind, copy.step))
+        self.partner.hold(0, checked(0, *copy.blobs(), thin=False), damage=self.damage)
+
+    def full_due(self) -> bool:
+        return self.due
+
+    def wait_shipped(self, most: int, timeout: float) -> bool:
+        return True  # (delivered as offered)
+
+
+def test_replicas_ship_the_diffs_a_partner_steps_its_copy_with_and_both_sides_keep_back(tmp_path, monkeypatch,
+                                                                                       request):
+    """--replicas, in-process: the handler ships its replica whole once, then each step's diff;
+    the partner's copy, stepped by them with its own optimizer, equals the trainer's state bit
+    for bit at the step it stands at. Each side applies a diff only once the other has one of
+    its step (else up to KEPT_BACK wait), so both can stand at a common step, and a step due to
+    be written is written once the replica stands at it. A copy given back at a kept step is
+    that step's state, checked; a bit gone bad in the copy's memory is refused when it is given
+    back; a diff that skips a step drops the copy until a whole one comes."""
+    monkeypatch.delenv("CKPTRUN_FAULT", raising=False)
+    engine = ReplicaEngine(tmp_path)
+    request.addfinalizer(engine.dispose)
+    bound = {"partner": float("inf"), "owner": float("inf")}  # each side's view of the other's newest step
+    arenas = iter(range(10**6))
+    partner = PartnerReplicas(optimizer_classes(), lambda owner, layout: Arena(tmp_path / f"p{next(arenas)}", layout),
+                              lambda: bound["partner"])
+    request.addfinalizer(partner.close)
+    shipped = ShippedCopies(partner)
+    engine.handler.ctx.replicas = shipped
+    monkeypatch.setattr(engine.handler.copies, "newest", lambda: bound["owner"])
+    cfg = RunConfig(strategy="lowdiff+", dir=str(tmp_path / "ckpts"), every=1, max_inflight=2, keep=1,
+                    options={"persist_every": "5", "rebase_every": "auto"})
+    rt = Runtime(cfg, 0, 0, 1, 0, connect=engine.connect)
+    torch.manual_seed(0)
+    model = Net()
+    opt = optimizer("adam", model)
+    opt.register_step_pre_hook(rt.pre_step_hook)
+    opt.register_step_post_hook(rt.post_step_hook)
+    rt.on_optimizer(opt)
+    truth, own, low = {}, engine.handler.own, {"partner": 0, "owner": 0}  # (low: the step each replica is at)
+    for it in range(24):
+        bound.update({8: {"partner": 9}, 16: {"partner": float("inf"), "owner": 17}, 20: {"partner": 0}}.get(it, {}))
+        opt.zero_grad()
+        model(torch.randn(8, 6, generator=torch.Generator().manual_seed(it))).pow(2).mean().backward()
+        opt.step()
+        truth[rt.step] = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+        newest = rt.step - 1  # (step t's gradients reach the engine at step t+1's pre-step)
+        if newest < 1:
+            continue
+        for side, steps, replica in (("partner", partner.steps(0), partner.owners[0].kept.stepped.replica),
+                                     ("owner", own.steps(), own.stepped.replica)):
+            low[side] = max(low[side], min(newest, bound[side]), newest - KEPT_BACK)
+            assert steps == list(range(newest, low[side] - 1, -1)), (it, side, steps)
+            assert_replica(replica, truth[low[side]])
+    assert shipped.kinds[0] == ("full", 0) and [k for k, _ in shipped.kinds].count("full") == 1
+    assert engine.handler.ctx.written == [s for s in range(0, 24, 5) if s <= low["owner"]]
+    kept = own.steps()
+    assert len(kept) > 2
+    engine.handler.fetch(kept[1])  # the worker resumes at the step before the newest
+    due = max(s for s in range(0, 24, 5) if s <= kept[1])
+    assert own.steps() == [kept[1]] and engine.handler.ctx.written[-1] == due
+    assert_replica(own.stepped.replica, truth[kept[1]])
+
+    held = partner.steps(0)
+    assert len(held) == KEPT_BACK + 1
+    given = partner.whole(0, held[1], None)
+    assert partner.steps(0) == [held[1]]
+    back = spec_of(checked(0, *given.blobs(), thin=False))  # (as the owner's engine checks it again)
+    state = tree_of(back, torch.frombuffer(bytearray(given.data), dtype=torch.uint8))
+    assert_same(dict(state["models"]["model"]), dict(truth[held[1]]["model"]), "given back")
+    assert back.meta[REPLICA_META] == {"exact": True, "replicated": [], "shared": []}
+
+    shipped.damage = True  # memory goes bad after the copy's checksums
+    shipped.partner.hold(0, checked(0, *own.stepped.copy(0, {REPLICA_META: back.meta[REPLICA_META]}).blobs(),
+                                    thin=False), damage=True)
+    with pytest.raises(CorruptCheckpoint, match="changed in memory"):
+        partner.whole(0, partner.steps(0)[0], None)
+    skipped = dataclasses.replace(given, kind="diff", step=partner.steps(0)[0] + 2)
+    assert partner.hold(0, skipped) is False and partner.steps(0) == []

@@ -358,14 +358,14 @@ TRIES = 3
 
 
 def _lose_node1_in_step(cwd: Path, head: Node, other: Node, *, fault: str | None, extra: tuple[str, ...],
-                        lost: Callable[[int], bool]) -> tuple[Path, int, float]:
-    """`_lose_node1` with --persist-every 4 on top (the default strategy), tried again in a new
-    folder where node 0 ran two steps ahead of the newest copy that left node 1 before it died
-    (on a loaded machine, or at this model's 30 ms steps): no copy can be made whole then,
-    which node 1 says in one line and resumes from --dir. Returns the last try's, in `cwd`."""
+                        lost: Callable[[int], bool], strategy: str = RunConfig.strategy) -> tuple[Path, int, float]:
+    """`_lose_node1` with --persist-every 4 on top, tried again in a new folder where node 0 ran
+    two steps ahead of the newest copy that left node 1 before it died (on a loaded machine, or
+    at this model's 30 ms steps): no copy can be made whole then, which node 1 says in one line
+    and resumes from --dir. Returns the last try's, in `cwd`."""
     for i in range(TRIES):
         cwd = cwd.with_name(f"{cwd.name}-{i}")
-        newest, t_kill = _lose_node1(cwd, head, other, RunConfig.strategy, fault=fault, lost=lost,
+        newest, t_kill = _lose_node1(cwd, head, other, strategy, fault=fault, lost=lost,
                                      extra=(*extra, "--persist-every", "4"))
         if LAGGED not in (cwd / "node1.log").read_text():
             return cwd, newest, t_kill
@@ -397,6 +397,34 @@ def test_memory_first_a_lost_node_resumes_from_its_partners_memory_at_a_step_hel
         assert_training_state(load(lost / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
     written = {m.step for m in Store(lost / head.own_dir).manifests()}
     assert all(s % 4 == 0 or s == STOP for s in written), written
+
+
+def test_lowdiff_plus_a_lost_node_resumes_from_its_partners_copy_of_its_replica_stepped_by_the_diffs(
+        nodes, tmp_path, tmp_path_factory):
+    """lowdiff+ with --replicas 2: each engine ships its replica whole once, then only each
+    step's diff; node 0 steps its copy of rank 1's replica with them (the same exact replay).
+    Node 1 lost with its --dir: its new engine takes rank 1's replica back from node 0's copy at
+    a step node 0's own replica can also stand at; both ranks resume there from memory, reading
+    no disk, and end bit-exact."""
+    head, other = nodes
+    plain = _uninterrupted("lowdiff+", nodes, tmp_path_factory)
+    lost, _, t_kill = _lose_node1_in_step(tmp_path / "lost", head, other, fault=None, extra=NODE_LOCAL,
+                                          lost=lambda step: True, strategy="lowdiff+")
+    events = [json.loads(line) for line in (lost / "metrics-node1" / "engine-0.jsonl").read_text().splitlines()]
+    restored = [e for e in events if e.get("type") == "replica_restored" and e.get("held")]
+    assert len(restored) == 1 and restored[0]["holder"] == 0, _logs(lost)
+    step = restored[0]["step"]
+    assert _resumed_at(lost, nodes, t_kill) == step, _logs(lost)
+    for node in nodes:
+        log = (lost / f"node{node.rank}.log").read_text()
+        assert f"resumed step {step} from the checkpoint engine's memory (no disk read)" in log, _logs(lost)
+    sent = [e for e in events if e.get("type") == "replica_sent" and e.get("held") and e["t"] < t_kill]
+    kinds = {e["kind"] for e in sent}
+    assert kinds == {"full", "diff"}, sent
+    diffs = [e["bytes"] for e in sent if e["kind"] == "diff"]
+    assert len(diffs) >= 4 and max(diffs) < restored[0]["bytes"] // 2, (diffs, restored)  # (Adam: 3x the params)
+    for rank in (0, 1):
+        assert_training_state(load(lost / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
 
 
 def test_memory_first_a_damaged_copy_of_a_step_held_only_falls_through_to_disk(nodes, tmp_path, tmp_path_factory):

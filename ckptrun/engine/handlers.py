@@ -14,7 +14,7 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..ipc.messages import Message, RecordSpec, StrategyMessage
 
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from ..storage.fsutil import FaultHook
     from ..storage.store import Store
+    from .held_copies import HeldCopy, HeldMemory, PartnerCopies
 
 
 class EngineContext(ABC):
@@ -140,6 +141,25 @@ class EngineContext(ABC):
     def emit(self, **event: Any) -> None:
         """Append an event to the engine's metrics log."""
 
+    @property
+    @abstractmethod
+    def replicas(self) -> Replicas | None:
+        """--replicas: where a handler that keeps its state itself ships copies of it to the
+        partners (its `replication` keeps theirs); None without."""
+
+
+class Replicas(Protocol):
+    """What a handler sees of the engine's replicator (engine/replicate.py)."""
+
+    def offer_copy(self, copy: HeldCopy) -> None:
+        """Ship `copy` to the partners, after those offered before it."""
+
+    def wait_shipped(self, most: int, timeout: float) -> bool:
+        """Wait until at most `most` copies offered are not sent yet, `timeout` s at most."""
+
+    def full_due(self) -> bool:
+        """Must the next copy offered be whole (new partners, or copies dropped)?"""
+
 
 class EngineHandler:
     """Default: the strategy sends only the shared messages (Persist, Flush, ...)."""
@@ -171,16 +191,22 @@ class EngineHandler:
     def tick(self) -> None:
         """Called every few tens of milliseconds by the engine (e.g. to watch other ranks)."""
 
-    def held(self) -> tuple[int, int] | None:
-        """(step, bytes) of the full state this handler holds in memory (a CPU replica), if any:
-        a restarted worker may resume from it without reading the disk (`fetch`)."""
-        return None
+    def held(self) -> list[tuple[int, int]]:
+        """(step, bytes) of each full state this handler holds in memory (a CPU replica), newest
+        first: a restarted worker may resume from one without reading the disk (`fetch`)."""
+        return []
 
-    def fetch(self) -> dict:
-        """Where the held state is: {"step", "path" (a shared-memory file), "skeleton", "tensors"
-        (key -> TensorSpec JSON, offsets into the file), "exact"}. The handler does not change
-        that file until the worker's next message."""
+    def fetch(self, step: int | None = None) -> dict:
+        """Where the held state of `step` (None: the newest) is: {"step", "path" (a shared-memory
+        file), "skeleton", "tensors" (key -> TensorSpec JSON, offsets into the file), "exact"}.
+        The handler does not change that file until the worker's next message."""
         raise RuntimeError("this strategy holds no state in memory")
+
+    def replication(self) -> tuple[HeldMemory, PartnerCopies] | None:
+        """--replicas: a handler that holds its state in memory itself gives the replicator what
+        it holds (`HeldMemory`) and what keeps its partners' copies; None: the engine's own
+        (a snapshot strategy's slots, `HeldCopies`)."""
+        return None
 
 
 def engine_handler(spec: str | None, ctx: EngineContext) -> EngineHandler:

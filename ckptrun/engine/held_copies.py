@@ -14,10 +14,11 @@ node resumes from the newest step every rank holds, with no disk read.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Annotated
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, replace
+from typing import Annotated, Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -48,20 +49,22 @@ class HeldCopy:
     thin: bool
     step: int
     index: RankIndex
+    kind: str  # of its record: "full" (a snapshot's, a replica's) or "diff" (a step's gradients)
 
     def blobs(self) -> list[bytes | bytearray]:
         """[header, data, index], as `Round.send` ships a copy."""
         return [self.header, self.data, self.raw_index]
 
 
-def cut(rank: int, spec: RecordSpec, view: memoryview) -> HeldCopy:
-    """Rank `rank`'s copy of the step `spec` describes, held in `view` (its staging slot, pinned)."""
+def cut(rank: int, spec: RecordSpec, view: memoryview, *, thin: bool = True) -> HeldCopy:
+    """Rank `rank`'s copy of the step `spec` describes, held in `view` (its staging slot, pinned):
+    thin where its index names shared tensors, unless `thin` is False."""
     raw = json.dumps(rank_index(spec.record, rank, view, spec.tensors, spec.skeleton, spec.meta)).encode()
     what = f"step {spec.step}: rank {rank}"
-    thin = thin_part(raw, lambda offset, n: bytes(view[offset : offset + n]), what)
+    part = thin_part(raw, lambda offset, n: bytes(view[offset : offset + n]), what) if thin else None
     header = Header(step=spec.step, kind=spec.kind).model_dump_json().encode()
-    data = thin[0] if thin is not None else bytes(view)
-    return HeldCopy(header, data, raw, thin is not None, spec.step, parse(raw, what))
+    data = part[0] if part is not None else bytearray(view)
+    return HeldCopy(header, data, raw, part is not None, spec.step, parse(raw, what), spec.kind)
 
 
 def checked(owner: int, header: bytes, data: bytes | bytearray, raw_index: bytes, thin: bool) -> HeldCopy:
@@ -80,34 +83,73 @@ def checked(owner: int, header: bytes, data: bytes | bytearray, raw_index: bytes
         raise CorruptCheckpoint(f"{what}: its data is {len(data):,} bytes, its index says {size:,}")
     for _ in Source.of_buffer(data, spans, what).chunks(max(size, 1)):
         pass
-    return HeldCopy(header, data, raw_index, thin, head.step, index)
+    return HeldCopy(header, data, raw_index, thin, head.step, index, head.kind)
 
 
 def spec_of(copy: HeldCopy) -> RecordSpec:
     """The record spec of a whole copy's state, as the engine holds a snapshot's."""
     index = json.loads(copy.raw_index)
     tensors = {k: {f: t[f] for f in ("dtype", "shape", "offset", "nbytes")} for k, t in index["tensors"].items()}
-    return RecordSpec(record=copy.index.record, kind=Header.model_validate_json(copy.header).kind, step=copy.step,
+    return RecordSpec(record=copy.index.record, kind=copy.kind, step=copy.step,
                       skeleton=index["skeleton"], tensors=tensors, meta=index["meta"])
 
 
+class HeldMemory(Protocol):
+    """The steps this engine holds in memory (a snapshot strategy's slots: `server.HeldSlots`;
+    lowdiff+'s replica: its handler)."""
+
+    def held_steps(self) -> list[int]: ...
+
+    def pinned(self, step: int) -> contextlib.AbstractContextManager[tuple[RecordSpec, memoryview] | None]: ...
+
+    def install(self, spec: RecordSpec, data: bytes | bytearray) -> None: ...
+
+
+class PartnerCopies(Protocol):
+    """What an engine keeps of its partners' steps held in memory: the copies themselves
+    (`HeldCopies`, a snapshot strategy's), or lowdiff+'s replicas stepped by the diffs their
+    owners ship (strategies/lowdiff_plus/copies.py). Called by the replicator's threads under
+    its lock; `whole` only while no copy arrives (a new round's exchange)."""
+
+    owners: dict[int, Any]  # the owners it keeps copies of
+
+    def hold(self, owner: int, copy: HeldCopy, damage: bool = False) -> bool:
+        """Take `copy` (checked) in; False if it is not kept. `damage`: flip a bit in what is
+        kept, after its checks (the `corrupt-replica` fault)."""
+
+    def steps(self, owner: int) -> list[int]:
+        """The steps of `owner` it can give back, newest first (some only with `own`'s help)."""
+
+    def whole_steps(self, owner: int, own: Collection[int]) -> list[int]:
+        """Of `steps`, those it can give back whole while this engine holds `own`."""
+
+    def whole(self, owner: int, step: int, own: Callable[[str, memoryview], int] | None) -> HeldCopy:
+        """`owner`'s state of `step`, whole and checked (else CorruptCheckpoint); `own(key, into)`
+        reads a tensor of this engine's own state of that step (None: not held)."""
+
+
 class HeldCopies:
-    """The copies this engine holds of its partners' held steps, the KEEP newest per owner."""
+    """The copies this engine holds of its partners' held steps, the KEEP newest per owner
+    (`PartnerCopies`)."""
 
     def __init__(self) -> None:
         self.owners: dict[int, list[HeldCopy]] = {}  # newest first
 
-    def hold(self, owner: int, copy: HeldCopy) -> bool:
+    def hold(self, owner: int, copy: HeldCopy, damage: bool = False) -> bool:
         """Keep `copy` (checked) unless one of its step or a newer one is held already."""
         held = self.owners.setdefault(owner, [])
         if held and held[0].step >= copy.step:
             return False
-        held.insert(0, copy)
+        held.insert(0, replace(copy, data=flipped(copy.data, copy.index, copy.thin)) if damage else copy)
         del held[KEEP:]
         return True
 
     def steps(self, owner: int) -> list[int]:
         return [c.step for c in self.owners.get(owner, [])]
+
+    def whole_steps(self, owner: int, own: Collection[int]) -> list[int]:
+        """A thin copy is made whole from this engine's own state of its step."""
+        return [c.step for c in self.owners.get(owner, []) if c.step in own or not c.thin]
 
     def get(self, owner: int, step: int) -> HeldCopy | None:
         return next((c for c in self.owners.get(owner, []) if c.step == step), None)
@@ -123,4 +165,13 @@ class HeldCopies:
         if own is None:
             raise CorruptCheckpoint(f"step {step} is no longer held here to complete rank {owner}'s copy")
         data = rebuild(copy.data, copy.index, shared_keys(copy.index), own)
-        return HeldCopy(copy.header, data, copy.raw_index, False, step, copy.index)
+        return replace(copy, data=data, thin=False)
+
+
+def flipped(data: bytes | bytearray, index: RankIndex, thin: bool) -> bytes:
+    """`data` (a copy's, laid out as `thin` says) with one bit flipped inside its largest tensor
+    (not the alignment padding): memory going bad, as the `corrupt-replica` fault has it."""
+    span = max(copy_spans(index, thin)[0], key=lambda s: s.nbytes)
+    out = bytearray(data)
+    out[span.offset + span.nbytes // 2] ^= 1
+    return bytes(out)

@@ -28,9 +28,10 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 from ..errors import CkptrunError, CorruptCheckpoint
 from ..faults import Fault, die
@@ -43,17 +44,16 @@ from ..storage.schema import (
     MAX_METADATA_BYTES,
     MAX_WORLD_SIZE,
     Manifest,
-    RankIndex,
     checksum,
     rank_files,
 )
 from ..storage.store import Store
-from ..storage.tiers.dpshared import copy_spans, parse, rebuild, shared_keys
+from ..storage.tiers.dpshared import parse, rebuild, shared_keys
 from ..storage.tiers.group import ReplicationGroup
 from ..storage.tiers.memtier import MemoryTier
 from ..storage.tiers.mirror import fill
 from ..storage.tiers.parts import rank_part, thin_part, thin_rank_part
-from .held_copies import HeldCopies, HeldCopy, checked, cut, spec_of
+from .held_copies import HeldCopies, HeldCopy, HeldMemory, PartnerCopies, checked, cut, flipped, spec_of
 
 SHIP, FETCH = 1, 2  # gloo tags: a new copy for a partner; a copy sent back to its owner
 THIN, HELD = 1, 2  # a copy's flags: its data lacks the shared tensors; it is of a step held in memory only
@@ -62,6 +62,7 @@ SEND_TIMEOUT_S = 30.0  # one copy to one partner; past it the partner counts as 
 STOP = -1  # a header that ends the partner's receiving thread (a new round begins)
 HEADER = 5  # int64s of a copy's first message: owner, flags, bytes of its manifest (or header), data and index
 FRESH_KEPT = 4  # thin copies cut as their parts were written, waiting for their records to commit
+OUTBOX_KEPT = 8  # `offer_copy`'s copies waiting to be shipped, at most
 
 
 class Round:
@@ -137,7 +138,7 @@ class Round:
             return b""
         buf = torch.empty(n, dtype=torch.uint8)
         self.pg.recv([buf], src, tag).wait(wait)
-        return buf.numpy().tobytes()
+        return bytearray(buf.numpy())  # (writable: lowdiff+'s copies step tensors over it)
 
 
 def _bytes_tensor(b: bytes | bytearray) -> Any:
@@ -147,23 +148,14 @@ def _bytes_tensor(b: bytes | bytearray) -> Any:
     return torch.frombuffer(b if isinstance(b, bytearray) else bytearray(b), dtype=torch.uint8)
 
 
-class HeldMemory(Protocol):
-    """The steps this engine holds in memory (a snapshot strategy's slots: `server.HeldSlots`)."""
-
-    def held_steps(self) -> list[int]: ...
-
-    def pinned(self, step: int) -> contextlib.AbstractContextManager[tuple[RecordSpec, memoryview] | None]: ...
-
-    def install(self, spec: RecordSpec, data: bytes | bytearray) -> None: ...
-
-
 class Replicator:
     """This engine's side of the replicated memory tier (see the module docstring)."""
 
     def __init__(self, events: EventLog) -> None:
         self.log = events
         self.held = MemoryTier("partner memory")
-        self.copies = HeldCopies()  # partners' steps held in memory only
+        self.copies: PartnerCopies = HeldCopies()  # partners' steps held in memory only (join's `copies`)
+        self._snapshot_copies = self.copies
         self.memory: HeldMemory | None = None
         self.round: Round | None = None
         self.store: Store | None = None
@@ -175,6 +167,9 @@ class Replicator:
         self._offered_held: int | None = None  # the newest step held in memory not shipped yet
         self._newest = -1  # the step of the newest record offered
         self._fresh: dict[str, tuple[bytes, bytes]] = {}  # record -> this rank's thin copy, cut as written
+        self._outbox: deque[HeldCopy] = deque()  # `offer_copy`'s, shipped in order
+        self._sending = 0  # of them, taken by the shipping thread and not sent yet
+        self._full_due = True  # the next `offer_copy` must be whole (a new round, or copies dropped)
         self._wake = threading.Condition()
         self._closing = False
         self._shipper = threading.Thread(target=self._ship_loop, name="ckptrun-replicas", daemon=True)
@@ -182,19 +177,23 @@ class Replicator:
 
     # ---- rounds ------------------------------------------------------------------------
     def join(self, spec: dict, rank: int, world_size: int, store: Store, fault: Fault | None, *,
-             node_local: bool = False, memory: HeldMemory | None = None) -> None:
+             node_local: bool = False, memory: HeldMemory | None = None, copies: PartnerCopies | None = None) -> None:
         """A worker's Hello in round `spec` (the job store's address and prefix, K, J, local
         ranks per node): make the round's group with every other engine, exchange copies a
         replaced node lacks, then receive partners' new copies. `node_local`: --dir is this
         node's own, so a record it lost comes back whole (manifest and this rank's part).
-        `memory`: the steps this engine holds in memory. Never raises: replication off for the
-        round is said in one line."""
+        `memory`: the steps this engine holds in memory; `copies`: what it keeps of partners'
+        (a snapshot strategy's copies by default). Never raises: replication off for the round
+        is said in one line."""
         self.store, self.fault, self.node_local, self.memory = store, fault, node_local, memory
+        self.copies = copies if copies is not None else self._snapshot_copies
         if self.round is not None and self.round.key == spec["prefix"] and self.round.rank == rank:
             return  # the same round (a worker restarted alone)
         self._end_round()
         with self._wake:
             self._newest = -1  # new partners may hold nothing yet: the next commit goes, whatever its step
+            self._outbox.clear()
+            self._full_due = True  # (and the next stepped copy whole)
         try:
             r = Round(spec, rank, world_size)
         except (CkptrunError, RuntimeError, ValueError) as e:
@@ -264,13 +263,14 @@ class Replicator:
         own = set(self.memory.held_steps()) if self.memory is not None else set()
         with self._lock:
             kept = {str(o): self.copies.steps(o) for o in r.partners}
-            can = {o: [s for s in steps if s in own or not self.copies.get(int(o), s).thin]
-                   for o, steps in kept.items()}
-        r.store.set(f"held-steps/{r.rank}", json.dumps({"kept": kept, "whole": can}))
+            can = {str(o): self.copies.whole_steps(o, own) for o in r.partners}
+        r.store.set(f"held-steps/{r.rank}", json.dumps({"own": sorted(own), "kept": kept, "whole": can}))
         want = {}
         if self.memory is not None and not own:
             said = {p: json.loads(r.store.get(f"held-steps/{p}")) for p in r.partners}
-            offers = [(int(s), p) for p, d in said.items() for s in d["whole"].get(str(r.rank), [])]
+            held = [set(d["own"]) for d in said.values() if d["own"]]  # (the surviving partners' own steps)
+            offers = [(int(s), p) for p, d in said.items() for s in d["whole"].get(str(r.rank), [])
+                      if all(int(s) in h for h in held)]
             if offers:
                 step, holder = max(offers)
                 want = {"holder": holder, "step": step}
@@ -427,7 +427,34 @@ class Replicator:
         """This engine holds `step` in memory now (its newest): ship it."""
         with self._wake:
             self._offered_held = step
-            self._wake.notify()
+            self._wake.notify_all()
+
+    def offer_copy(self, copy: HeldCopy) -> None:
+        """Ship `copy` after those offered before it: lowdiff+'s whole replica, or a step's diff
+        that partners step their copy of it with (all of them, in order). A backlog past
+        OUTBOX_KEPT (partners slower than the steps) is dropped, and the next offer must be whole."""
+        with self._wake:
+            if copy.kind == "full":
+                self._full_due = False
+            if len(self._outbox) >= OUTBOX_KEPT:
+                self._outbox.clear()
+                self._full_due = True
+                self.log.emit(type="replica_error", rank=self.round.rank if self.round else -1,
+                              error=f"copies of {OUTBOX_KEPT} steps not shipped yet: dropped, the next one whole")
+            else:
+                self._outbox.append(copy)
+            self._wake.notify_all()
+
+    def wait_shipped(self, most: int, timeout: float) -> bool:
+        """Wait until at most `most` of the copies offered are not sent yet (to every live
+        partner), for `timeout` seconds at most; whether they are."""
+        with self._wake:
+            return self._wake.wait_for(lambda: len(self._outbox) + self._sending <= most, timeout)
+
+    def full_due(self) -> bool:
+        """Must the next `offer_copy` be whole (partners of a new round, or copies dropped)?"""
+        with self._wake:
+            return self._full_due
 
     def offer(self, record: str, step: int) -> None:
         """A record of `step` this rank wrote has committed: ship it, if no newer step has been
@@ -435,18 +462,31 @@ class Replicator:
         with self._wake:
             if step > self._newest:
                 self._offered, self._newest = record, step
-                self._wake.notify()
+                self._wake.notify_all()
 
     def _ship_loop(self) -> None:
         while True:
             with self._wake:
-                while self._offered is None and self._offered_held is None and not self._closing:
+                while self._offered is None and self._offered_held is None and not self._outbox \
+                        and not self._closing:
                     self._wake.wait()
                 if self._closing:
                     return
                 name, step, self._offered, self._offered_held = self._offered, self._offered_held, None, None
+                copies, self._outbox = list(self._outbox), deque()
+                self._sending = len(copies)
             with self._lock:
                 r = self.round
+            for copy in copies if r is not None else []:
+                if r.live:
+                    self._to_partners(r, copy.blobs(), HELD, copy.step, len(copy.data) + len(copy.raw_index),
+                                      time.time(), copy.kind)
+                with self._wake:
+                    self._sending -= 1
+                    self._wake.notify_all()
+            with self._wake:  # (none sent without a round)
+                self._sending = 0
+                self._wake.notify_all()
             if r is not None and r.live and step is not None:
                 self._ship_held(r, step)
             if r is not None and r.live and name is not None:
@@ -464,7 +504,7 @@ class Replicator:
             self.log.emit(type="replica_error", rank=r.rank, error=f"step {step}: {_short(e)}")
             return
         self._to_partners(r, copy.blobs(), HELD | (THIN if copy.thin else 0), step,
-                          len(copy.data) + len(copy.raw_index), t0)
+                          len(copy.data) + len(copy.raw_index), t0, copy.kind)
 
     def written(self, name: str, rank: int, index: bytes, data: memoryview) -> None:
         """This rank's part of `name` was just written from `data` (its staging slot, not yet
@@ -508,16 +548,17 @@ class Replicator:
         self._to_partners(r, [manifest, *part], THIN if thin is not None else 0, m.step, sum(map(len, part)), t0)
 
     def _to_partners(self, r: Round, blobs: list[bytes | bytearray], flags: int, step: int, nbytes: int,
-                     t0: float) -> None:
-        """Send one copy of `step` (`nbytes` said in its event) to each live partner; one that
-        fails is dropped for the round."""
+                     t0: float, kind: str = "") -> None:
+        """Send one copy of `step` (`nbytes` and a held step's `kind` said in its event) to each
+        live partner; one that fails is dropped for the round."""
         for p in sorted(r.live):
             try:
                 r.send(p, SHIP, r.rank, blobs, flags)
             except RuntimeError as e:
                 self._drop(r, p, e)
+        held = {"held": True, "kind": kind} if flags & HELD else {}
         self.log.emit(type="replica_sent", rank=r.rank, step=step, bytes=nbytes, partners=sorted(r.live),
-                      of=len(r.partners), seconds=time.time() - t0, **({"held": True} if flags & HELD else {}))
+                      of=len(r.partners), seconds=time.time() - t0, **held)
 
     def _whole_part(self, m: Manifest, rank: int) -> tuple[bytes, ...]:
         """Rank `rank`'s files of committed record `m`, read whole and checked."""
@@ -568,11 +609,8 @@ class Replicator:
     def _hold_copy(self, r: Round, owner: int, flags: int, blobs: list[bytes]) -> None:
         """Keep `owner`'s copy of a step it holds in memory, once checked (else CorruptCheckpoint)."""
         copy = checked(owner, *blobs, thin=bool(flags & THIN))
-        if self._corrupt_due(copy.step):
-            copy = HeldCopy(copy.header, _flipped(copy.data, copy.index, copy.thin), copy.raw_index, copy.thin,
-                            copy.step, copy.index)
         with self._lock:
-            if not self.copies.hold(owner, copy):
+            if not self.copies.hold(owner, copy, damage=self._corrupt_due(copy.step)):
                 return
         self._said_held(r, owner, copy.step, len(copy.data) + len(copy.raw_index), memory_status.HELD_COPIES)
 
@@ -604,7 +642,7 @@ class Replicator:
         name = self.held.owners[owner][0]
         data_file, index_file = rank_files(owner)
         index = parse(self.held.objects[f"{name}/{index_file}"], name)
-        self.held.objects[f"{name}/{data_file}"] = _flipped(self.held.objects[f"{name}/{data_file}"], index,
+        self.held.objects[f"{name}/{data_file}"] = flipped(self.held.objects[f"{name}/{data_file}"], index,
                                                             owner in self.held.thin)
 
     def close(self) -> None:
@@ -613,7 +651,7 @@ class Replicator:
         exits aborts it (SIGABRT), as a partner closing while a copy went to it showed."""
         with self._wake:
             self._closing = True
-            self._wake.notify()
+            self._wake.notify_all()
         self._end_round()
         self._shipper.join(timeout=SEND_TIMEOUT_S)
         if self.store is not None:
@@ -645,15 +683,6 @@ def _tier(what: str, owner: int, manifest: bytes, files: dict[str, bytes]) -> Me
 def _files(owner: int, blobs: list[bytes]) -> dict[str, bytes]:
     """Rank `owner`'s files by name, of the [data, index] a copy's messages carry (`Round.recv`)."""
     return dict(zip(rank_files(owner), blobs, strict=True))
-
-
-def _flipped(data: bytes | bytearray, index: RankIndex, thin: bool) -> bytes:
-    """`data` (a copy's, laid out as `thin` says) with one bit flipped inside its largest tensor
-    (not the alignment padding)."""
-    span = max(copy_spans(index, thin)[0], key=lambda s: s.nbytes)
-    flipped = bytearray(data)
-    flipped[span.offset + span.nbytes // 2] ^= 1
-    return bytes(flipped)
 
 
 def _steps(steps: list[int]) -> str:

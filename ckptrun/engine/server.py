@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import AlreadyCommitted, CorruptCheckpoint
 from ..faults import Fault
@@ -58,6 +58,9 @@ from .arena import HeapTrimmer, one_arena
 from .handlers import EngineContext, engine_handler
 from .held import HeldSnapshot
 from .nodecommit import Board
+
+if TYPE_CHECKING:
+    from .replicate import Replicator
 
 COMMIT_TRIES = 6  # a commit that fails this often is abandoned (reported; the previous step stays)
 COMMIT_BACKOFF_S = 0.1  # first retry delay; doubles each time
@@ -209,14 +212,19 @@ class Engine:
         if self.replicator is None:
             self.replicator = Replicator(self.log)
             self.replicator.on_held = lambda step: self._on_board(lambda b: b.hold(self.rank, step))
+        memory, copies = self.handler.replication() or (HeldSlots(self), None)
         self.replicator.join(msg.replication, msg.rank, msg.world_size, self.store, self.fault,
-                             node_local=msg.node_local is not None, memory=HeldSlots(self))
+                             node_local=msg.node_local is not None, memory=memory, copies=copies)
 
     def _join_board(self, spec: dict | None) -> None:
         """--node-local-dir: meet the round's commit keys (a new round: new keys; what the old
-        round left uncommitted is written again by the re-run)."""
+        round left uncommitted is written again by the re-run, or, below a step resumed from
+        memory, never: it is no longer waited for)."""
         if spec is None or (self.board is not None and self.board.key == spec["prefix"]):
             return
+        with self._pending_lock:
+            self.pending.clear()
+            self._retries.clear()
         try:
             self.board = Board.connect(spec)
         except (RuntimeError, ValueError) as e:  # no commit this round: the previous step stays
@@ -268,14 +276,13 @@ class Engine:
     def _held(self) -> list[tuple[int, int]]:
         """(step, bytes) of each state held in memory, newest first: the handler's (a replica),
         else a snapshot strategy's slots."""
-        replica = self.handler.held() if self.handler is not None else None
-        return [replica] if replica is not None else self.memory.held()
+        return (self.handler.held() if self.handler is not None else []) or self.memory.held()
 
     def op_fetch_held(self, msg: FetchHeld) -> None:
         """A restarted worker resumes from the state held in memory (no disk read)."""
         try:
-            if self.handler is not None and self.handler.held() is not None:
-                self.reply(msg, **self.handler.fetch())
+            if self.handler is not None and self.handler.held():
+                self.reply(msg, **self.handler.fetch(msg.step))
             else:
                 self.reply(msg, **self.memory.fetch(msg.step, lambda slot: self.slots[slot].path))
         except Exception as e:  # any failure: the worker falls back to the committed records
@@ -711,6 +718,10 @@ class ServerContext(EngineContext):
 
     def shared_file(self, name: str) -> Path:
         return staging_path(self._engine.tag, self._engine.local_rank, name)
+
+    @property
+    def replicas(self) -> Replicator | None:
+        return self._engine.replicator
 
     def write_fault_due(self, step: int) -> bool:
         return self._engine.write_fault_due(step)

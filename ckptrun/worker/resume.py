@@ -96,9 +96,13 @@ def agreed_resume(rt: Runtime, store: Store, *, checksums: bool = True) -> Plan 
     kv.set(f"flushed/{rt.rank}", ",".join(map(str, sorted(held))))
     if rt.cfg.node_local_dir:  # every rank decides alike, each from its own node's --dir
         step = _all_hold(kv, rt.world_size)
-        return (step, held[step]) if step is not None else _agreed_node_local(rt, store, kv, checksums=checksums)
+        if step is None:
+            return _agreed_node_local(rt, store, kv, checksums=checksums)
+        store.sweep_incomplete()  # (what only some ranks wrote before the resumed step never commits)
+        return step, held[step]
     if rt.rank == 0:
         if (step := _all_hold(kv, rt.world_size)) is not None:
+            store.sweep_incomplete()
             kv.set("resume", f"memory:{step}")
         else:
             plan = _decide(rt, store, checksums=checksums)

@@ -2,14 +2,19 @@
 
 The replica is a full state (parameters, optimizer state, buffers, RNG, schedulers, ...) in this
 process's memory, started from a real full snapshot (`Base`) and stepped forward by each step's
-`Grads` with an optimizer of the trainer's class, its hyper-parameters set to that step's
-(`ckptrun.restore.replay.apply_diff`, the replay lowdiff's restore uses). On CPU training the
-replica is bit-exact. It is written to disk as an ordinary full record when the trainer says the
-step is due (`persist`): copied into one persist buffer, allocated once, then written by the
-engine's writer threads while the next steps are applied. The replica's tensors live in one
-shared-memory file (`Arena`, re-laid out when the set of tensors changes, e.g. when Adam creates
-its moments at the first step): a worker restarted after a crash maps it and loads from it
-(`fetch`): no disk read and no copy in the engine.
+`Grads` (replica.py). On CPU training the replica is bit-exact. It is written to disk as an
+ordinary full record when the trainer says the step is due (`persist`): copied into one persist
+buffer, allocated once, then written by the engine's writer threads while the next steps are
+applied. The replica's tensors live in one shared-memory file (`Arena`, re-laid out when the set
+of tensors changes, e.g. when Adam creates its moments at the first step): a worker restarted
+after a crash maps it and loads from it (`fetch`): no disk read and no copy in the engine.
+
+With --replicas, each step's diff is copied out of its slot and shipped to the partners, who
+step their copies of this replica with it (copies.py), after the whole replica once per round.
+A diff is then applied only once every copy this engine keeps of its partners' replicas has one
+of that step too (replica.py, `KeptBack`): the replica and the copy of a lost node's can stand
+at one common step, which the ranks of the next round resume from, whichever of them lagged
+(engine/held.py holds two snapshots for the same reason).
 
 Call order: Base first (or after a failed update), then Grads of consecutive steps; a Base of
 the replica's own step replaces it (a re-base).
@@ -17,79 +22,40 @@ the replica's own step replaces it (a re-base).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import threading
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ...engine.handlers import EngineContext, EngineHandler
+from ...engine.held_copies import HeldCopy, cut
+from ...errors import CorruptCheckpoint
 from ...ipc.messages import RecordSpec, StrategyMessage
-from ...ipc.staging import EngineSlot
-from ...restore.recovery import build_optimizer, optimizer_classes
-from ...restore.replay import apply_diff, warm_up_in_background
+from ...restore.recovery import optimizer_classes
+from ...restore.replay import warm_up_in_background
 from ...storage import writeonce
-from ...storage.layout import Layout, TensorSpec, view
+from ...storage.layout import Layout, view
 from ...storage.store import full_name
-from ...storage.tree import flatten, unflatten
+from .copies import REPLICA_META, PartnerReplicas
 from .messages import Base, Grads
-
-POST_STEP = ("rng", "schedulers", "scalers", "extra")  # replaced whole by each step's diff
-
-
-class Arena:
-    """Tensors laid out in one shared-memory file (the run's leftovers cleanup removes it)."""
-
-    def __init__(self, path: Path, layout: Layout) -> None:
-        self.file = EngineSlot(path, layout.nbytes)
-        self.layout = layout
-        self.nbytes = layout.nbytes
-        self.buf = torch.frombuffer(self.file.view, dtype=torch.uint8)[: layout.nbytes]
-        self.specs = {spec.key: spec for spec in layout.specs}
-        self.views = {key: view(self.buf, spec) for key, spec in self.specs.items()}
-
-    def load(self, tensors: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for key, t in tensors.items():
-                self.views[key].copy_(t)
-
-    def fits(self, tensors: dict[str, torch.Tensor]) -> bool:
-        return tensors.keys() == self.views.keys() and all(
-            (t.dtype, t.shape) == (self.views[k].dtype, self.views[k].shape) for k, t in tensors.items())
-
-    def holds(self, t: torch.Tensor) -> bool:
-        start = self.buf.data_ptr()
-        return start <= t.data_ptr() < start + self.nbytes
-
-    def close(self) -> None:
-        del self.buf, self.views
-        self.file.close()
-
-
-@dataclass
-class Replica:
-    step: int
-    state: dict  # the nested full state; its tensors are the replica's own memory
-    optimizer: torch.optim.Optimizer
-    meta: dict  # the record metadata of the newest step (rank, world size, optimizer classes)
-    exact: bool  # updated with the trainer's arithmetic (CPU training)
-    time: float  # when the trainer finished the step
-    skeleton: Any = None  # of `full_state()`, whose tensors are all in the arena (after `settle`)
-
-    def full_state(self) -> dict:
-        """The state as the trainer's full snapshot of this step holds it."""
-        return {**self.state, "optimizers": {"optimizer": self.optimizer.state_dict()}}
+from .replica import Arena, KeptBack, SteppedReplica, tree_of
 
 
 class LowDiffPlusHandler(EngineHandler):
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
         torch.set_num_threads(1)  # the update runs beside training: one core (paper §VII-B)
-        self.replica: Replica | None = None
-        self.arena: Arena | None = None
+        classes = optimizer_classes()
+        self.own = KeptBack(SteppedReplica(classes, self._arena))  # (diffs kept back only with --replicas)
+        self.copies = PartnerReplicas(classes, lambda owner, layout: self._arena(layout, f"copy{owner}."),
+                                      self.own.newest)
         self.generation = 0
-        self.classes = optimizer_classes()
+        self.last_time = 0.0  # the previous step's (snapshot_time)
+        self.due: set[int] = set()  # steps to write once the replica stands at them (--replicas: deferred)
+        self.exact = True  # (Base.exact)
         self.persist_buf: torch.Tensor | None = None  # one buffer, reused by every write
         self.replicated: list[int] = []  # (Base.replicated: what one rank writes under DDP)
         self.shared: list[int] = []  # (Base.shared: what every rank writes, named in the index)
@@ -104,99 +70,82 @@ class LowDiffPlusHandler(EngineHandler):
         try:
             (self._rebase if isinstance(msg, Base) else self._apply)(msg)
         except Exception as e:  # noqa: BLE001 - reported; the trainer sends a full snapshot again
-            self.replica = None
+            self.own.stepped.replica = None
+            self._forget()
             self.ctx.save_error(step, full_name(step), f"replica update failed ({type(e).__name__}: {e}); "
                                                        "re-basing from a full snapshot")
             return
         finally:
             self.ctx.free_slot(msg.slot)
-        self.ctx.in_memory(step, self.arena.nbytes)
-        if msg.persist or self.ctx.write_fault_due(step):
+        self.ctx.in_memory(step, self.own.stepped.arena.nbytes)
+        fault = self.ctx.write_fault_due(step)
+        if msg.persist or fault:
+            self.due.add(step)
+        now = fault or isinstance(msg, Base) or self.ctx.replicas is None or msg.final  # (else: kept back)
+        self.own.apply(float("inf") if now else self.copies.newest(), self._written)
+        self._written(self.own.stepped.step)
+
+    def _written(self, step: int) -> None:
+        """The replica stands at `step`: written if it is due."""
+        if step in self.due:
+            self.due.discard(step)
             self._persist()
 
+    def _forget(self) -> None:
+        """Drop the diffs kept back and the writes due (the replica starts anew)."""
+        self.own.clear()
+        self.due.clear()
+
+    def _arena(self, layout: Layout, prefix: str = "") -> Arena:
+        self.generation += 1
+        arena = Arena(self.ctx.shared_file(f"{prefix}replica{self.generation}"), layout)
+        if not prefix:
+            self.ctx.emit(type="replica", rank=self.ctx.rank, nbytes=layout.nbytes)
+        return arena
+
     def _slot_tree(self, slot: int, spec: RecordSpec) -> dict:
-        buf = torch.frombuffer(self.ctx.slot_view(slot), dtype=torch.uint8)
-        return unflatten(spec.skeleton, {k: view(buf, TensorSpec.from_json(k, t)) for k, t in spec.tensors.items()})
+        return tree_of(spec, torch.frombuffer(self.ctx.slot_view(slot), dtype=torch.uint8))
 
     def _rebase(self, msg: Base) -> None:
         """Start the replica from a full snapshot (the slot's bytes, then moved into an arena)."""
-        spec = msg.spec
-        state = self._slot_tree(msg.slot, spec)
-        self.replicated, self.shared = msg.replicated, msg.shared
-        self.replica = Replica(spec.step, state, self._optimizer(spec.meta, state), spec.meta, msg.exact,
-                               spec.meta["snapshot_time"])
-        self._relayout()
+        self.replicated, self.shared, self.exact = msg.replicated, msg.shared, msg.exact
+        self._forget()
+        self.own.stepped.rebase(msg.spec, self._slot_tree(msg.slot, msg.spec), msg.exact)
+        if (replicas := self.ctx.replicas) is not None:
+            replicas.offer_copy(self._whole())
 
     def _apply(self, msg: Grads) -> None:
-        """Step the replica with one step's gradients and hyper-parameters; take its post-step state."""
-        spec, r = msg.spec, self.replica
-        if r is None or r.step != spec.step - 1:
-            raise ValueError(f"the replica holds step {r.step if r else 'none'}")
-        diff = self._slot_tree(msg.slot, spec)
-        with torch.no_grad():
-            for clip in diff["scales"]:  # as the script's clipping did to the trainer's gradients
-                for i in clip["params"]:
-                    diff["grads"][i].mul_(clip["coef"])
-        apply_diff(r.optimizer, diff)
-        for group, late in zip(r.optimizer.param_groups, diff["param_groups"]["optimizer"], strict=True):
-            group.update({k: v for k, v in late.items() if k != "params"})  # as a scheduler left them
-        with torch.no_grad():
-            for name, buffers in diff["buffers"].items():
-                for key, value in buffers.items():
-                    r.state["models"][name][key].copy_(value)
-        r.state.update(_own({k: diff[k] for k in POST_STEP}))
-        r.step, r.meta, r.time = spec.step, spec.meta, spec.meta["snapshot_time"]
-        self._settle()
-
-    def _optimizer(self, meta: dict, state: dict) -> torch.optim.Optimizer:
-        """The trainer's optimizer class over `state`'s tensors (its own, not copies)."""
-        info = meta["optimizers"]["optimizer"]
-        optimizer, params = build_optimizer(self.classes[info["class"]], info, state)
-        for p, aliases in zip(params, info["params"], strict=True):
-            for model, key in aliases:  # a tied weight is one tensor in the replica too
-                state["models"][model][key] = p
-        return optimizer
-
-    def _relayout(self) -> None:
-        """Move the replica into a new arena of its current tensors and rebuild its optimizer
-        over them (torch's `load_state_dict` keeps tensors of the parameter's dtype and device)."""
-        r = self.replica
-        skeleton, tensors = flatten(r.full_state())
-        self.generation += 1
-        arena = Arena(self.ctx.shared_file(f"replica{self.generation}"), Layout.of(tensors))
-        arena.load(tensors)
-        r.state = unflatten(skeleton, dict(arena.views))
-        r.optimizer = self._optimizer(r.meta, r.state)
-        r.skeleton = skeleton
-        old, self.arena = self.arena, arena
-        if old is not None:
-            old.close()
-        stray = [k for k, t in flatten(r.full_state())[1].items() if not arena.holds(t)]
-        if stray:
-            raise RuntimeError(f"the optimizer copied {stray[0]} on load instead of keeping the replica's tensor")
-        self.ctx.emit(type="replica", rank=self.ctx.rank, step=r.step, nbytes=arena.nbytes)
-
-    def _settle(self) -> None:
-        """Bring the arena up to date after a step: tensors the step replaced rather than updated
-        in place (RNG states, tracked objects) are copied in; new or reshaped ones (an optimizer's
-        state created at its first step) re-lay it out."""
-        r = self.replica
-        skeleton, tensors = flatten(r.full_state())
-        if not self.arena.fits(tensors):
-            self._relayout()
+        """Step the replica with one step's gradients and hyper-parameters; with --replicas,
+        ship them, keep them back and apply those the partners' copies have caught up with."""
+        replicas = self.ctx.replicas
+        if replicas is None:
+            self.own.stepped.apply(msg.spec, self._slot_tree(msg.slot, msg.spec))
             return
-        with torch.no_grad():
-            for key, t in tensors.items():
-                place = self.arena.views[key]
-                if t.data_ptr() != place.data_ptr():
-                    place.copy_(t)
-        r.skeleton = skeleton
+        spec = dataclasses.replace(msg.spec, kind="diff")  # (the trainer's spec names the record it may become)
+        diff = cut(self.ctx.rank, spec, self.ctx.slot_view(msg.slot)[: _extent(spec)], thin=False)
+        self.own.add(msg.spec, diff)
+        if replicas.full_due():  # (new partners: the replica whole, then the diffs after it)
+            replicas.offer_copy(self._whole())
+            for _, kept in self.own.diffs:
+                replicas.offer_copy(kept)
+        else:
+            replicas.offer_copy(diff)
+        # The copies keep up with the steps, or no partner's copy of this replica can stand at a
+        # step the survivors' replicas still can: wait for the one before this one to have left,
+        # one step's time at most (the trainer waits for this slot only if it has none spare).
+        replicas.wait_shipped(1, min(max(msg.spec.meta["snapshot_time"] - self.last_time, 0.01), 1.0))
+        self.last_time = msg.spec.meta["snapshot_time"]
+
+    def _whole(self) -> HeldCopy:
+        """The replica whole, for partners to step their copies of it from."""
+        return self.own.stepped.copy(self.ctx.rank, {REPLICA_META: {"exact": self.exact, "replicated": self.replicated,
+                                                            "shared": self.shared}})
 
     def _persist(self) -> None:
         """Copy the arena into the persist buffer (waiting for the previous write) and queue its
         write as the full record of the replica's step; under DDP, without the replicated tensors
         another rank writes (storage/writeonce.py)."""
-        r, arena = self.replica, self.arena
+        r, arena = self.own.stepped.replica, self.own.stepped.arena
         self.idle.wait()
         skeleton, layout, tensors = r.skeleton, arena.layout, None
         aliases = r.meta["optimizers"]["optimizer"]["params"]
@@ -232,25 +181,53 @@ class LowDiffPlusHandler(EngineHandler):
 
     def close(self) -> None:
         """Its worker came back as another rank: the replica is the old rank's state. Dropped (a
-        new handler starts from the new rank's records)."""
+        new handler starts from the new rank's records), and the copies of its partners' too."""
         self.restart()
-        arena, self.replica, self.arena = self.arena, None, None
-        if arena is not None:
-            arena.close()
+        self._forget()
+        self.own.stepped.drop()
+        self.copies.close()
 
-    def held(self) -> tuple[int, int] | None:
-        if self.replica is None:
-            return None
-        return self.replica.step, self.arena.nbytes
+    def held(self) -> list[tuple[int, int]]:
+        return [(s, self.own.stepped.arena.nbytes) for s in self.own.steps()]
 
-    def fetch(self) -> dict:
-        r, arena = self.replica, self.arena
+    def fetch(self, step: int | None = None) -> dict:
+        """The replica at `step` (None: the newest held): the diffs kept back are applied up to
+        it, the newer ones dropped (the worker sends those steps' diffs again)."""
+        self.own.stand_at(self.own.newest() if step is None else step, self._written)
+        self.due.clear()
+        r, arena = self.own.stepped.replica, self.own.stepped.arena
         self.ctx.emit(type="replica_fetch", rank=self.ctx.rank, step=r.step, nbytes=arena.nbytes)
         return {"step": r.step, "path": str(arena.file.path), "skeleton": r.skeleton,
                 "tensors": {k: s.to_json() for k, s in arena.specs.items()}, "exact": r.exact}
 
+    # ---- engine.replicate.HeldMemory ------------------------------------------------------
+    def replication(self) -> tuple[Any, PartnerReplicas]:
+        return self, self.copies
 
-def _own(tree: Any) -> Any:
-    """`tree` with private copies of its tensors (they are views of a staging slot until then)."""
-    skeleton, tensors = flatten(tree)
-    return unflatten(skeleton, {k: t.clone() for k, t in tensors.items()})
+    def held_steps(self) -> list[int]:
+        return [s for s, _ in self.held()]
+
+    @contextlib.contextmanager
+    def pinned(self, step: int) -> Iterator[None]:
+        """(No slot of a step to read: partners' copies are whole.)"""
+        yield None
+
+    def install(self, spec: RecordSpec, data: bytes | bytearray) -> None:
+        """Hold the replica of `spec` a partner gave back (a replaced node's engine, before its
+        worker's Hello is answered), as a re-base."""
+        extra = spec.meta.get(REPLICA_META)
+        if not (isinstance(extra, dict) and isinstance(extra.get("exact"), bool)
+                and all(isinstance(v, list) and all(type(i) is int for i in v)
+                        for v in (extra.get("replicated"), extra.get("shared")))):
+            raise CorruptCheckpoint(f"the replica of step {spec.step} given back does not say how it was made")
+        self.replicated, self.shared, self.exact = extra["replicated"], extra["shared"], extra["exact"]
+        self._forget()
+        meta = {k: v for k, v in spec.meta.items() if k != REPLICA_META}
+        spec = RecordSpec(record=spec.record, kind=spec.kind, step=spec.step, skeleton=spec.skeleton,
+                          tensors=spec.tensors, meta=meta)
+        self.own.stepped.rebase(spec, tree_of(spec, torch.frombuffer(data, dtype=torch.uint8)), self.exact)
+
+
+def _extent(spec: RecordSpec) -> int:
+    """The bytes of a slot that `spec`'s tensors lie in."""
+    return max((t["offset"] + t["nbytes"] for t in spec.tensors.values()), default=0)

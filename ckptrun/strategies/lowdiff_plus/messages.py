@@ -22,7 +22,9 @@ class Base(BuildsFull):
 class Grads(Persist):
     """One step's gradients as the optimizer consumed them, its hyper-parameters and post-step
     state (lowdiff's diff format): the engine applies it to the replica; `persist` writes the
-    replica of that step."""
+    replica of that step; `final` (the run's last step) writes it at once, even with --replicas
+    (where a step is otherwise written once the partners' copies have its diff too)."""
 
     op: ClassVar[Op] = Op.STRATEGY
     persist: bool
+    final: bool = False

@@ -240,7 +240,7 @@ class LowDiffPlus(Strategy):
         if self.pending is not None:
             (snap, persist), self.pending = self.pending, None
             ctx.seal(snap)
-            ctx.submit(snap, Grads, persist=persist or final)
+            ctx.submit(snap, Grads, persist=persist or final, final=final)
         if self.pending_base is not None:
             (snap, write), self.pending_base = self.pending_base, None
             ctx.seal(snap)
