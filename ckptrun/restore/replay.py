@@ -93,8 +93,17 @@ def warm_up_in_background() -> None:
     of CPU here). An engine that steps optimizers mid-run (lowdiff+'s replica, gockpt's cohorts)
     pays it at its start, on a thread of its own, while the trainer starts: paid at the first
     message instead, it stalled gockpt's trainer 1.3 s at its first spread (the worker waited
-    for an answer behind it)."""
+    for an answer behind it). Once per process."""
+    global _warming
+    with _warm_lock:
+        if _warming:
+            return
+        _warming = True
     threading.Thread(target=_warm_up, name="ckptrun-optimizer-warmup", daemon=True).start()
+
+
+_warm_lock = threading.Lock()
+_warming = False
 
 
 def _warm_up() -> None:
