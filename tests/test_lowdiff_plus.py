@@ -416,3 +416,8 @@ def test_replicas_ship_the_diffs_a_partner_steps_its_copy_with_and_both_sides_ke
         partner.whole(0, partner.steps(0)[0], None)
     skipped = dataclasses.replace(given, kind="diff", step=partner.steps(0)[0] + 2)
     assert partner.hold(0, skipped) is False and partner.steps(0) == []
+    nope = {"optimizer": {**back.meta["optimizers"]["optimizer"], "class": "Nope"}}  # (not known here)
+    unknown = own.stepped.copy(0, {REPLICA_META: back.meta[REPLICA_META], "optimizers": nope})
+    with pytest.raises(CorruptCheckpoint, match="not a replica this engine can step"):
+        partner.hold(0, checked(0, *unknown.blobs(), thin=False))
+    assert partner.steps(0) == []

@@ -15,14 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-import torch
-
 from ...engine.held_copies import HeldCopy, spec_of
 from ...errors import CorruptCheckpoint
 from ...log import log
 from ...storage.layout import Layout
 from ...storage.schema import checksum
-from .replica import Arena, KeptBack, SteppedReplica, tree_of
+from .replica import Arena, KeptBack, SteppedReplica
 
 REPLICA_META = "lowdiff_plus"  # a whole copy's meta: {"exact", "replicated", "shared"} of its Base
 
@@ -73,8 +71,14 @@ class PartnerReplicas:
                                 f"{copy.step}'s diff does not follow it ({e})")
                 return False
             own = self.own()
-            if c.kept.apply(own if own is not None else float("inf")):
-                c.sums = _sums(c.kept.stepped)
+            try:
+                if c.kept.apply(own if own is not None else float("inf")):
+                    c.sums = _sums(c.kept.stepped)
+            except Exception as e:  # noqa: BLE001 - a partner's diff: any failure refuses it (and the copy)
+                self.owners.pop(owner, None)
+                c.kept.stepped.drop()
+                raise CorruptCheckpoint(f"rank {owner}'s diff does not apply to its copy ({type(e).__name__}: "
+                                        f"{e}); dropped until a whole one comes") from e
         if damage:
             _flip(self.owners[owner].kept.stepped)
         return True
@@ -88,7 +92,7 @@ class PartnerReplicas:
         if old is not None:
             old.kept.stepped.drop()
         replica = SteppedReplica(self.classes, lambda layout: self.new_arena(owner, layout))
-        replica.rebase(spec, tree_of(spec, torch.frombuffer(copy.data, dtype=torch.uint8)), extra["exact"])
+        replica.rebase_from(spec, copy.data, extra["exact"], f"rank {owner}'s whole replica")
         self.owners[owner] = _Copy(KeptBack(replica), extra, sums=_sums(replica))
 
     def newest(self) -> float:

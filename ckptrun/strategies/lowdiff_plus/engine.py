@@ -43,6 +43,8 @@ from .copies import REPLICA_META, PartnerReplicas
 from .messages import Base, Grads
 from .replica import Arena, KeptBack, SteppedReplica, tree_of
 
+MAX_WAIT_S = 1.0  # --replicas: an engine waits for its previous copy to leave one step's time, at most this
+
 
 class LowDiffPlusHandler(EngineHandler):
     def __init__(self, ctx: EngineContext) -> None:
@@ -53,7 +55,7 @@ class LowDiffPlusHandler(EngineHandler):
         self.copies = PartnerReplicas(classes, lambda owner, layout: self._arena(layout, f"copy{owner}."),
                                       self.own.newest)
         self.generation = 0
-        self.last_time = 0.0  # the previous step's (snapshot_time)
+        self.last_time = 0.0  # the previous step's snapshot_time (0: none since the worker started)
         self.due: set[int] = set()  # steps to write once the replica stands at them (--replicas: deferred)
         self.exact = True  # (Base.exact)
         self.persist_buf: torch.Tensor | None = None  # one buffer, reused by every write
@@ -94,6 +96,7 @@ class LowDiffPlusHandler(EngineHandler):
         """Drop the diffs kept back and the writes due (the replica starts anew)."""
         self.own.clear()
         self.due.clear()
+        self.last_time = 0.0
 
     def _arena(self, layout: Layout, prefix: str = "") -> Arena:
         self.generation += 1
@@ -132,8 +135,8 @@ class LowDiffPlusHandler(EngineHandler):
         # The copies keep up with the steps, or no partner's copy of this replica can stand at a
         # step the survivors' replicas still can: wait for the one before this one to have left,
         # one step's time at most (the trainer waits for this slot only if it has none spare).
-        replicas.wait_shipped(1, min(max(msg.spec.meta["snapshot_time"] - self.last_time, 0.01), 1.0))
-        self.last_time = msg.spec.meta["snapshot_time"]
+        now, last, self.last_time = msg.spec.meta["snapshot_time"], self.last_time, msg.spec.meta["snapshot_time"]
+        replicas.wait_shipped(1, min(now - last, MAX_WAIT_S) if last else 0.0)
 
     def _whole(self) -> HeldCopy:
         """The replica whole, for partners to step their copies of it from."""
@@ -194,6 +197,7 @@ class LowDiffPlusHandler(EngineHandler):
         it, the newer ones dropped (the worker sends those steps' diffs again)."""
         self.own.stand_at(self.own.newest() if step is None else step, self._written)
         self.due.clear()
+        self.last_time = 0.0
         r, arena = self.own.stepped.replica, self.own.stepped.arena
         self.ctx.emit(type="replica_fetch", rank=self.ctx.rank, step=r.step, nbytes=arena.nbytes)
         return {"step": r.step, "path": str(arena.file.path), "skeleton": r.skeleton,
@@ -224,7 +228,7 @@ class LowDiffPlusHandler(EngineHandler):
         meta = {k: v for k, v in spec.meta.items() if k != REPLICA_META}
         spec = RecordSpec(record=spec.record, kind=spec.kind, step=spec.step, skeleton=spec.skeleton,
                           tensors=spec.tensors, meta=meta)
-        self.own.stepped.rebase(spec, tree_of(spec, torch.frombuffer(data, dtype=torch.uint8)), self.exact)
+        self.own.stepped.rebase_from(spec, data, self.exact, f"the replica of step {spec.step} given back")
 
 
 # At the engine's start (its `preload` imports this module): a replaced node's engine builds an

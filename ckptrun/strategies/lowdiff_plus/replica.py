@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ...engine.held_copies import HeldCopy, cut
+from ...errors import CorruptCheckpoint
 from ...ipc.messages import RecordSpec
 from ...ipc.staging import EngineSlot
 from ...restore.recovery import build_optimizer
@@ -115,6 +116,17 @@ class SteppedReplica:
         r.state.update(_own({k: diff[k] for k in POST_STEP}))
         r.step, r.meta, r.time = spec.step, spec.meta, spec.meta["snapshot_time"]
         self._settle()
+
+    def rebase_from(self, spec: RecordSpec, data: bytes | bytearray, exact: bool, what: str) -> None:
+        """`rebase` from a whole copy's bytes (`spec` its checked index): a partner's, untrusted,
+        so whatever fails is CorruptCheckpoint (an optimizer it names that is not known here, a
+        state that does not fit it)."""
+        buf = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
+        try:
+            self.rebase(spec, tree_of(spec, buf), exact)
+        except Exception as e:  # noqa: BLE001 - untrusted input: any failure refuses it
+            self.drop()
+            raise CorruptCheckpoint(f"{what}: not a replica this engine can step ({type(e).__name__}: {e})") from e
 
     def spec(self, meta: dict | None = None) -> RecordSpec:
         """The full record of the replica's step, as its arena lays it out (`meta` added)."""
