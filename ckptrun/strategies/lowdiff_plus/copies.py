@@ -25,6 +25,16 @@ from .replica import Arena, KeptBack, SteppedReplica
 REPLICA_META = "lowdiff_plus"  # a whole copy's meta: {"exact", "replicated", "shared"} of its Base
 
 
+def replica_meta(meta: dict, what: str) -> dict:
+    """REPLICA_META of a whole replica's index, checked (from a partner: untrusted)."""
+    extra = meta.get(REPLICA_META)
+    if not (isinstance(extra, dict) and isinstance(extra.get("exact"), bool)
+            and all(isinstance(v, list) and all(type(i) is int for i in v)
+                    for v in (extra.get("replicated"), extra.get("shared")))):
+        raise CorruptCheckpoint(f"{what} does not say how it was made ({REPLICA_META})")
+    return extra
+
+
 @dataclass
 class _Copy:
     kept: KeptBack
@@ -65,8 +75,7 @@ class PartnerReplicas:
                     raise ValueError("it holds no replica")
                 c.kept.add(spec_of(copy), copy)
             except ValueError as e:
-                if self.owners.pop(owner, None) is not None:
-                    c.kept.stepped.drop()
+                if self._drop(owner):
                     log.warning(f"the copy of rank {owner}'s replica dropped until a whole one comes: step "
                                 f"{copy.step}'s diff does not follow it ({e})")
                 return False
@@ -75,8 +84,7 @@ class PartnerReplicas:
                 if c.kept.apply(own if own is not None else float("inf")):
                     c.sums = _sums(c.kept.stepped)
             except Exception as e:  # noqa: BLE001 - a partner's diff: any failure refuses it (and the copy)
-                self.owners.pop(owner, None)
-                c.kept.stepped.drop()
+                self._drop(owner)
                 raise CorruptCheckpoint(f"rank {owner}'s diff does not apply to its copy ({type(e).__name__}: "
                                         f"{e}); dropped until a whole one comes") from e
         if damage:
@@ -85,15 +93,11 @@ class PartnerReplicas:
 
     def _start(self, owner: int, copy: HeldCopy) -> None:
         spec = spec_of(copy)
-        extra = spec.meta.get(REPLICA_META)
-        if not isinstance(extra, dict) or not isinstance(extra.get("exact"), bool):
-            raise CorruptCheckpoint(f"rank {owner}'s whole replica does not say how it was made ({REPLICA_META})")
-        old = self.owners.pop(owner, None)
-        if old is not None:
-            old.kept.stepped.drop()
+        extra = replica_meta(spec.meta, f"rank {owner}'s whole replica")
+        self._drop(owner)
         replica = SteppedReplica(self.classes, lambda layout: self.new_arena(owner, layout))
         replica.rebase_from(spec, copy.data, extra["exact"], f"rank {owner}'s whole replica")
-        self.owners[owner] = _Copy(KeptBack(replica), extra, sums=_sums(replica))
+        self.owners[owner] = _Copy(KeptBack(replica, owned=True), extra, sums=_sums(replica))
 
     def newest(self) -> float:
         """The oldest among the copies' newest steps (what this engine's own replica may be
@@ -117,10 +121,16 @@ class PartnerReplicas:
         c.kept.stand_at(step)
         return c.kept.stepped.copy(owner, {REPLICA_META: c.extra})
 
-    def close(self) -> None:
-        for c in self.owners.values():
+    def _drop(self, owner: int) -> bool:
+        """Let `owner`'s copy go (its arena closed); whether one was held."""
+        c = self.owners.pop(owner, None)
+        if c is not None:
             c.kept.stepped.drop()
-        self.owners.clear()
+        return c is not None
+
+    def close(self) -> None:
+        for owner in list(self.owners):
+            self._drop(owner)
 
 
 def _sums(replica: SteppedReplica) -> dict[str, str]:

@@ -32,14 +32,13 @@ import torch
 
 from ...engine.handlers import EngineContext, EngineHandler
 from ...engine.held_copies import HeldCopy, cut
-from ...errors import CorruptCheckpoint
 from ...ipc.messages import RecordSpec, StrategyMessage
 from ...restore.recovery import optimizer_classes
 from ...restore.replay import warm_up_in_background
 from ...storage import writeonce
 from ...storage.layout import Layout, view
 from ...storage.store import full_name
-from .copies import REPLICA_META, PartnerReplicas
+from .copies import REPLICA_META, PartnerReplicas, replica_meta
 from .messages import Base, Grads
 from .replica import Arena, KeptBack, SteppedReplica, tree_of
 
@@ -51,7 +50,7 @@ class LowDiffPlusHandler(EngineHandler):
         super().__init__(ctx)
         torch.set_num_threads(1)  # the update runs beside training: one core (paper §VII-B)
         classes = optimizer_classes()
-        self.own = KeptBack(SteppedReplica(classes, self._arena))  # (diffs kept back only with --replicas)
+        self.own = KeptBack(SteppedReplica(classes, self._arena), owned=False)  # (diffs kept back only with --replicas)
         self.copies = PartnerReplicas(classes, lambda owner, layout: self._arena(layout, f"copy{owner}."),
                                       self.own.newest)
         self.generation = 0
@@ -218,17 +217,14 @@ class LowDiffPlusHandler(EngineHandler):
     def install(self, spec: RecordSpec, data: bytes | bytearray) -> None:
         """Hold the replica of `spec` a partner gave back (a replaced node's engine, before its
         worker's Hello is answered), as a re-base."""
-        extra = spec.meta.get(REPLICA_META)
-        if not (isinstance(extra, dict) and isinstance(extra.get("exact"), bool)
-                and all(isinstance(v, list) and all(type(i) is int for i in v)
-                        for v in (extra.get("replicated"), extra.get("shared")))):
-            raise CorruptCheckpoint(f"the replica of step {spec.step} given back does not say how it was made")
+        what = f"the replica of step {spec.step} given back"
+        extra = replica_meta(spec.meta, what)
         self.replicated, self.shared, self.exact = extra["replicated"], extra["shared"], extra["exact"]
         self._forget()
         meta = {k: v for k, v in spec.meta.items() if k != REPLICA_META}
         spec = RecordSpec(record=spec.record, kind=spec.kind, step=spec.step, skeleton=spec.skeleton,
                           tensors=spec.tensors, meta=meta)
-        self.own.stepped.rebase_from(spec, data, self.exact, f"the replica of step {spec.step} given back")
+        self.own.stepped.rebase_from(spec, data, self.exact, what)
 
 
 # At the engine's start (its `preload` imports this module): a replaced node's engine builds an

@@ -96,16 +96,18 @@ class SteppedReplica:
                                spec.meta["snapshot_time"])
         self._relayout()
 
-    def apply(self, spec: RecordSpec, diff: dict) -> None:
-        """Step with one step's gradients and hyper-parameters (`diff`, not changed); take its
-        post-step state. A diff not of the next step is refused (ValueError)."""
+    def apply(self, spec: RecordSpec, diff: dict, *, owned: bool = True) -> None:
+        """Step with one step's gradients and hyper-parameters (`diff`); take its post-step
+        state. `owned`: the diff's tensors may be changed (clipping scales them in place), else
+        they are left as they are (bytes also on their way to partners). A diff not of the next
+        step is refused (ValueError)."""
         r = self.replica
         if r is None or r.step != spec.step - 1:
             raise ValueError(f"the replica holds step {r.step if r else 'none'}, not {spec.step - 1}")
-        grads = list(diff["grads"])
+        grads = diff["grads"] if owned else list(diff["grads"])
         for clip in diff["scales"]:  # as the script's clipping did to the trainer's gradients
             for i in clip["params"]:
-                grads[i] = grads[i] * clip["coef"]
+                grads[i] = grads[i].mul_(clip["coef"]) if owned else grads[i] * clip["coef"]
         apply_diff(r.optimizer, {**diff, "grads": grads})
         for group, late in zip(r.optimizer.param_groups, diff["param_groups"]["optimizer"], strict=True):
             group.update({k: v for k, v in late.items() if k != "params"})  # as a scheduler left them
@@ -203,8 +205,9 @@ class KeptBack:
     KEPT_BACK wait: so the owner's replica and a partner's copy of a lost node's can still meet
     on one step, whichever of them lagged (engine.py, copies.py)."""
 
-    def __init__(self, replica: SteppedReplica) -> None:
+    def __init__(self, replica: SteppedReplica, *, owned: bool) -> None:
         self.stepped = replica
+        self.owned = owned  # the diffs' bytes are its own (else shared with the copies being shipped)
         self.diffs: deque[tuple[RecordSpec, HeldCopy]] = deque()
 
     def newest(self) -> int | None:
@@ -235,7 +238,7 @@ class KeptBack:
         applied = False
         while self.diffs and (self.diffs[0][0].step <= upto or len(self.diffs) > KEPT_BACK):
             spec, diff = self.diffs.popleft()
-            self.stepped.apply(spec, tree_of(spec, torch.frombuffer(diff.data, dtype=torch.uint8)))
+            self.stepped.apply(spec, tree_of(spec, torch.frombuffer(diff.data, dtype=torch.uint8)), owned=self.owned)
             applied = True
             if each is not None:
                 each(spec.step)
