@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,7 @@ from ckptrun.ipc.messages import FetchHeld, Flush, Message, Persist, SlotFree
 from ckptrun.ipc.staging import EngineSlot
 from ckptrun.restore.recovery import optimizer_classes
 from ckptrun.storage.store import Store
+from ckptrun.storage.tiers.dpshared import kept_tensors, shared_keys
 from ckptrun.strategies.lowdiff_plus.copies import REPLICA_META, PartnerReplicas
 from ckptrun.strategies.lowdiff_plus.engine import LowDiffPlusHandler
 from ckptrun.strategies.lowdiff_plus.replica import KEPT_BACK, Arena, tree_of
@@ -421,3 +423,106 @@ def test_replicas_ship_the_diffs_a_partner_steps_its_copy_with_and_both_sides_ke
     with pytest.raises(CorruptCheckpoint, match="not a replica this engine can step"):
         partner.hold(0, checked(0, *unknown.blobs(), thin=False))
     assert partner.steps(0) == []
+
+
+class Delivered:
+    """The replicator as a lowdiff+ handler sees it (`handlers.Replicas`), between two in-process
+    engines: what one offers is checked as a partner's receiving thread checks it and held by the
+    other's copies at once."""
+
+    def __init__(self, owner: int, partner: PartnerReplicas) -> None:
+        self.owner, self.partner, self.due, self.sent = owner, partner, True, []
+
+    def offer_copy(self, copy) -> None:
+        self.due = self.due and copy.kind != "full"
+        self.sent.append(copy)
+        self.partner.hold(self.owner, checked(self.owner, *copy.blobs(), thin=copy.thin))
+
+    def full_due(self) -> bool:
+        return self.due
+
+    def wait_shipped(self, most: int, timeout: float) -> bool:
+        return True
+
+
+def _read_own(got) -> Callable[[str, memoryview], int]:
+    """A partner's own replica at a step (`pinned`'s), read by key (as the replicator reads it)."""
+    spec, view = got
+
+    def read(key: str, into: memoryview) -> int:
+        t = spec.tensors[key]
+        into[:] = view[t["offset"] : t["offset"] + t["nbytes"]]
+        return len(into)
+
+    return read
+
+
+def test_under_ddp_a_partner_keeps_only_per_rank_state_and_completes_it_from_its_own_replica(
+        tmp_path, monkeypatch, request, caplog):
+    """--replicas under DDP, two in-process ranks whose gradients are all-reduced (averaged) and
+    whose batches (so BatchNorm buffers and dropout masks) differ: each engine ships its replica
+    and its diffs thin (per-rank state only; the gradients by their xxh3), each partner checks
+    them against its own replica and diffs, and a copy given back, its replicated state read from
+    the partner's own replica at the same step, is the owner's trainer state bit for bit. A rank
+    whose update differs (gradients not all-reduced) has its copy dropped."""
+    monkeypatch.delenv("CKPTRUN_FAULT", raising=False)
+    cfg = RunConfig(strategy="lowdiff+", dir=str(tmp_path / "ckpts"), every=1, max_inflight=2, keep=1,
+                    options={"persist_every": "1000", "rebase_every": "auto"})
+    engines, models, opts, truth = [], [], [], [{}, {}]
+    for rank in (0, 1):
+        (tmp_path / f"rank{rank}").mkdir()
+        engine = ReplicaEngine(tmp_path / f"rank{rank}")
+        request.addfinalizer(engine.dispose)
+        engine.handler.ctx.rank = rank
+        rt = Runtime(cfg, 0, 0, 1, 0, connect=engine.connect)
+        torch.manual_seed(0)
+        model = Net()
+        monkeypatch.setattr(rt.state, "shared_positions", lambda n=len(list(model.parameters())): list(range(n)))
+        opt = optimizer("adam", model)
+        opt.register_step_pre_hook(rt.pre_step_hook)
+        opt.register_step_post_hook(rt.post_step_hook)
+        rt.on_optimizer(opt)
+        engines.append((engine, rt))
+        models.append(model)
+        opts.append(opt)
+    for rank, (engine, _) in enumerate(engines):
+        engine.handler.ctx.replicas = Delivered(rank, engines[1 - rank][0].handler.copies)
+
+    def step(it: int, all_reduce: bool = True) -> None:
+        for rank in (0, 1):
+            opts[rank].zero_grad()
+            x = torch.randn(8, 6, generator=torch.Generator().manual_seed(2 * it + rank))
+            models[rank](x).pow(2).mean().backward()
+        for ps in zip(*(m.parameters() for m in models), strict=True):
+            if all_reduce:
+                mean = (ps[0].grad + ps[1].grad) / 2
+                for p in ps:
+                    p.grad.copy_(mean)
+        for rank in (0, 1):
+            opts[rank].step()
+            truth[rank][engines[rank][1].step] = copy.deepcopy({"model": models[rank].state_dict(),
+                                                                "optimizer": opts[rank].state_dict()})
+
+    for it in range(12):
+        step(it)
+    for rank in (0, 1):
+        sent = engines[rank][0].handler.ctx.replicas.sent
+        assert [c.kind for c in sent].count("full") == 1 and all(c.thin for c in sent), rank
+        for c in sent:  # (the grads, parameters and optimizer state: by their xxh3 in the index only)
+            kept = [k for k, _ in kept_tensors(c.index, shared_keys(c.index))]
+            assert not [k for k in kept if k.startswith(("grads/", "optimizers/"))], (c.kind, kept)
+            assert len(c.data) == sum(c.index.tensors[k].nbytes for k in kept) < c.index.data_nbytes // 2
+    owner, partner = engines[0][0].handler, engines[1][0].handler
+    steps = partner.copies.whole_steps(0, partner.own.steps())
+    assert steps and max(steps) >= 9, (steps, partner.own.steps(), partner.copies.steps(0))
+    with partner.pinned(max(steps)) as got:
+        given = partner.copies.whole(0, max(steps), _read_own(got))
+    back = spec_of(checked(0, *given.blobs(), thin=False))  # (as the owner's engine checks it again)
+    state = tree_of(back, torch.frombuffer(bytearray(given.data), dtype=torch.uint8))
+    assert_same(dict(state["models"]["model"]), dict(truth[0][given.step]["model"]), "given back")
+    assert_same(state["optimizers"]["optimizer"], truth[0][given.step]["optimizer"], "given back")
+    assert owner.own.steps() and partner.own.steps() == [given.step]  # (the newest: both train on)
+    for it in (12, 13):
+        step(it, all_reduce=False)
+    assert partner.copies.steps(0) == [] and owner.copies.steps(1) == []
+    assert caplog.text.count("updates the replicated state otherwise (ranks not data-parallel alike)") == 2

@@ -401,11 +401,11 @@ def test_memory_first_a_lost_node_resumes_from_its_partners_memory_at_a_step_hel
 
 def test_lowdiff_plus_a_lost_node_resumes_from_its_partners_copy_of_its_replica_stepped_by_the_diffs(
         nodes, tmp_path, tmp_path_factory):
-    """lowdiff+ with --replicas 2: each engine ships its replica whole once, then only each
-    step's diff; node 0 steps its copy of rank 1's replica with them (the same exact replay).
-    Node 1 lost with its --dir: its new engine takes rank 1's replica back from node 0's copy at
-    a step node 0's own replica can also stand at; both ranks resume there from memory, reading
-    no disk, and end bit-exact."""
+    """lowdiff+ with --replicas 2 under DDP: each engine ships its replica once, then only each
+    step's diff, both thin (per-rank state; the replicated state by its xxh3, checked against
+    node 0's own). Node 1 lost with its --dir: its new engine takes rank 1's replica back from
+    node 0's copy, completed from node 0's own replica, at a step both can stand at; both ranks
+    resume there from memory, reading no disk, and end bit-exact."""
     head, other = nodes
     plain = _uninterrupted("lowdiff+", nodes, tmp_path_factory)
     lost, _, t_kill = _lose_node1_in_step(tmp_path / "lost", head, other, fault=None, extra=NODE_LOCAL,
@@ -421,8 +421,11 @@ def test_lowdiff_plus_a_lost_node_resumes_from_its_partners_copy_of_its_replica_
     sent = [e for e in events if e.get("type") == "replica_sent" and e.get("held") and e["t"] < t_kill]
     kinds = {e["kind"] for e in sent}
     assert kinds == {"full", "diff"}, sent
+    # DDP: the replica and each diff ship thin, their parameters, optimizer state and gradients
+    # by their xxh3 only (node 0's own replica and diffs are the same); the replica comes back
+    # whole, and the parameters' bytes alone are a third of it (Adam's moments the rest).
     diffs = [e["bytes"] for e in sent if e["kind"] == "diff"]
-    assert len(diffs) >= 4 and max(diffs) < restored[0]["bytes"] // 2, (diffs, restored)  # (Adam: 3x the params)
+    assert len(diffs) >= 4 and max(e["bytes"] for e in sent) < restored[0]["bytes"] // 20, (sent, restored)
     for rank in (0, 1):
         assert_training_state(load(lost / f"own-{rank}.pt"), load(plain / f"own-{rank}.pt"))
 

@@ -27,6 +27,7 @@ from ..ipc.messages import RecordSpec
 from ..storage.schema import RankIndex
 from ..storage.store import rank_index
 from ..storage.tiers.dpshared import copy_spans, parse, rebuild, shared_keys
+from ..storage.tiers.dpshared import thin as thin_data
 from ..storage.tiers.parts import thin_part
 from ..storage.tiers.source import Source
 
@@ -65,6 +66,16 @@ def cut(rank: int, spec: RecordSpec, view: memoryview, *, thin: bool = True) -> 
     header = Header(step=spec.step, kind=spec.kind).model_dump_json().encode()
     data = part[0] if part is not None else bytearray(view)
     return HeldCopy(header, data, raw, part is not None, spec.step, parse(raw, what), spec.kind)
+
+
+def thinned(copy: HeldCopy) -> HeldCopy:
+    """`copy` without the bytes of the tensors its index names shared (itself if none): what a
+    partner needs of a whole copy this engine keeps."""
+    shared = shared_keys(copy.index)
+    if copy.thin or not shared:
+        return copy
+    data = thin_data(lambda offset, n: copy.data[offset : offset + n], copy.index, shared)
+    return replace(copy, data=data, thin=True)
 
 
 def checked(owner: int, header: bytes, data: bytes | bytearray, raw_index: bytes, thin: bool) -> HeldCopy:

@@ -479,8 +479,8 @@ class Replicator:
                 r = self.round
             for copy in copies if r is not None else []:
                 if r.live:
-                    self._to_partners(r, copy.blobs(), HELD, copy.step, len(copy.data) + len(copy.raw_index),
-                                      time.time(), copy.kind)
+                    self._to_partners(r, copy.blobs(), HELD | (THIN if copy.thin else 0), copy.step,
+                                      len(copy.data) + len(copy.raw_index), time.time(), copy.kind)
                 with self._wake:
                     self._sending -= 1
                     self._wake.notify_all()

@@ -43,7 +43,12 @@ def shared_keys(index: RankIndex) -> set[str]:
 
 
 def _kept(index: RankIndex, shared: set[str]) -> list[TensorEntry]:
-    return sorted((t for k, t in index.tensors.items() if k not in shared), key=lambda t: t.offset)
+    return [t for _, t in kept_tensors(index, shared)]
+
+
+def kept_tensors(index: RankIndex, shared: set[str]) -> list[tuple[str, TensorEntry]]:
+    """(key, entry) of each tensor that is not `shared`, in the order a thin copy packs them."""
+    return sorted(((k, t) for k, t in index.tensors.items() if k not in shared), key=lambda kt: kt[1].offset)
 
 
 def thin(read: Callable[[int, int], bytes], index: RankIndex, shared: set[str]) -> bytes:

@@ -10,7 +10,9 @@ of tensors changes, e.g. when Adam creates its moments at the first step): a wor
 after a crash maps it and loads from it (`fetch`): no disk read and no copy in the engine.
 
 With --replicas, each step's diff is copied out of its slot and shipped to the partners, who
-step their copies of this replica with it (copies.py), after the whole replica once per round.
+step their copies of this replica with it (copies.py), after the whole replica once per round;
+under DDP both go thin, without the replicated state and gradients, which a partner checks
+against its own replica and diffs (perrank.py).
 A diff is then applied only once every copy this engine keeps of its partners' replicas has one
 of that step too (replica.py, `KeptBack`): the replica and the copy of a lost node's can stand
 at one common step, which the ranks of the next round resume from, whichever of them lagged
@@ -31,15 +33,17 @@ from typing import Any
 import torch
 
 from ...engine.handlers import EngineContext, EngineHandler
-from ...engine.held_copies import HeldCopy, cut
+from ...engine.held_copies import HeldCopy, cut, thinned
 from ...ipc.messages import RecordSpec, StrategyMessage
 from ...restore.recovery import optimizer_classes
 from ...restore.replay import warm_up_in_background
 from ...storage import writeonce
 from ...storage.layout import Layout, view
 from ...storage.store import full_name
+from ...storage.tree import TENSOR
 from .copies import REPLICA_META, PartnerReplicas, replica_meta
 from .messages import Base, Grads
+from .perrank import update_print
 from .replica import Arena, KeptBack, SteppedReplica, tree_of
 
 MAX_WAIT_S = 1.0  # --replicas: an engine waits for its previous copy to leave one step's time, at most this
@@ -52,7 +56,7 @@ class LowDiffPlusHandler(EngineHandler):
         classes = optimizer_classes()
         self.own = KeptBack(SteppedReplica(classes, self._arena), owned=False)  # (diffs kept back only with --replicas)
         self.copies = PartnerReplicas(classes, lambda owner, layout: self._arena(layout, f"copy{owner}."),
-                                      self.own.newest)
+                                      self.own.newest, self._state_at)
         self.generation = 0
         self.last_time = 0.0  # the previous step's snapshot_time (0: none since the worker started)
         self.due: set[int] = set()  # steps to write once the replica stands at them (--replicas: deferred)
@@ -82,8 +86,15 @@ class LowDiffPlusHandler(EngineHandler):
         if msg.persist or fault:
             self.due.add(step)
         now = fault or isinstance(msg, Base) or self.ctx.replicas is None or msg.final  # (else: kept back)
-        self.own.apply(float("inf") if now else self.copies.newest(), self._written)
+        self.own.apply(float("inf") if now else self.copies.newest(), self._stood)
         self._written(self.own.stepped.step)
+
+    def _stood(self, step: int) -> None:
+        """The replica stands at `step` (a diff applied): written if it is due; partners' thin
+        copies checked against it (copies.py, `own_at`)."""
+        self._written(step)
+        if self.ctx.replicas is not None and self.thin:
+            self.copies.own_at(step, lambda: self.own.stepped.sums(self._replicated_keys()))
 
     def _written(self, step: int) -> None:
         """The replica stands at `step`: written if it is due."""
@@ -91,11 +102,33 @@ class LowDiffPlusHandler(EngineHandler):
             self.due.discard(step)
             self._persist()
 
+    def _state_at(self, step: int) -> dict | None:
+        """The replica's full state, if it stands at `step`."""
+        return self.own.stepped.replica.full_state() if self.own.stepped.step == step else None
+
     def _forget(self) -> None:
         """Drop the diffs kept back and the writes due (the replica starts anew)."""
         self.own.clear()
         self.due.clear()
         self.last_time = 0.0
+        self.copies.forget_own()
+
+    def _based(self, replicated: list[int], shared: list[int], exact: bool) -> None:
+        """Take a base's DDP facts; `thin`: every optimizer parameter is data-parallel (the
+        short-cut of perrank.py applies), known once the replica holds the base."""
+        self.replicated, self.shared, self.exact = replicated, shared, exact
+        self._forget()
+
+    @property
+    def thin(self) -> bool:
+        r = self.own.stepped.replica
+        return r is not None and bool(self.shared) and \
+            sorted(self.shared) == list(range(len(r.meta["optimizers"]["optimizer"]["params"])))
+
+    def _replicated_keys(self) -> list[str]:
+        """The keys of the replica's tensors every data-parallel rank holds alike."""
+        r = self.own.stepped.replica
+        return writeonce.shared_keys(r.full_state(), self.shared, r.meta["optimizers"]["optimizer"]["params"])
 
     def _arena(self, layout: Layout, prefix: str = "") -> Arena:
         self.generation += 1
@@ -109,10 +142,10 @@ class LowDiffPlusHandler(EngineHandler):
 
     def _rebase(self, msg: Base) -> None:
         """Start the replica from a full snapshot (the slot's bytes, then moved into an arena)."""
-        self.replicated, self.shared, self.exact = msg.replicated, msg.shared, msg.exact
-        self._forget()
+        self._based(msg.replicated, msg.shared, msg.exact)
         self.own.stepped.rebase(msg.spec, self._slot_tree(msg.slot, msg.spec), msg.exact)
         if (replicas := self.ctx.replicas) is not None:
+            self._expect()
             replicas.offer_copy(self._whole())
 
     def _apply(self, msg: Grads) -> None:
@@ -122,25 +155,45 @@ class LowDiffPlusHandler(EngineHandler):
         if replicas is None:
             self.own.stepped.apply(msg.spec, self._slot_tree(msg.slot, msg.spec))
             return
-        spec = dataclasses.replace(msg.spec, kind="diff")  # (the trainer's spec names the record it may become)
-        diff = cut(self.ctx.rank, spec, self.ctx.slot_view(msg.slot)[: _extent(spec)], thin=False)
+        spec = dataclasses.replace(msg.spec, kind="diff", meta=self._diff_meta(msg.spec))  # (the trainer's
+        diff = cut(self.ctx.rank, spec, self.ctx.slot_view(msg.slot)[: _extent(spec)], thin=False)  # names a record)
+        self.copies.own_diff(spec.step, update_print(diff.index))
+        if new_round := replicas.full_due():
+            self._expect()
         self.own.add(msg.spec, diff)
-        if replicas.full_due():  # (new partners: the replica whole, then the diffs after it)
+        if new_round:  # (new partners: the replica whole, then the diffs after it)
             replicas.offer_copy(self._whole())
             for _, kept in self.own.diffs:
-                replicas.offer_copy(kept)
+                replicas.offer_copy(thinned(kept))
         else:
-            replicas.offer_copy(diff)
+            replicas.offer_copy(thinned(diff))
         # The copies keep up with the steps, or no partner's copy of this replica can stand at a
         # step the survivors' replicas still can: wait for the one before this one to have left,
         # one step's time at most (the trainer waits for this slot only if it has none spare).
         now, last, self.last_time = msg.spec.meta["snapshot_time"], self.last_time, msg.spec.meta["snapshot_time"]
         replicas.wait_shipped(1, min(now - last, MAX_WAIT_S) if last else 0.0)
 
+    def _diff_meta(self, spec: RecordSpec) -> dict:
+        """A diff's index meta: under the short-cut its gradients named shared (left out of what
+        partners get: theirs are the same)."""
+        if not self.thin:
+            return spec.meta
+        return {**spec.meta, "shared": [g[TENSOR] for g in spec.skeleton["grads"] if g is not None]}
+
+    def _expect(self) -> None:
+        """Partners' thin whole replicas may come now: the replica's shared xxh3 are taken at
+        the next few steps, from this one (copies.py, `expect`)."""
+        if self.thin:
+            self.copies.expect()
+            self._stood(self.own.stepped.step)
+
     def _whole(self) -> HeldCopy:
-        """The replica whole, for partners to step their copies of it from."""
-        return self.own.stepped.copy(self.ctx.rank, {REPLICA_META: {"exact": self.exact, "replicated": self.replicated,
-                                                            "shared": self.shared}})
+        """The replica whole, for partners to step their copies of it from (thin: without the
+        state every data-parallel rank holds alike)."""
+        meta = {REPLICA_META: {"exact": self.exact, "replicated": self.replicated, "shared": self.shared}}
+        if self.thin:
+            meta["shared"] = self._replicated_keys()
+        return self.own.stepped.copy(self.ctx.rank, meta, thin=self.thin)
 
     def _persist(self) -> None:
         """Copy the arena into the persist buffer (waiting for the previous write) and queue its
@@ -194,7 +247,7 @@ class LowDiffPlusHandler(EngineHandler):
     def fetch(self, step: int | None = None) -> dict:
         """The replica at `step` (None: the newest held): the diffs kept back are applied up to
         it, the newer ones dropped (the worker sends those steps' diffs again)."""
-        self.own.stand_at(self.own.newest() if step is None else step, self._written)
+        self.own.stand_at(self.own.newest() if step is None else step, self._stood)
         self.due.clear()
         self.last_time = 0.0
         r, arena = self.own.stepped.replica, self.own.stepped.arena
@@ -210,18 +263,22 @@ class LowDiffPlusHandler(EngineHandler):
         return [s for s, _ in self.held()]
 
     @contextlib.contextmanager
-    def pinned(self, step: int) -> Iterator[None]:
-        """(No slot of a step to read: partners' copies are whole.)"""
-        yield None
+    def pinned(self, step: int) -> Iterator[tuple[RecordSpec, memoryview] | None]:
+        """The replica at `step`, standing there (the ranks resume from it), to complete a
+        partner's thin copy of that step (`_state_at`); None if it cannot stand there."""
+        if step not in self.own.steps():
+            yield None
+            return
+        self.own.stand_at(step, self._stood)
+        yield self.own.stepped.spec(), memoryview(self.own.stepped.arena.buf.numpy())
 
     def install(self, spec: RecordSpec, data: bytes | bytearray) -> None:
         """Hold the replica of `spec` a partner gave back (a replaced node's engine, before its
         worker's Hello is answered), as a re-base."""
         what = f"the replica of step {spec.step} given back"
         extra = replica_meta(spec.meta, what)
-        self.replicated, self.shared, self.exact = extra["replicated"], extra["shared"], extra["exact"]
-        self._forget()
-        meta = {k: v for k, v in spec.meta.items() if k != REPLICA_META}
+        self._based(extra["replicated"], extra["shared"], extra["exact"])
+        meta = {k: v for k, v in spec.meta.items() if k not in (REPLICA_META, "shared")}
         spec = RecordSpec(record=spec.record, kind=spec.kind, step=spec.step, skeleton=spec.skeleton,
                           tensors=spec.tensors, meta=meta)
         self.own.stepped.rebase_from(spec, data, self.exact, what)

@@ -6,10 +6,10 @@ the same diffs the owner ships (copies.py). On CPU training both are bit-exact."
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -20,6 +20,7 @@ from ...ipc.staging import EngineSlot
 from ...restore.recovery import build_optimizer
 from ...restore.replay import apply_diff
 from ...storage.layout import Layout, TensorSpec, view
+from ...storage.schema import checksum
 from ...storage.store import full_name
 from ...storage.tree import flatten, unflatten
 
@@ -119,6 +120,10 @@ class SteppedReplica:
         r.step, r.meta, r.time = spec.step, spec.meta, spec.meta["snapshot_time"]
         self._settle()
 
+    def apply_copy(self, spec: RecordSpec, diff: HeldCopy, *, owned: bool) -> None:
+        """`apply` the diff a copy holds whole (its bytes laid out as `spec` says)."""
+        self.apply(spec, tree_of(spec, torch.frombuffer(diff.data, dtype=torch.uint8)), owned=owned)
+
     def rebase_from(self, spec: RecordSpec, data: bytes | bytearray, exact: bool, what: str) -> None:
         """`rebase` from a whole copy's bytes (`spec` its checked index): a partner's, untrusted,
         so whatever fails is CorruptCheckpoint (an optimizer it names that is not known here, a
@@ -137,9 +142,23 @@ class SteppedReplica:
                           tensors={k: s.to_json() for k, s in self.arena.specs.items()},
                           meta={**r.meta, "step": r.step, "snapshot_time": r.time, **(meta or {})})
 
-    def copy(self, rank: int, meta: dict | None = None) -> HeldCopy:
-        """A copy of the whole replica for a partner: its bytes and index (each tensor's xxh3)."""
-        return cut(rank, self.spec(meta), memoryview(self.arena.buf.numpy()), thin=False)
+    def copy(self, rank: int, meta: dict | None = None, *, thin: bool = False) -> HeldCopy:
+        """A copy of the replica for a partner: its bytes and index (each tensor's xxh3); `thin`:
+        without the tensors `meta`'s "shared" names (dpshared.py)."""
+        return cut(rank, self.spec(meta), memoryview(self.arena.buf.numpy()), thin=thin)
+
+    def sums(self, keys: Iterable[str] | None = None) -> dict[str, str]:
+        """The xxh3 of the arena's tensors (`keys` of them; None: all), as an index has them."""
+        data = memoryview(self.arena.buf.numpy())
+        specs = self.arena.specs
+        return {k: checksum(data[specs[k].offset : specs[k].offset + specs[k].nbytes])
+                for k in (specs if keys is None else keys)}
+
+    def flip(self) -> None:
+        """One bit of its largest tensor flipped, as memory going bad would (the `corrupt-replica`
+        fault)."""
+        s = max(self.arena.specs.values(), key=lambda s: s.nbytes)
+        self.arena.buf[s.offset + s.nbytes // 2] ^= 1
 
     def drop(self) -> None:
         arena, self.replica, self.arena = self.arena, None, None
@@ -198,6 +217,22 @@ def _own(tree: Any) -> Any:
 KEPT_BACK = 3  # diffs a replica keeps unapplied at most (--replicas)
 
 
+class Stepped(Protocol):
+    """What `KeptBack` steps: a replica (`SteppedReplica`), or a partner's per-rank part of one
+    (perrank.py)."""
+
+    @property
+    def step(self) -> int | None: ...
+
+    def apply_copy(self, spec: RecordSpec, diff: HeldCopy, *, owned: bool) -> None: ...
+
+    def sums(self) -> dict[str, str]: ...
+
+    def flip(self) -> None: ...
+
+    def drop(self) -> None: ...
+
+
 class KeptBack:
     """A replica and the newest diffs after its step, not applied yet (--replicas): it can stand
     at its own step or any of theirs. The owner's engine and a partner each apply a diff only
@@ -205,7 +240,7 @@ class KeptBack:
     KEPT_BACK wait: so the owner's replica and a partner's copy of a lost node's can still meet
     on one step, whichever of them lagged (engine.py, copies.py)."""
 
-    def __init__(self, replica: SteppedReplica, *, owned: bool) -> None:
+    def __init__(self, replica: Stepped, *, owned: bool) -> None:
         self.stepped = replica
         self.owned = owned  # the diffs' bytes are its own (else shared with the copies being shipped)
         self.diffs: deque[tuple[RecordSpec, HeldCopy]] = deque()
@@ -219,7 +254,7 @@ class KeptBack:
 
     def steps(self) -> list[int]:
         """The steps it can stand at, newest first."""
-        if self.stepped.replica is None:
+        if self.stepped.step is None:
             return []
         return [spec.step for spec, _ in reversed(self.diffs)] + [self.stepped.step]
 
@@ -238,7 +273,7 @@ class KeptBack:
         applied = False
         while self.diffs and (self.diffs[0][0].step <= upto or len(self.diffs) > KEPT_BACK):
             spec, diff = self.diffs.popleft()
-            self.stepped.apply(spec, tree_of(spec, torch.frombuffer(diff.data, dtype=torch.uint8)), owned=self.owned)
+            self.stepped.apply_copy(spec, diff, owned=self.owned)
             applied = True
             if each is not None:
                 each(spec.step)
