@@ -432,11 +432,12 @@ class Delivered:
 
     def __init__(self, owner: int, partner: PartnerReplicas) -> None:
         self.owner, self.partner, self.due, self.sent = owner, partner, True, []
+        self.damage = False
 
     def offer_copy(self, copy) -> None:
         self.due = self.due and copy.kind != "full"
         self.sent.append(copy)
-        self.partner.hold(self.owner, checked(self.owner, *copy.blobs(), thin=copy.thin))
+        self.partner.hold(self.owner, checked(self.owner, *copy.blobs(), thin=copy.thin), damage=self.damage)
 
     def full_due(self) -> bool:
         return self.due
@@ -463,8 +464,9 @@ def test_under_ddp_a_partner_keeps_only_per_rank_state_and_completes_it_from_its
     whose batches (so BatchNorm buffers and dropout masks) differ: each engine ships its replica
     and its diffs thin (per-rank state only; the gradients by their xxh3), each partner checks
     them against its own replica and diffs, and a copy given back, its replicated state read from
-    the partner's own replica at the same step, is the owner's trainer state bit for bit. A rank
-    whose update differs (gradients not all-reduced) has its copy dropped."""
+    the partner's own replica at the same step, is the owner's trainer state bit for bit. A bit
+    gone bad in a copy's per-rank state is refused when it is given back; a rank whose update
+    differs (gradients not all-reduced) has its copy dropped."""
     monkeypatch.delenv("CKPTRUN_FAULT", raising=False)
     cfg = RunConfig(strategy="lowdiff+", dir=str(tmp_path / "ckpts"), every=1, max_inflight=2, keep=1,
                     options={"persist_every": "1000", "rebase_every": "auto"})
@@ -522,7 +524,13 @@ def test_under_ddp_a_partner_keeps_only_per_rank_state_and_completes_it_from_its
     assert_same(dict(state["models"]["model"]), dict(truth[0][given.step]["model"]), "given back")
     assert_same(state["optimizers"]["optimizer"], truth[0][given.step]["optimizer"], "given back")
     assert owner.own.steps() and partner.own.steps() == [given.step]  # (the newest: both train on)
-    for it in (12, 13):
+
+    engines[1][0].handler.ctx.replicas.damage = True  # memory goes bad after the copy's checksums
+    step(12)
+    newest = max(owner.copies.whole_steps(1, owner.own.steps()))
+    with owner.pinned(newest) as got, pytest.raises(CorruptCheckpoint, match="changed in memory"):
+        owner.copies.whole(1, newest, _read_own(got))
+    for it in (13, 14):
         step(it, all_reduce=False)
     assert partner.copies.steps(0) == [] and owner.copies.steps(1) == []
     assert caplog.text.count("updates the replicated state otherwise (ranks not data-parallel alike)") == 2
