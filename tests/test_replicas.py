@@ -226,6 +226,46 @@ def test_the_engine_ships_the_thin_copy_it_cut_as_the_part_was_written(tmp_path)
         rep.close()
 
 
+def test_the_next_held_step_waits_for_the_copy_before_it_to_leave_one_steps_time_at_most(tmp_path, monkeypatch):
+    """A step held in memory is shipped before the next one is held (`wait_held_shipped`), for
+    one step's time at most (and MAX_SHIP_WAIT_S): a slow partner holds the engine back that
+    long, never longer, and each step is offered in turn."""
+    from types import SimpleNamespace
+
+    from ckptrun.engine import replicate
+    from ckptrun.ipc.events import EventLog
+
+    shipped, slow = [], {"s": 0.3}
+
+    def ship_held(r, step: int) -> None:
+        time.sleep(slow["s"])
+        shipped.append(step)
+
+    rep = replicate.Replicator(EventLog(str(tmp_path / "metrics"), "engine-0"))
+    monkeypatch.setattr(rep, "_ship_held", ship_held)
+    rep.round = SimpleNamespace(live={1})  # (a partner alive; `_ship_held` is the fake above)
+    try:
+        assert rep.wait_held_shipped(1.0)  # (nothing offered yet)
+        rep.offer_held(1)
+        t0 = time.monotonic()
+        assert rep.wait_held_shipped(5.0) and shipped == [1]
+        assert 0.2 < time.monotonic() - t0 < replicate.MAX_SHIP_WAIT_S  # (one copy's time, not the step's)
+        slow["s"] = 3.0
+        rep.offer_held(2)
+        t0 = time.monotonic()
+        assert not rep.wait_held_shipped(0.2) and shipped == [1]  # (one step's time, at most)
+        assert 0.15 < time.monotonic() - t0 < 1.0
+        t0 = time.monotonic()
+        assert not rep.wait_held_shipped(30.0)  # (MAX_SHIP_WAIT_S, at most)
+        assert time.monotonic() - t0 < replicate.MAX_SHIP_WAIT_S + 0.5
+        while not rep.wait_held_shipped(1.0):  # (it leaves in the end)
+            assert time.monotonic() - t0 < 10
+        assert shipped == [1, 2]
+    finally:
+        rep.round = None
+        rep.close()
+
+
 def test_a_thin_copy_holds_only_per_rank_state_and_a_peer_makes_it_whole(tmp_path):
     """The data-parallel short-cut (dpshared.py): a part whose index names its replicated
     tensors ships without them (nor any padding) and is checked as held; made whole from a

@@ -63,6 +63,7 @@ STOP = -1  # a header that ends the partner's receiving thread (a new round begi
 HEADER = 5  # int64s of a copy's first message: owner, flags, bytes of its manifest (or header), data and index
 FRESH_KEPT = 4  # thin copies cut as their parts were written, waiting for their records to commit
 OUTBOX_KEPT = 8  # `offer_copy`'s copies waiting to be shipped, at most
+MAX_SHIP_WAIT_S = 1.0  # an engine waits for its previous copy to leave one step's time, at most this
 
 
 class Round:
@@ -165,6 +166,7 @@ class Replicator:
         self._lock = threading.Lock()  # the round and the held copies
         self._offered: str | None = None  # the newest committed record not shipped yet
         self._offered_held: int | None = None  # the newest step held in memory not shipped yet
+        self._shipping_held = False  # the shipping thread is sending one
         self._newest = -1  # the step of the newest record offered
         self._fresh: dict[str, tuple[bytes, bytes]] = {}  # record -> this rank's thin copy, cut as written
         self._outbox: deque[HeldCopy] = deque()  # `offer_copy`'s, shipped in order
@@ -429,6 +431,15 @@ class Replicator:
             self._offered_held = step
             self._wake.notify_all()
 
+    def wait_held_shipped(self, timeout: float) -> bool:
+        """Wait until the step offered last (`offer_held`) has left, `timeout` seconds (one
+        step's time) or MAX_SHIP_WAIT_S at most; whether it has. Called before the next step is
+        held: the copies keep up with the steps that way, or a survivor's own held steps (the
+        two newest) run ahead of every copy that left a lost node and none can be made whole."""
+        with self._wake:
+            return self._wake.wait_for(lambda: self._offered_held is None and not self._shipping_held,
+                                       min(timeout, MAX_SHIP_WAIT_S))
+
     def offer_copy(self, copy: HeldCopy) -> None:
         """Ship `copy` after those offered before it: lowdiff+'s whole replica, or a step's diff
         that partners step their copy of it with (all of them, in order). A backlog past
@@ -447,9 +458,11 @@ class Replicator:
 
     def wait_shipped(self, most: int, timeout: float) -> bool:
         """Wait until at most `most` of the copies offered are not sent yet (to every live
-        partner), for `timeout` seconds at most; whether they are."""
+        partner), for `timeout` seconds (one step's time) or MAX_SHIP_WAIT_S at most; whether
+        they are."""
         with self._wake:
-            return self._wake.wait_for(lambda: len(self._outbox) + self._sending <= most, timeout)
+            return self._wake.wait_for(lambda: len(self._outbox) + self._sending <= most,
+                                       min(timeout, MAX_SHIP_WAIT_S))
 
     def full_due(self) -> bool:
         """Must the next `offer_copy` be whole (partners of a new round, or copies dropped)?"""
@@ -473,6 +486,7 @@ class Replicator:
                 if self._closing:
                     return
                 name, step, self._offered, self._offered_held = self._offered, self._offered_held, None, None
+                self._shipping_held = step is not None
                 copies, self._outbox = list(self._outbox), deque()
                 self._sending = len(copies)
             with self._lock:
@@ -489,6 +503,9 @@ class Replicator:
                 self._wake.notify_all()
             if r is not None and r.live and step is not None:
                 self._ship_held(r, step)
+            with self._wake:
+                self._shipping_held = False
+                self._wake.notify_all()
             if r is not None and r.live and name is not None:
                 self._ship(r, name)
 

@@ -46,8 +46,6 @@ from .messages import Base, Grads
 from .perrank import update_print
 from .replica import Arena, KeptBack, SteppedReplica, tree_of
 
-MAX_WAIT_S = 1.0  # --replicas: an engine waits for its previous copy to leave one step's time, at most this
-
 
 class LowDiffPlusHandler(EngineHandler):
     def __init__(self, ctx: EngineContext) -> None:
@@ -171,7 +169,7 @@ class LowDiffPlusHandler(EngineHandler):
         # step the survivors' replicas still can: wait for the one before this one to have left,
         # one step's time at most (the trainer waits for this slot only if it has none spare).
         now, last, self.last_time = msg.spec.meta["snapshot_time"], self.last_time, msg.spec.meta["snapshot_time"]
-        replicas.wait_shipped(1, min(now - last, MAX_WAIT_S) if last else 0.0)
+        replicas.wait_shipped(1, now - last if last else 0.0)
 
     def _diff_meta(self, spec: RecordSpec) -> dict:
         """A diff's index meta: under the short-cut its gradients named shared (left out of what
