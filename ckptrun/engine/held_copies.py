@@ -57,14 +57,21 @@ class HeldCopy:
         return [self.header, self.data, self.raw_index]
 
 
-def cut(rank: int, spec: RecordSpec, view: memoryview, *, thin: bool = True) -> HeldCopy:
+def cut(rank: int, spec: RecordSpec, view: memoryview, *, thin: bool = True, into: bytearray | None = None) -> HeldCopy:
     """Rank `rank`'s copy of the step `spec` describes, held in `view` (its staging slot, pinned):
-    thin where its index names shared tensors, unless `thin` is False."""
+    thin where its index names shared tensors, unless `thin` is False. A whole copy's bytes go
+    `into` a buffer of its size, if given (one used before: a new one's pages fault in)."""
     raw = json.dumps(rank_index(spec.record, rank, view, spec.tensors, spec.skeleton, spec.meta)).encode()
     what = f"step {spec.step}: rank {rank}"
     part = thin_part(raw, lambda offset, n: bytes(view[offset : offset + n]), what) if thin else None
     header = Header(step=spec.step, kind=spec.kind).model_dump_json().encode()
-    data = part[0] if part is not None else bytearray(view)
+    if part is not None:
+        data = part[0]
+    elif into is not None and len(into) == len(view):
+        data = into
+        memoryview(into)[:] = view
+    else:
+        data = bytearray(view)
     return HeldCopy(header, data, raw, part is not None, spec.step, parse(raw, what), spec.kind)
 
 

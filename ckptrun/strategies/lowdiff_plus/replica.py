@@ -109,7 +109,8 @@ class SteppedReplica:
         for clip in diff["scales"]:  # as the script's clipping did to the trainer's gradients
             for i in clip["params"]:
                 grads[i] = grads[i].mul_(clip["coef"]) if owned else grads[i] * clip["coef"]
-        apply_diff(r.optimizer, {**diff, "grads": grads})
+        diff = {**diff, "groups": _own(diff["groups"]), "param_groups": _own(diff["param_groups"])}  # (no view
+        apply_diff(r.optimizer, {**diff, "grads": grads})  # of the diff's bytes outlives the step)
         for group, late in zip(r.optimizer.param_groups, diff["param_groups"]["optimizer"], strict=True):
             group.update({k: v for k, v in late.items() if k != "params"})  # as a scheduler left them
         with torch.no_grad():
@@ -240,9 +241,10 @@ class KeptBack:
     KEPT_BACK wait: so the owner's replica and a partner's copy of a lost node's can still meet
     on one step, whichever of them lagged (engine.py, copies.py)."""
 
-    def __init__(self, replica: Stepped, *, owned: bool) -> None:
+    def __init__(self, replica: Stepped, *, owned: bool, done: Callable[[HeldCopy], None] | None = None) -> None:
         self.stepped = replica
         self.owned = owned  # the diffs' bytes are its own (else shared with the copies being shipped)
+        self.done = done  # called with each diff applied or dropped (its buffer may be used again)
         self.diffs: deque[tuple[RecordSpec, HeldCopy]] = deque()
 
     def newest(self) -> int | None:
@@ -264,7 +266,7 @@ class KeptBack:
         if spec.step - 1 not in self.steps():
             raise ValueError(f"the replica can stand at steps {self.steps()}, not {spec.step - 1}")
         while self.diffs and self.diffs[-1][0].step >= spec.step:
-            self.diffs.pop()
+            self._done(self.diffs.pop()[1])
         self.diffs.append((spec, diff))
 
     def apply(self, upto: float = float("inf"), each: Callable[[int], None] | None = None) -> bool:
@@ -273,7 +275,10 @@ class KeptBack:
         applied = False
         while self.diffs and (self.diffs[0][0].step <= upto or len(self.diffs) > KEPT_BACK):
             spec, diff = self.diffs.popleft()
-            self.stepped.apply_copy(spec, diff, owned=self.owned)
+            try:
+                self.stepped.apply_copy(spec, diff, owned=self.owned)
+            finally:
+                self._done(diff)
             applied = True
             if each is not None:
                 each(spec.step)
@@ -285,7 +290,12 @@ class KeptBack:
         if step not in self.steps():
             raise ValueError(f"the replica can stand at steps {self.steps()}, not {step}")
         self.apply(step, each)
-        self.diffs.clear()
+        self.clear()
 
     def clear(self) -> None:
-        self.diffs.clear()
+        while self.diffs:
+            self._done(self.diffs.pop()[1])
+
+    def _done(self, diff: HeldCopy) -> None:
+        if self.done is not None:
+            self.done(diff)
