@@ -31,6 +31,7 @@ from conftest import (
     error_line,
     load,
     ok,
+    pack,
     run_events,
     spawn,
     subclassed_optimizer_script,
@@ -41,12 +42,13 @@ from torch import nn
 from torch.nn.utils import clip_grad
 
 from ckptrun.config import RunConfig
-from ckptrun.engine.held_copies import checked, spec_of
+from ckptrun.engine.held_copies import HeldCopy, checked, cut, spec_of
 from ckptrun.errors import CkptrunError, CorruptCheckpoint
-from ckptrun.ipc.messages import FetchHeld, Flush, Message, Persist, SlotFree
+from ckptrun.ipc.messages import FetchHeld, Flush, Message, Persist, RecordSpec, SlotFree
 from ckptrun.ipc.staging import EngineSlot
 from ckptrun.restore.recovery import optimizer_classes
-from ckptrun.storage.store import Store
+from ckptrun.storage.skeleton import TENSOR
+from ckptrun.storage.store import Store, full_name
 from ckptrun.storage.tiers.dpshared import kept_tensors, shared_keys
 from ckptrun.strategies.lowdiff_plus.copies import REPLICA_META, PartnerReplicas
 from ckptrun.strategies.lowdiff_plus.engine import LowDiffPlusHandler
@@ -534,3 +536,45 @@ def test_under_ddp_a_partner_keeps_only_per_rank_state_and_completes_it_from_its
         step(it, all_reduce=False)
     assert partner.copies.steps(0) == [] and owner.copies.steps(1) == []
     assert caplog.text.count("updates the replicated state otherwise (ranks not data-parallel alike)") == 2
+
+
+def test_a_partners_thin_replica_or_diff_that_does_not_hold_together_is_refused(tmp_path):
+    """A thin whole replica or diff from a partner is untrusted: one whose skeleton names a
+    tensor its index does not hold, or that is not a replica's state, is refused as
+    CorruptCheckpoint (the receiving thread goes on), and the copy dropped."""
+    partner = PartnerReplicas(optimizer_classes(), lambda owner, layout: Arena(tmp_path / "a", layout), lambda: None)
+    state = {"models": {"model": {"w": torch.ones(4)}}, "rng": torch.zeros(3, dtype=torch.uint8),
+             "optimizers": {"optimizer": {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}}}
+    skeleton, data, specs = pack(state)
+    meta = {"shared": ["models/model/w"], "snapshot_time": 1.0,
+            REPLICA_META: {"exact": True, "replicated": [], "shared": [0]}}
+    spec = RecordSpec(record=full_name(3), kind="full", step=3, skeleton=skeleton, tensors=specs, meta=meta)
+    whole = cut(0, spec, memoryview(bytearray(data)), thin=True)
+    assert whole.thin and len(whole.data) == 3
+
+    def tampered(copy, change) -> HeldCopy:
+        raw = json.loads(copy.raw_index)
+        change(raw)
+        return checked(0, copy.header, copy.data, json.dumps(raw).encode(), thin=True)
+
+    dangling = tampered(whole, lambda raw: raw["skeleton"].update(rng={TENSOR: "nope"}))
+    with pytest.raises(CorruptCheckpoint, match="rank 0's whole replica"):
+        partner.hold(0, dangling)
+    not_a_replica = tampered(whole, lambda raw: raw["skeleton"].update(optimizers=[]))
+    with pytest.raises(CorruptCheckpoint, match="rank 0's whole replica"):
+        partner.hold(0, not_a_replica)
+    assert partner.steps(0) == []
+
+    assert partner.hold(0, whole) and partner.steps(0) == [3]
+    diff_state = {"grads": [torch.ones(4)], "scales": [], "groups": [{"lr": 0.1}], "buffers": {},
+                  "param_groups": {"optimizer": [{"lr": 0.1, "params": [0]}]}, "rng": torch.ones(3, dtype=torch.uint8),
+                  "schedulers": {}, "scalers": {}, "extra": {}}
+    skeleton, data, specs = pack(diff_state)
+    diff = cut(0, RecordSpec(record=full_name(4), kind="diff", step=4, skeleton=skeleton, tensors=specs,
+                             meta={"shared": ["grads.0"], "snapshot_time": 2.0}), memoryview(bytearray(data)))
+    assert diff.thin
+    broken = tampered(diff, lambda raw: raw["skeleton"].update(grads=[{TENSOR: "nope"}], groups=None))
+    with pytest.raises(CorruptCheckpoint, match="does not apply"):
+        partner.hold(0, broken)
+    assert partner.steps(0) == []
+    partner.close()

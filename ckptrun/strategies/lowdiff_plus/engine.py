@@ -184,9 +184,9 @@ class LowDiffPlusHandler(EngineHandler):
         return None
 
     def _done(self, diff: HeldCopy) -> None:
-        """An own diff is applied or dropped: its buffer is used again, if only the kept-back
-        diffs held it (thin: partners got other bytes, `thinned`)."""
-        if self.thin and getattr(diff.index.meta, "shared", None) and len(self.spare) <= KEPT_BACK \
+        """An own diff is applied or dropped: its buffer is used again if only the kept-back
+        diffs held it (its index names shared tensors: partners got other bytes, `thinned`)."""
+        if getattr(diff.index.meta, "shared", None) and len(self.spare) <= KEPT_BACK \
                 and isinstance(diff.data, bytearray):
             self.spare.append(diff.data)
 

@@ -37,7 +37,8 @@ def update_print(index: RankIndex) -> str:
             return [sub(v) for v in node]
         if isinstance(node, dict):
             if TENSOR in node:
-                return index.tensors[node[TENSOR]].xxh3
+                t = index.tensors.get(node[TENSOR])  # (one it does not hold: no rank's print matches)
+                return t.xxh3 if t is not None else None
             return {k: sub(v) for k, v in node.items()}
         return node
 
@@ -79,12 +80,18 @@ class PerRankReplica:
         return self._step
 
     def rebase_from(self, copy: HeldCopy, what: str) -> None:
-        """Start from a thin whole replica (checked); CorruptCheckpoint if it is no full state."""
-        state = thin_tree(copy)
-        if not isinstance(state, dict) or not isinstance(state.get("optimizers", {}).get("optimizer"), dict):
-            raise CorruptCheckpoint(f"{what}: not a replica's full state")
-        self.state, self._step = state, copy.step
-        self._took(spec_of(copy).meta)
+        """Start from a thin whole replica (checked; a partner's, untrusted: whatever does not
+        hold together is CorruptCheckpoint)."""
+        try:
+            state = thin_tree(copy)
+            if not isinstance(state["optimizers"]["optimizer"]["param_groups"], list):
+                raise TypeError("its optimizer has no parameter groups")
+            meta = spec_of(copy).meta
+            self.state, self._step = state, copy.step
+            self._took(meta)
+        except Exception as e:  # noqa: BLE001 - untrusted input: any failure refuses it
+            self.drop()
+            raise CorruptCheckpoint(f"{what}: not a replica's per-rank state ({type(e).__name__}: {e})") from e
 
     def apply_copy(self, spec: RecordSpec, diff: HeldCopy, *, owned: bool) -> None:
         """Take a thin diff's per-rank post-step state and hyper-parameters (as SteppedReplica's
