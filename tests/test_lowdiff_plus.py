@@ -50,6 +50,7 @@ from ckptrun.restore.recovery import optimizer_classes
 from ckptrun.storage.skeleton import TENSOR
 from ckptrun.storage.store import Store, full_name
 from ckptrun.storage.tiers.dpshared import kept_tensors, shared_keys
+from ckptrun.strategies.lowdiff_plus import engine as lowdiff_plus_engine
 from ckptrun.strategies.lowdiff_plus.copies import REPLICA_META, PartnerReplicas
 from ckptrun.strategies.lowdiff_plus.engine import LowDiffPlusHandler
 from ckptrun.strategies.lowdiff_plus.replica import KEPT_BACK, Arena, tree_of
@@ -434,12 +435,13 @@ class Delivered:
 
     def __init__(self, owner: int, partner: PartnerReplicas) -> None:
         self.owner, self.partner, self.due, self.sent = owner, partner, True, []
-        self.damage = False
+        self.damage = self.lost = False
 
     def offer_copy(self, copy) -> None:
         self.due = self.due and copy.kind != "full"
         self.sent.append(copy)
-        self.partner.hold(self.owner, checked(self.owner, *copy.blobs(), thin=copy.thin), damage=self.damage)
+        if not self.lost:
+            self.partner.hold(self.owner, checked(self.owner, *copy.blobs(), thin=copy.thin), damage=self.damage)
 
     def full_due(self) -> bool:
         return self.due
@@ -465,11 +467,14 @@ def test_under_ddp_a_partner_keeps_only_per_rank_state_and_completes_it_from_its
     """--replicas under DDP, two in-process ranks whose gradients are all-reduced (averaged) and
     whose batches (so BatchNorm buffers and dropout masks) differ: each engine ships its replica
     and its diffs thin (per-rank state only; the gradients by their xxh3), each partner checks
-    them against its own replica and diffs, and a copy given back, its replicated state read from
-    the partner's own replica at the same step, is the owner's trainer state bit for bit. A bit
+    them against its own replica and diffs; a copy dropped (a diff lost on its way) comes back
+    with the replica shipped again every RESYNC_EVERY steps; and a copy given back, its
+    replicated state read from the partner's own replica at the same step, is the owner's
+    trainer state bit for bit. A bit
     gone bad in a copy's per-rank state is refused when it is given back; a rank whose update
     differs (gradients not all-reduced) has its copy dropped."""
     monkeypatch.delenv("CKPTRUN_FAULT", raising=False)
+    monkeypatch.setattr(lowdiff_plus_engine, "RESYNC_EVERY", 5)
     cfg = RunConfig(strategy="lowdiff+", dir=str(tmp_path / "ckpts"), every=1, max_inflight=2, keep=1,
                     options={"persist_every": "1000", "rebase_every": "auto"})
     engines, models, opts, truth = [], [], [], [{}, {}]
@@ -507,16 +512,21 @@ def test_under_ddp_a_partner_keeps_only_per_rank_state_and_completes_it_from_its
             truth[rank][engines[rank][1].step] = copy.deepcopy({"model": models[rank].state_dict(),
                                                                 "optimizer": opts[rank].state_dict()})
 
+    owner, partner = engines[0][0].handler, engines[1][0].handler
     for it in range(12):
+        owner.ctx.replicas.lost = it == 2  # (one diff lost on its way: the partner drops its copy)
         step(it)
+        if it == 3:
+            assert partner.copies.steps(0) == [], partner.copies.steps(0)
+    assert "does not follow it" in caplog.text  # (and the replica shipped again at step 5 brought it back)
     for rank in (0, 1):
         sent = engines[rank][0].handler.ctx.replicas.sent
-        assert [c.kind for c in sent].count("full") == 1 and all(c.thin for c in sent), rank
+        assert [(c.kind, c.step) for c in sent if c.kind == "full"] == [("full", 0), ("full", 5), ("full", 10)]
+        assert all(c.thin for c in sent), rank
         for c in sent:  # (the grads, parameters and optimizer state: by their xxh3 in the index only)
             kept = [k for k, _ in kept_tensors(c.index, shared_keys(c.index))]
             assert not [k for k in kept if k.startswith(("grads/", "optimizers/"))], (c.kind, kept)
             assert len(c.data) == sum(c.index.tensors[k].nbytes for k in kept) < c.index.data_nbytes // 2
-    owner, partner = engines[0][0].handler, engines[1][0].handler
     steps = partner.copies.whole_steps(0, partner.own.steps())
     assert steps and max(steps) >= 9, (steps, partner.own.steps(), partner.copies.steps(0))
     with partner.pinned(max(steps)) as got:

@@ -175,12 +175,13 @@ class PartnerReplicas:
         with self.lock:
             self.expecting = EXPECT_STEPS
 
-    def own_at(self, step: int, sums: Callable[[], dict[str, str]]) -> None:
+    def own_at(self, step: int, sums: Callable[[], dict[str, str]], keep: bool = False) -> None:
         """This engine's own replica stands at `step`: its shared xxh3 (`sums()`) are taken when
-        expected or when a thin copy waits for a step not passed yet, and the copies waiting on
-        them are checked."""
+        `keep` says (a step partners ship their replicas at), when expected, or when a thin copy
+        waits for a step not passed yet, and the copies waiting on them are checked."""
         with self.lock:
-            need = self.expecting > 0 or any(c.base is not None and c.base >= step for c in self.owners.values())
+            need = keep or self.expecting > 0 or \
+                any(c.base is not None and c.base >= step for c in self.owners.values())
         got = sums() if need else None  # (not under the lock: the replicator's threads go on)
         with self.lock:
             if got is not None:

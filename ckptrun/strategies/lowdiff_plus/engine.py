@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ...engine.handlers import EngineContext, EngineHandler
+from ...engine.handlers import EngineContext, EngineHandler, Replicas
 from ...engine.held_copies import HeldCopy, cut, thinned
 from ...ipc.messages import RecordSpec, StrategyMessage
 from ...restore.recovery import optimizer_classes
@@ -45,6 +45,8 @@ from .copies import REPLICA_META, PartnerReplicas, replica_meta
 from .messages import Base, Grads
 from .perrank import update_print
 from .replica import KEPT_BACK, Arena, KeptBack, SteppedReplica, tree_of
+
+RESYNC_EVERY = 100  # --replicas under DDP: steps between the thin replica's shipments (`_stepped`)
 
 
 class LowDiffPlusHandler(EngineHandler):
@@ -86,15 +88,26 @@ class LowDiffPlusHandler(EngineHandler):
         if msg.persist or fault:
             self.due.add(step)
         now = fault or isinstance(msg, Base) or self.ctx.replicas is None or msg.final  # (else: kept back)
-        self.own.apply(float("inf") if now else self.copies.newest(), self._stood)
+        self.own.apply(float("inf") if now else self.copies.newest(), self._stepped)
         self._written(self.own.stepped.step)
 
+    def _stepped(self, step: int) -> None:
+        """`_stood`, for a diff applied as training goes: at every RESYNC_EVERY-th step, under
+        the short-cut, the replica ships again (thin) with the diffs kept back after it, and
+        each partner takes its own replica's xxh3 at that step (`_stood`): a copy a partner
+        dropped (a re-base on one rank only, a backlog dropped) comes back within that many
+        steps, checked, with no word from the partner."""
+        self._stood(step)
+        if self.ctx.replicas is not None and self.thin and step % RESYNC_EVERY == 0:
+            self._offer_whole(self.ctx.replicas)
+
     def _stood(self, step: int) -> None:
-        """The replica stands at `step` (a diff applied): written if it is due; partners' thin
-        copies checked against it (copies.py, `own_at`)."""
+        """The replica stands at `step`: written if it is due; partners' thin copies checked
+        against it (copies.py, `own_at`)."""
         self._written(step)
         if self.ctx.replicas is not None and self.thin:
-            self.copies.own_at(step, lambda: self.own.stepped.sums(self._replicated_keys()))
+            self.copies.own_at(step, lambda: self.own.stepped.sums(self._replicated_keys()),
+                               keep=step % RESYNC_EVERY == 0)
 
     def _written(self, step: int) -> None:
         """The replica stands at `step`: written if it is due."""
@@ -162,10 +175,8 @@ class LowDiffPlusHandler(EngineHandler):
         if new_round := replicas.full_due():
             self._expect()
         self.own.add(msg.spec, diff)
-        if new_round:  # (new partners: the replica whole, then the diffs after it)
-            replicas.offer_copy(self._whole())
-            for _, kept in self.own.diffs:
-                replicas.offer_copy(thinned(kept))
+        if new_round:  # (new partners)
+            self._offer_whole(replicas)
         else:
             replicas.offer_copy(thinned(diff))
         # The copies keep up with the steps, or no partner's copy of this replica can stand at a
@@ -173,6 +184,12 @@ class LowDiffPlusHandler(EngineHandler):
         # one step's time at most (the trainer waits for this slot only if it has none spare).
         now, last, self.last_time = msg.spec.meta["snapshot_time"], self.last_time, msg.spec.meta["snapshot_time"]
         replicas.wait_shipped(1, now - last if last else 0.0)
+
+    def _offer_whole(self, replicas: Replicas) -> None:
+        """Ship the replica whole (thin under the short-cut), then the diffs kept back after it."""
+        replicas.offer_copy(self._whole())
+        for _, kept in self.own.diffs:
+            replicas.offer_copy(thinned(kept))
 
     def _spare(self, nbytes: int) -> bytearray | None:
         """A buffer of `nbytes` an own diff was cut into before (a new one faults its pages in:
