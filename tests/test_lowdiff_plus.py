@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -529,8 +530,19 @@ def test_under_ddp_a_partner_keeps_only_per_rank_state_and_completes_it_from_its
             assert len(c.data) == sum(c.index.tensors[k].nbytes for k in kept) < c.index.data_nbytes // 2
     steps = partner.copies.whole_steps(0, partner.own.steps())
     assert steps and max(steps) >= 9, (steps, partner.own.steps(), partner.copies.steps(0))
+    def stood(step: int):
+        with partner.pinned(step) as got:
+            return got
+
     with partner.pinned(max(steps)) as got:
+        other = []  # (a second partner's give-back at once: one at a time, and not at an older step)
+        second = threading.Thread(target=lambda: other.append(stood(max(steps) - 1)))
+        second.start()
+        second.join(0.3)
+        assert second.is_alive()
         given = partner.copies.whole(0, max(steps), _read_own(got))
+    second.join(10)
+    assert other == [None]
     back = spec_of(checked(0, *given.blobs(), thin=False))  # (as the owner's engine checks it again)
     state = tree_of(back, torch.frombuffer(bytearray(given.data), dtype=torch.uint8))
     assert_same(dict(state["models"]["model"]), dict(truth[0][given.step]["model"]), "given back")
@@ -575,7 +587,6 @@ def test_a_partners_thin_replica_or_diff_that_does_not_hold_together_is_refused(
         partner.hold(0, not_a_replica)
     assert partner.steps(0) == []
 
-    assert partner.hold(0, whole) and partner.steps(0) == [3]
     diff_state = {"grads": [torch.ones(4)], "scales": [], "groups": [{"lr": 0.1}], "buffers": {},
                   "param_groups": {"optimizer": [{"lr": 0.1, "params": [0]}]}, "rng": torch.ones(3, dtype=torch.uint8),
                   "schedulers": {}, "scalers": {}, "extra": {}}
@@ -583,8 +594,10 @@ def test_a_partners_thin_replica_or_diff_that_does_not_hold_together_is_refused(
     diff = cut(0, RecordSpec(record=full_name(4), kind="diff", step=4, skeleton=skeleton, tensors=specs,
                              meta={"shared": ["grads.0"], "snapshot_time": 2.0}), memoryview(bytearray(data)))
     assert diff.thin
-    broken = tampered(diff, lambda raw: raw["skeleton"].update(grads=[{TENSOR: "nope"}], groups=None))
-    with pytest.raises(CorruptCheckpoint, match="does not apply"):
-        partner.hold(0, broken)
-    assert partner.steps(0) == []
+    for grads in ([{TENSOR: "nope"}], [{TENSOR: ["not", "a", "key"]}]):
+        assert partner.hold(0, whole) and partner.steps(0) == [3]
+        broken = tampered(diff, lambda raw, grads=grads: raw["skeleton"].update(grads=grads, groups=None))
+        with pytest.raises(CorruptCheckpoint, match="does not apply"):
+            partner.hold(0, broken)
+        assert partner.steps(0) == []
     partner.close()

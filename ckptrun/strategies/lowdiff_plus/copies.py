@@ -191,9 +191,17 @@ class PartnerReplicas:
             for owner, c in list(self.owners.items()):
                 self._check_base(owner, c, step)
 
+    def own_dropped(self, after: int) -> None:
+        """This engine's own diffs after step `after` are dropped (the worker sends those steps
+        again, maybe otherwise): their prints go too."""
+        with self.lock:
+            for step in [s for s in self.own_prints if s > after]:
+                del self.own_prints[step]
+
     def own_diff(self, step: int, print_: str) -> None:
         """This engine's own diff of `step` has `update_print` `print_`: thin copies' diffs of that
-        step are compared with it."""
+        step are compared with it (prints of later steps go: the trainer resumed before them)."""
+        self.own_dropped(step)
         with self.lock:
             self.own_prints[step] = print_
             _trim(self.own_prints, KEPT_PRINTS)
@@ -239,9 +247,16 @@ class PartnerReplicas:
         if c.thin and mine is None:
             raise CorruptCheckpoint(f"this rank's replica no longer stands at step {step} to complete rank {owner}'s")
         c.check(owner)
-        c.kept.stand_at(step)
         meta = {REPLICA_META: c.extra}
-        return c.kept.stepped.whole(owner, mine, meta) if c.thin else c.kept.stepped.copy(owner, meta)
+        try:
+            c.kept.stand_at(step)  # (the owner's diffs kept back: untrusted)
+            return c.kept.stepped.whole(owner, mine, meta) if c.thin else c.kept.stepped.copy(owner, meta)
+        except CorruptCheckpoint:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure: the owner resumes from its records at once
+            self._drop(owner)
+            raise CorruptCheckpoint(f"rank {owner}'s copy cannot stand at step {step} ({type(e).__name__}: "
+                                    f"{e})") from e
 
     def _drop(self, owner: int) -> bool:
         """Let `owner`'s copy go (its arena closed); whether one was held."""

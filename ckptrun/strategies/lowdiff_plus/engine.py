@@ -57,6 +57,7 @@ class LowDiffPlusHandler(EngineHandler):
         self.own = KeptBack(SteppedReplica(classes, self._arena), owned=False,  # (diffs kept back only with
                             done=self._done)  # --replicas)
         self.spare: list[bytearray] = []  # buffers of own diffs applied, to cut the next ones into
+        self.pin_lock = threading.Lock()  # `pinned`: one partner's give-back at a time
         self.copies = PartnerReplicas(classes, lambda owner, layout: self._arena(layout, f"copy{owner}."),
                                       self.own.newest, self._state_at)
         self.generation = 0
@@ -281,7 +282,7 @@ class LowDiffPlusHandler(EngineHandler):
     def fetch(self, step: int | None = None) -> dict:
         """The replica at `step` (None: the newest held): the diffs kept back are applied up to
         it, the newer ones dropped (the worker sends those steps' diffs again)."""
-        self.own.stand_at(self.own.newest() if step is None else step, self._stood)
+        self._stand_at(self.own.newest() if step is None else step)
         self.due.clear()
         self.last_time = 0.0
         r, arena = self.own.stepped.replica, self.own.stepped.arena
@@ -299,12 +300,21 @@ class LowDiffPlusHandler(EngineHandler):
     @contextlib.contextmanager
     def pinned(self, step: int) -> Iterator[tuple[RecordSpec, memoryview] | None]:
         """The replica at `step`, standing there (the ranks resume from it), to complete a
-        partner's thin copy of that step (`_state_at`); None if it cannot stand there."""
-        if step not in self.own.steps():
-            yield None
-            return
+        partner's thin copy of that step (`_state_at`); None if it cannot stand there. One at a
+        time: partners given copies back at once (the replicator's threads) do not step the
+        replica under each other; one that asks for an older step gets None."""
+        with self.pin_lock:
+            if step not in self.own.steps():
+                yield None
+                return
+            self._stand_at(step)
+            yield self.own.stepped.spec(), memoryview(self.own.stepped.arena.buf.numpy())
+
+    def _stand_at(self, step: int) -> None:
+        """Stand the replica at `step`: the diffs kept back applied up to it, newer ones dropped
+        (and their prints: the worker sends those steps again)."""
         self.own.stand_at(step, self._stood)
-        yield self.own.stepped.spec(), memoryview(self.own.stepped.arena.buf.numpy())
+        self.copies.own_dropped(step)
 
     def install(self, spec: RecordSpec, data: bytes | bytearray) -> None:
         """Hold the replica of `spec` a partner gave back (a replaced node's engine, before its

@@ -36,8 +36,8 @@ def update_print(index: RankIndex) -> str:
         if isinstance(node, list):
             return [sub(v) for v in node]
         if isinstance(node, dict):
-            if TENSOR in node:
-                t = index.tensors.get(node[TENSOR])  # (one it does not hold: no rank's print matches)
+            if TENSOR in node:  # (a key it does not hold, or no key: no rank's print matches)
+                t = index.tensors.get(node[TENSOR]) if isinstance(node[TENSOR], str) else None
                 return t.xxh3 if t is not None else None
             return {k: sub(v) for k, v in node.items()}
         return node
