@@ -46,9 +46,9 @@ def update_print(index: RankIndex) -> str:
     return json.dumps({k: sub(skeleton.get(k)) for k in UPDATE}, sort_keys=True)
 
 
-def thin_tree(copy: HeldCopy) -> dict:
-    """The nested state of thin `copy` (checked): its own tensors from its bytes, each shared one
-    a placeholder on the meta device (its dtype and shape, no memory)."""
+def thin_tree(copy: HeldCopy, spec: RecordSpec) -> dict:
+    """The nested state of thin `copy` (checked; `spec`, its `spec_of`): its own tensors from
+    its bytes, each shared one a placeholder on the meta device (its dtype and shape, no memory)."""
     index = copy.index
     shared = shared_keys(index)
     tensors, pos = {}, 0
@@ -61,7 +61,7 @@ def thin_tree(copy: HeldCopy) -> dict:
     for key in shared:
         t = index.tensors[key]
         tensors[key] = torch.empty(t.shape, dtype=dtype_from_name(t.dtype), device="meta")
-    return unflatten(spec_of(copy).skeleton, tensors)
+    return unflatten(spec.skeleton, tensors)
 
 
 class PerRankReplica:
@@ -83,12 +83,12 @@ class PerRankReplica:
         """Start from a thin whole replica (checked; a partner's, untrusted: whatever does not
         hold together is CorruptCheckpoint)."""
         try:
-            state = thin_tree(copy)
+            spec = spec_of(copy)
+            state = thin_tree(copy, spec)
             if not isinstance(state["optimizers"]["optimizer"]["param_groups"], list):
                 raise TypeError("its optimizer has no parameter groups")
-            meta = spec_of(copy).meta
             self.state, self._step = state, copy.step
-            self._took(meta)
+            self._took(spec.meta)
         except Exception as e:  # noqa: BLE001 - untrusted input: any failure refuses it
             self.drop()
             raise CorruptCheckpoint(f"{what}: not a replica's per-rank state ({type(e).__name__}: {e})") from e
@@ -99,7 +99,7 @@ class PerRankReplica:
         replica. A diff not of the next step is refused (ValueError)."""
         if self._step is None or self._step != spec.step - 1:
             raise ValueError(f"the copy holds step {self._step}, not {spec.step - 1}")
-        d = thin_tree(diff)
+        d = thin_tree(diff, spec)  # (`spec`: the diff's, as KeptBack kept it)
         groups = self.state["optimizers"]["optimizer"]["param_groups"]
         for group, hp, late in zip(groups, d["groups"], d["param_groups"]["optimizer"], strict=True):
             group.update(hp)
