@@ -476,7 +476,8 @@ def tear(ckpt_dir: Path, record: int | str, how: str) -> None:
         os.truncate(path, path.stat().st_size // 2)
     elif how == "bad-manifest":
         path = record_dir(ckpt_dir, record) / MANIFEST
-        path.write_text(path.read_text().replace('"kind": "', '"kind": "x'))
+        body = json.loads(path.read_text())
+        path.write_text(json.dumps({**body, "kind": "x" + body["kind"]}))
     else:
         raise ValueError(how)
 

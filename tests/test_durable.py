@@ -220,9 +220,7 @@ def test_crafted_listings_are_refused(s3, tmp_path):
     c.put_object(Bucket=bucket, Key="run/step-00000001/../../escape/MANIFEST.json", Body=manifest)
     c.put_object(Bucket=bucket, Key="run/step-00000003/rank-00000.json", Body=b"{}")
     c.put_object(Bucket=bucket, Key="run/step-00000003/rank-00000.data/x", Body=b"")
-    missing = manifest.replace(b"step-00000001", b"step-00000005").replace(b'"step": 1', b'"step": 5')
-    missing = missing.replace(b'"first_step": 1', b'"first_step": 5')
-    body = json.loads(missing)
+    body = {**json.loads(manifest), "name": "step-00000005", "step": 5, "first_step": 5}
     from ckptrun.storage.schema import Manifest
 
     body.pop("checksum")

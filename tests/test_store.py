@@ -5,8 +5,10 @@ newest committed record."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,8 @@ from conftest import SCRIPTS, assert_same, logged, pack, run_cmd, verify
 
 from ckptrun.errors import CorruptCheckpoint
 from ckptrun.restore.recovery import newest_good
+from ckptrun.storage import store as store_module
+from ckptrun.storage.schema import Manifest
 from ckptrun.storage.store import MANIFEST, Store, full_name, rank_files
 from ckptrun.storage.tree import unflatten
 
@@ -105,7 +109,7 @@ def test_crash_mid_commit_keeps_previous_step(point, store, tmp_path):
 def _bump_last_digit(path: Path, field: str) -> None:
     """Change one digit of a JSON number field: still valid JSON, different bytes."""
     text = path.read_text()
-    m = re.search(rf'"{field}": -?\d*(\d)', text)
+    m = re.search(rf'"{field}":\s*-?\d*(\d)', text)
     assert m, f"no {field} in {path}"
     i = m.start(1)
     path.write_text(text[:i] + str((int(text[i]) + 1) % 10) + text[i + 1:])
@@ -147,6 +151,39 @@ def test_flipped_byte_is_detected(flip, store, tmp_path):
     bad = [line for line in report.stdout.splitlines() if line.startswith("BAD")]
     assert report.returncode == 1 and len(bad) == 1 and full_name(2) in bad[0] and problem in bad[0], \
         report.stdout + report.stderr
+
+
+def test_a_scan_parses_again_only_the_manifests_changed_since_the_last_one(store, monkeypatch):
+    """The engine lists --dir at every commit and retention (a lowdiff chain: hundreds of
+    records): an unchanged manifest is not parsed again, one rewritten in place (same size, its
+    modified time put back) is, and so is any written under RACY_S ago."""
+    for step in (1, 2, 3):
+        commit(store, step, make_state(step))
+    parsed: list[str] = []
+    real = Manifest.from_json
+    monkeypatch.setattr(Manifest, "from_json", staticmethod(lambda body: parsed.append(body["name"]) or real(body)))
+    store.manifests()
+    assert parsed == [full_name(s) for s in (1, 2, 3)]  # written just now: racy, parsed every time
+    store.manifests()
+    assert len(parsed) == 6
+
+    monkeypatch.setattr(store_module, "RACY_S", 0.0)
+    store.manifests()
+    parsed.clear()
+    assert [m.step for m in store.manifests()] == [1, 2, 3] and parsed == []
+
+    path = store.root / full_name(2) / MANIFEST
+    before = path.stat()
+    time.sleep(0.05)  # past the filesystem's timestamp granularity
+    _flip_manifest(store)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_size == before.st_size and path.stat().st_mtime_ns == before.st_mtime_ns
+    assert [m.step for m in store.manifests(warn=False)] == [1, 3] and parsed == [full_name(2)]
+    assert "checksum mismatch" in store.unreadable()[full_name(2)]
+
+    store.remove(full_name(3))
+    parsed.clear()
+    assert [m.step for m in store.manifests(warn=False)] == [1] and parsed == [full_name(2)]
 
 
 def test_prune_keeps_the_newest_k(store):

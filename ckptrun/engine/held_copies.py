@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import CorruptCheckpoint
 from ..ipc.messages import RecordSpec
+from ..storage.fsutil import json_bytes
 from ..storage.schema import RankIndex
 from ..storage.store import rank_index
 from ..storage.tiers.dpshared import copy_spans, parse, rebuild, shared_keys
@@ -61,7 +62,7 @@ def cut(rank: int, spec: RecordSpec, view: memoryview, *, thin: bool = True, int
     """Rank `rank`'s copy of the step `spec` describes, held in `view` (its staging slot, pinned):
     thin where its index names shared tensors, unless `thin` is False. A whole copy's bytes go
     `into` a buffer of its size, if given (one used before: a new one's pages fault in)."""
-    raw = json.dumps(rank_index(spec.record, rank, view, spec.tensors, spec.skeleton, spec.meta)).encode()
+    raw = json_bytes(rank_index(spec.record, rank, view, spec.tensors, spec.skeleton, spec.meta))
     what = f"step {spec.step}: rank {rank}"
     part = thin_part(raw, lambda offset, n: bytes(view[offset : offset + n]), what) if thin else None
     header = Header(step=spec.step, kind=spec.kind).model_dump_json().encode()

@@ -33,6 +33,7 @@ from typing import Any
 from ..errors import CkptrunError
 from ..ipc.messages import RecordSpec
 from ..log import log
+from ..storage.fsutil import json_bytes
 from ..storage.layout import align
 from ..storage.region import REGION_FILE, Geometry, Regions, RegionWriter
 from ..storage.schema import full_name
@@ -136,7 +137,7 @@ class RegionHandler(EngineHandler):
         ctx.fault_hook(spec.step)("data:written")
         writer.sync()
         index = rank_index(name, ctx.rank, data, spec.tensors, spec.skeleton, spec.meta)
-        index_raw = json.dumps(index, indent=1).encode()  # as a record directory's index file
+        index_raw = json_bytes(index)  # as a record directory's index file
         if not writer.fits(nbytes, len(index_raw)):
             self.retire_current(nbytes, len(index_raw))
             return False

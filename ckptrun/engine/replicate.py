@@ -39,6 +39,7 @@ from ..ipc.events import EventLog
 from ..ipc.messages import RecordSpec
 from ..log import log
 from ..storage import memory_status
+from ..storage.fsutil import json_bytes
 from ..storage.schema import (
     MAX_FILE_BYTES,
     MAX_METADATA_BYTES,
@@ -561,7 +562,7 @@ class Replicator:
         except (CorruptCheckpoint, OSError) as e:  # pruned meanwhile: a newer one comes
             self.log.emit(type="replica_error", rank=r.rank, error=f"{name}: {_short(e)}")
             return
-        manifest = json.dumps(m.to_json(), indent=1).encode()
+        manifest = json_bytes(m.to_json())
         self._to_partners(r, [manifest, *part], THIN if thin is not None else 0, m.step, sum(map(len, part)), t0)
 
     def _to_partners(self, r: Round, blobs: list[bytes | bytearray], flags: int, step: int, nbytes: int,

@@ -79,10 +79,16 @@ def publish_bytes(
     fault(f"{name}:dir-synced")
 
 
+def json_bytes(obj: object) -> bytes:
+    """`obj` as compact JSON, keys in insertion order (an index's skeleton keeps the order of the
+    script's state_dicts, which a restored state must reproduce). Not indented: `indent` takes
+    json's pure-Python encoder, 6x slower (7 ms a step on a 76 KB index, 1 ms compact)."""
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
 def publish_json(path: Path, obj: object, *, fault: FaultHook = _no_fault, name: str = "json") -> bytes:
-    """Publish `obj` as JSON, keys in insertion order: an index's skeleton keeps the order of the
-    script's state_dicts, which a restored state must reproduce."""
-    data = json.dumps(obj, indent=1).encode()
+    """Publish `obj` as JSON (`json_bytes`); returns the bytes published."""
+    data = json_bytes(obj)
     publish_bytes(path, data, fault=fault, name=name)
     return data
 

@@ -59,6 +59,10 @@ ABANDONED = ".abandoned-"  # an uncommitted record on its way out (`Store.abando
 CHUNK = 1 << 20  # verify hashes data files in pieces of this size (bounded memory)
 _RANK_PART = {"records": re.compile(r"rank-([0-9]{5})\.json"), "file": re.compile(r"rank-([0-9]{5})\.ckpt")}
 _RANK_FAILED = re.compile(r"rank-([0-9]{5})\.failed")
+# A manifest file whose inode was changed less than this long ago is parsed at every scan: a
+# rewrite within the filesystem's timestamp granularity could leave its stat unchanged (git's
+# "racy" entries). Older ones are parsed again only when their stat changes.
+RACY_S = 2.0
 
 
 def _read_small(fd: int, what: str) -> bytes:
@@ -88,6 +92,9 @@ class Store:
         self.root = Path(root)
         self.regions = Regions(self.root)
         self._ranks_ok: set[tuple[str, int]] = set()  # committed records whose rank files match world_size
+        # record -> (its manifest file's stat identity, the manifest parsed from it): the engine
+        # lists --dir at every commit, a lowdiff chain holds hundreds of records (`_scan`).
+        self._parsed: dict[str, tuple[tuple[int, ...], Manifest]] = {}
 
     @classmethod
     def existing(cls, root: str | os.PathLike) -> Store:
@@ -350,20 +357,37 @@ class Store:
     def _scan(self) -> tuple[list[Manifest], dict[str, str]]:
         """(readable manifests oldest first, {record: problem} of records that fail their checks).
         A step held both by a record directory and by region slots is listed once (the directory)."""
-        good, bad = [], {}
+        good, bad, parsed = [], {}, {}
         for name, real in self._records():
             if not real:
                 bad[name] = f"{name}: record directory is a symbolic link (not followed)"
             elif os.path.lexists(self.root / name / MANIFEST):
                 try:
-                    good.append(self.manifest(name))
+                    good.append(self._manifest_unless_parsed(name, parsed))
                 except CorruptCheckpoint as e:
                     bad[name] = str(e)
+        self._parsed = parsed
         in_region, region_bad = self.regions.scan()
         names = {m.name for m in good}  # (a damaged directory does not hide a good region copy)
         good += [m for m in in_region if m.name not in names]
         bad.update(region_bad)
         return sorted(good, key=lambda m: (m.step, m.kind != "full")), bad
+
+    def _manifest_unless_parsed(self, name: str, parsed: dict[str, tuple[tuple[int, ...], Manifest]]
+                                ) -> Manifest:
+        """`manifest(name)`, not parsed again if its file is the one parsed at the last scan,
+        unchanged (device, inode, size, modified and changed times) and not racy (`RACY_S`);
+        kept in `parsed` for the next scan. A manifest is never changed once read."""
+        try:
+            st = os.stat(self.root / name / MANIFEST, follow_symlinks=False)
+        except OSError:
+            return self.manifest(name)  # (says why it cannot be read)
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        known = self._parsed.get(name)
+        m = known[1] if known is not None and known[0] == key else self.manifest(name)
+        if time.time_ns() - st.st_ctime_ns > RACY_S * 1e9:
+            parsed[name] = (key, m)
+        return m
 
     def manifests(self, *, warn: bool = True) -> list[Manifest]:
         """Every committed record, oldest first; unreadable manifests are skipped loudly."""

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 
 from ...errors import CorruptCheckpoint
 from .. import rankfile
+from ..fsutil import json_bytes
 from ..schema import Manifest, rank_files
 from ..store import Store
 from .source import Source, Span
@@ -33,7 +33,7 @@ def record_parts(store: Store, m: Manifest, ranks: Iterable[int] | None = None
         parts = [rank_part(store, m, r, stack)
                  for r in (range(m.world_size) if ranks is None else ranks)]
         remote = dataclasses.replace(m, layout="records") if m.layout == "region" else m
-        yield parts, json.dumps(remote.to_json(), indent=1).encode()
+        yield parts, json_bytes(remote.to_json())
 
 
 def rank_part(store: Store, m: Manifest, r: int, stack: contextlib.ExitStack) -> Part:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import Future
 
 from ...engine.handlers import EngineContext, EngineHandler
 from ...ipc.messages import RecordSpec, StrategyMessage
@@ -28,7 +29,11 @@ class LowDiffHandler(EngineHandler):
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
         self.batch: list[tuple[Diff, int]] = []  # each diff held and its bytes' length in `data`
-        self.data = bytearray()  # the batch's bytes, concatenated as they arrive (one copy, written as is)
+        self.data = bytearray()  # the batch's bytes: its first `filled`, concatenated as they arrive (written as is)
+        self.filled = 0
+        # The buffer of the batch written last and its write: filled again once written, its pages
+        # already faulted in (a fresh one of a batch's size is mapped anew: a fault per page).
+        self.spare: tuple[bytearray, Future] | None = None
         self.chain: dict[str, str] = {}  # base record -> newest diff record based on it
         self.volatile: dict | None = None  # newest step's memory-only state (top-k residual)
 
@@ -48,7 +53,7 @@ class LowDiffHandler(EngineHandler):
                              "data": self.ctx.read_slot(msg.slot, disk, msg.nbytes)}
         if self.batch and self.batch[-1][0].base != msg.base:
             self.flush()
-        self.data += self.ctx.slot_view(msg.slot)[:disk]
+        self._hold(self.ctx.slot_view(msg.slot)[:disk], msg.batch - len(self.batch))
         self.ctx.free_slot(msg.slot)
         # Held as JSON text until the batch is written: a step's skeleton (RNG states: ~1,250 ints)
         # is ~6x its JSON as objects, and thousands of them held and freed fragment the heap.
@@ -59,12 +64,24 @@ class LowDiffHandler(EngineHandler):
         if len(self.batch) >= msg.batch or self.ctx.write_fault_due(spec.step):
             self.flush()
 
+    def _hold(self, view: memoryview, left: int) -> None:
+        """Append a diff's bytes to the batch's buffer, `left` diffs of the batch to come with
+        this one. A buffer too small is replaced by one that holds them all (one whose write
+        may still read it cannot be resized)."""
+        end = self.filled + len(view)
+        if end > len(self.data):
+            grown = bytearray(self.filled + max(left, 1) * len(view))
+            grown[: self.filled] = memoryview(self.data)[: self.filled]
+            self.data = grown
+        self.data[self.filled : end] = view
+        self.filled = end
+
     def flush(self) -> None:
         """Write the diffs held in memory as one record."""
         if not self.batch:
             return
         batch, self.batch = self.batch, []
-        data, self.data = self.data, bytearray()
+        data, filled, self.filled = self.data, self.filled, 0
         first, last = batch[0][0].spec, batch[-1][0].spec
         base = batch[0][0].base
         tensors, offset = {}, 0
@@ -83,4 +100,5 @@ class LowDiffHandler(EngineHandler):
             meta={**last.meta, "first_step": first.step, "batched_at": time.time()},
         )
         self.ctx.wait_writes(WRITES_QUEUED)  # one batch written while the next fills: a slow disk stalls the trainer
-        self.ctx.write(record, memoryview(data))
+        spare, self.spare = self.spare, (data, self.ctx.write(record, memoryview(data)[:filled]))
+        self.data = spare[0] if spare is not None and spare[1].done() else bytearray()
