@@ -31,8 +31,7 @@ class LowDiffHandler(EngineHandler):
         self.batch: list[tuple[Diff, int]] = []  # each diff held and its bytes' length in `data`
         self.data = bytearray()  # the batch's bytes: its first `filled`, concatenated as they arrive (written as is)
         self.filled = 0
-        # The buffer of the batch written last and its write: filled again once written, its pages
-        # already faulted in (a fresh one of a batch's size is mapped anew: a fault per page).
+        # The buffer of the batch written last and its write (`_hold`).
         self.spare: tuple[bytearray, Future] | None = None
         self.chain: dict[str, str] = {}  # base record -> newest diff record based on it
         self.volatile: dict | None = None  # newest step's memory-only state (top-k residual)
@@ -53,7 +52,7 @@ class LowDiffHandler(EngineHandler):
                              "data": self.ctx.read_slot(msg.slot, disk, msg.nbytes)}
         if self.batch and self.batch[-1][0].base != msg.base:
             self.flush()
-        self._hold(self.ctx.slot_view(msg.slot)[:disk], msg.batch - len(self.batch))
+        self._hold(self.ctx.slot_view(msg.slot)[:disk])
         self.ctx.free_slot(msg.slot)
         # Held as JSON text until the batch is written: a step's skeleton (RNG states: ~1,250 ints)
         # is ~6x its JSON as objects, and thousands of them held and freed fragment the heap.
@@ -64,16 +63,23 @@ class LowDiffHandler(EngineHandler):
         if len(self.batch) >= msg.batch or self.ctx.write_fault_due(spec.step):
             self.flush()
 
-    def _hold(self, view: memoryview, left: int) -> None:
-        """Append a diff's bytes to the batch's buffer, `left` diffs of the batch to come with
-        this one. A buffer too small is replaced by one that holds them all (one whose write
-        may still read it cannot be resized)."""
+    def _hold(self, view: memoryview) -> None:
+        """Append a diff's bytes to the batch's buffer: the written batch's buffer if its write
+        is done by now (its pages are in: a fresh buffer faults each in, 17 ms a diff against 5),
+        else a new one, grown as diffs arrive (never two batches' buffers held in full)."""
+        if self.filled == 0 and self.spare is not None:
+            buf, written = self.spare
+            self.spare = None
+            self.data = buf if written.done() else bytearray()
         end = self.filled + len(view)
-        if end > len(self.data):
-            grown = bytearray(self.filled + max(left, 1) * len(view))
-            grown[: self.filled] = memoryview(self.data)[: self.filled]
-            self.data = grown
-        self.data[self.filled : end] = view
+        if end <= len(self.data):
+            self.data[self.filled : end] = view
+        else:
+            try:
+                del self.data[self.filled :]
+                self.data += view
+            except BufferError:  # a written batch's buffer, still viewed by what wrote it
+                self.data = bytearray(memoryview(self.data)[: self.filled]) + view
         self.filled = end
 
     def flush(self) -> None:
@@ -100,5 +106,5 @@ class LowDiffHandler(EngineHandler):
             meta={**last.meta, "first_step": first.step, "batched_at": time.time()},
         )
         self.ctx.wait_writes(WRITES_QUEUED)  # one batch written while the next fills: a slow disk stalls the trainer
-        spare, self.spare = self.spare, (data, self.ctx.write(record, memoryview(data)[:filled]))
-        self.data = spare[0] if spare is not None and spare[1].done() else bytearray()
+        self.spare = (data, self.ctx.write(record, memoryview(data)[:filled]))
+        self.data = bytearray()
