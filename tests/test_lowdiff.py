@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,6 @@ from conftest import (
 from ckptrun.restore.export import export
 from ckptrun.restore.recovery import READ_AHEAD_RECORDS, diff_states, find
 from ckptrun.storage.store import Store, diff_name, full_name, rank_files
-from ckptrun.strategies.lowdiff.engine import LowDiffHandler
 from ckptrun.strategies.lowdiff.model import LowDiffCosts, optimal_fb
 from ckptrun.strategies.lowdiff.policy import DEFAULT_B, DEFAULT_F, RECORD_OPEN_S, FullEveryBatch
 from ckptrun.strategies.save_policy import Decision
@@ -398,37 +396,3 @@ def test_fixed_full_every_and_batch_are_kept():
     t.run(2 * EVAL_EVERY)
     assert t.policy.full_every == 5 and 1 <= t.policy.batch <= 5
     assert t.changes and all(d.settings["full_every"] == 5 and d.settings["batch"] <= 5 for _, d in t.changes)
-
-
-def test_the_engine_fills_the_written_batchs_buffer_again_only_once_its_write_is_done():
-    """A batch's diffs are copied into the buffer of the batch written before it when that
-    write is done (its pages are in), else into a new one; a buffer its write may still view
-    is never resized (BufferError), so a batch larger than it moves to a new buffer intact."""
-    def done() -> Future:
-        f: Future = Future()
-        f.set_result(None)
-        return f
-
-    diffs = [memoryview(bytes([i]) * 4096) for i in range(1, 5)]
-    h = LowDiffHandler(ctx=None)
-    for d in diffs[:2]:
-        h._hold(d)
-    first = h.data
-    assert bytes(first) == bytes(diffs[0]) + bytes(diffs[1])
-
-    h.spare, h.filled = (first, Future()), 0  # written, its write still running
-    h._hold(diffs[2])
-    assert h.data is not first and bytes(h.data) == bytes(diffs[2])
-
-    h.spare, h.filled = (first, done()), 0
-    viewed = memoryview(first)  # as the finished write's view may still be alive
-    for d in diffs[1:]:
-        h._hold(d)
-    assert h.data is not first and bytes(h.data) == b"".join(bytes(d) for d in diffs[1:])
-    assert bytes(first) == bytes(diffs[1]) + bytes(diffs[2])  # refilled in place up to its size
-
-    second = h.data
-    h.spare, h.filled = (second, done()), 0
-    h._hold(diffs[0])
-    assert h.data is second and bytes(h.data[: h.filled]) == bytes(diffs[0])
-    viewed.release()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import time
-from concurrent.futures import Future
 
 from ...engine.handlers import EngineContext, EngineHandler
 from ...ipc.messages import RecordSpec, StrategyMessage
@@ -29,10 +28,7 @@ class LowDiffHandler(EngineHandler):
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
         self.batch: list[tuple[Diff, int]] = []  # each diff held and its bytes' length in `data`
-        self.data = bytearray()  # the batch's bytes: its first `filled`, concatenated as they arrive (written as is)
-        self.filled = 0
-        # The buffer of the batch written last and its write (`_hold`).
-        self.spare: tuple[bytearray, Future] | None = None
+        self.data = bytearray()  # the batch's bytes, concatenated as they arrive (one copy, written as is)
         self.chain: dict[str, str] = {}  # base record -> newest diff record based on it
         self.volatile: dict | None = None  # newest step's memory-only state (top-k residual)
 
@@ -52,7 +48,7 @@ class LowDiffHandler(EngineHandler):
                              "data": self.ctx.read_slot(msg.slot, disk, msg.nbytes)}
         if self.batch and self.batch[-1][0].base != msg.base:
             self.flush()
-        self._hold(self.ctx.slot_view(msg.slot)[:disk])
+        self.data += self.ctx.slot_view(msg.slot)[:disk]
         self.ctx.free_slot(msg.slot)
         # Held as JSON text until the batch is written: a step's skeleton (RNG states: ~1,250 ints)
         # is ~6x its JSON as objects, and thousands of them held and freed fragment the heap.
@@ -63,31 +59,12 @@ class LowDiffHandler(EngineHandler):
         if len(self.batch) >= msg.batch or self.ctx.write_fault_due(spec.step):
             self.flush()
 
-    def _hold(self, view: memoryview) -> None:
-        """Append a diff's bytes to the batch's buffer: the written batch's buffer if its write
-        is done by now (its pages are in: a fresh buffer faults each in, 17 ms a diff against 5),
-        else a new one, grown as diffs arrive (never two batches' buffers held in full)."""
-        if self.filled == 0 and self.spare is not None:
-            buf, written = self.spare
-            self.spare = None
-            self.data = buf if written.done() else bytearray()
-        end = self.filled + len(view)
-        if end <= len(self.data):
-            self.data[self.filled : end] = view
-        else:
-            try:
-                del self.data[self.filled :]
-                self.data += view
-            except BufferError:  # a written batch's buffer, still viewed by what wrote it
-                self.data = bytearray(memoryview(self.data)[: self.filled]) + view
-        self.filled = end
-
     def flush(self) -> None:
         """Write the diffs held in memory as one record."""
         if not self.batch:
             return
         batch, self.batch = self.batch, []
-        data, filled, self.filled = self.data, self.filled, 0
+        data, self.data = self.data, bytearray()
         first, last = batch[0][0].spec, batch[-1][0].spec
         base = batch[0][0].base
         tensors, offset = {}, 0
@@ -106,5 +83,4 @@ class LowDiffHandler(EngineHandler):
             meta={**last.meta, "first_step": first.step, "batched_at": time.time()},
         )
         self.ctx.wait_writes(WRITES_QUEUED)  # one batch written while the next fills: a slow disk stalls the trainer
-        self.spare = (data, self.ctx.write(record, memoryview(data)[:filled]))
-        self.data = bytearray()
+        self.ctx.write(record, memoryview(data))
