@@ -361,11 +361,15 @@ class Store:
         for name, real in self._records():
             if not real:
                 bad[name] = f"{name}: record directory is a symbolic link (not followed)"
-            elif os.path.lexists(self.root / name / MANIFEST):
-                try:
-                    good.append(self._manifest_unless_parsed(name, parsed))
-                except CorruptCheckpoint as e:
-                    bad[name] = str(e)
+                continue
+            try:
+                st = os.stat(self.root / name / MANIFEST, follow_symlinks=False)
+            except OSError:
+                continue  # no manifest: not committed (`incomplete`)
+            try:
+                good.append(self._manifest_unless_parsed(name, st, parsed))
+            except CorruptCheckpoint as e:
+                bad[name] = str(e)
         self._parsed = parsed
         in_region, region_bad = self.regions.scan()
         names = {m.name for m in good}  # (a damaged directory does not hide a good region copy)
@@ -373,15 +377,11 @@ class Store:
         bad.update(region_bad)
         return sorted(good, key=lambda m: (m.step, m.kind != "full")), bad
 
-    def _manifest_unless_parsed(self, name: str, parsed: dict[str, tuple[tuple[int, ...], Manifest]]
-                                ) -> Manifest:
-        """`manifest(name)`, not parsed again if its file is the one parsed at the last scan,
-        unchanged (device, inode, size, modified and changed times) and not racy (`RACY_S`);
-        kept in `parsed` for the next scan. A manifest is never changed once read."""
-        try:
-            st = os.stat(self.root / name / MANIFEST, follow_symlinks=False)
-        except OSError:
-            return self.manifest(name)  # (says why it cannot be read)
+    def _manifest_unless_parsed(self, name: str, st: os.stat_result,
+                                parsed: dict[str, tuple[tuple[int, ...], Manifest]]) -> Manifest:
+        """`manifest(name)`, not parsed again if its file (`st`, its lstat) is the one parsed at
+        the last scan, unchanged (device, inode, size, modified and changed times) and not racy
+        (`RACY_S`); kept in `parsed` for the next scan. A manifest is never changed once read."""
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         known = self._parsed.get(name)
         m = known[1] if known is not None and known[0] == key else self.manifest(name)
