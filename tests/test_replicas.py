@@ -447,14 +447,14 @@ def test_an_engine_whose_partner_closes_while_it_ships_exits_cleanly(tmp_path):
     assert (first.wait(120), second.wait(120)) == (0, 0), first.stderr.read() + second.stderr.read()
 
 
-def _held_step(step: int, shared_fill: int = 7) -> tuple:
-    """(spec, slot bytes) of a step held in a staging slot: a shared tensor (every DDP rank's
-    alike) and a per-rank one, at 4 KiB-aligned places."""
+def _held_step(step: int, shared_fill: int = 7, rank: int = 0) -> tuple:
+    """(spec, slot bytes) of `rank`'s step held in a staging slot: a shared tensor (every DDP
+    rank's alike) and a per-rank one, at 4 KiB-aligned places."""
     from ckptrun.ipc.messages import RecordSpec
 
     slot = bytearray(8192)
     slot[:4096] = bytes([shared_fill]) * 4096
-    slot[4096:4100] = step.to_bytes(4, "little")
+    slot[4096:4100] = (100 * rank + step).to_bytes(4, "little")
     tensors = {"models/model/w": {"dtype": "float32", "shape": [1024], "offset": 0, "nbytes": 4096},
                "rng/cpu": {"dtype": "uint8", "shape": [4], "offset": 4096, "nbytes": 4}}
     spec = RecordSpec(record=full_name(step), kind="full", step=step, skeleton={"step": step}, tensors=tensors,
@@ -493,3 +493,96 @@ def test_a_held_step_ships_thin_is_checked_kept_two_deep_and_made_whole_from_the
         copies.whole(1, 7, None)
     with pytest.raises(CorruptCheckpoint, match="no valid header"):
         checked(1, b'{"step": -1, "kind": "full"}', copies.get(1, 7).data, copies.get(1, 7).raw_index, thin=True)
+
+
+# One engine's replicator with steps held in memory only (a snapshot strategy's slots, here a
+# dict): MODE "ship" holds its rank's steps 1 and 2, ships each as it holds it, then waits to be
+# killed; "survive" does the same, and once the test says its partner is gone joins round r2 as
+# AS_RANK, letting go of its steps first (adopted, as the engine does when the rank changes);
+# "replace" joins r2 as AS_RANK holding nothing. Each writes the steps it holds after r2's
+# exchange, by step, to held-RANK.json.
+HELD_PEER = """
+import contextlib, json, os, sys, time
+sys.path.insert(0, sys.argv[5])
+from test_replicas import _held_step
+from ckptrun.engine.replicate import Replicator
+from ckptrun.ipc.events import EventLog
+from ckptrun.storage.store import Store
+root, rank, port, mode, _, as_rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], \
+    int(sys.argv[6])
+
+class Slots:
+    def __init__(self, steps, rank):
+        self.held = {s: _held_step(s, rank=rank) for s in steps}
+    def held_steps(self):
+        return sorted(self.held, reverse=True)
+    @contextlib.contextmanager
+    def pinned(self, step):
+        got = self.held.get(step)
+        yield None if got is None else (got[0], memoryview(got[1]))
+    def install(self, spec, data):
+        self.held[spec.step] = (spec, bytearray(data))
+
+rep = Replicator(EventLog(os.path.join(root, "..", "metrics"), f"engine-{rank}-{os.getpid()}"))
+def join(prefix, r, memory):
+    rep.join({"addr": "127.0.0.1", "port": port, "prefix": prefix, "replicas": 2, "jump": 1, "local": 1},
+             r, 2, Store(root), None, memory=memory)
+if mode in ("ship", "survive"):
+    memory = Slots([], rank)
+    join("r1", rank, memory)
+    for step in (1, 2):
+        memory.held[step] = _held_step(step, rank=rank)
+        rep.offer_held(step)
+        assert rep.wait_held_shipped(30)
+    if mode == "ship":
+        time.sleep(600)
+    while not os.path.exists(os.path.join(root, "..", "gone")):
+        time.sleep(0.05)
+    if as_rank != rank:
+        rep.adopt(rank, memory)
+        memory = Slots([], as_rank)
+    join("r2", as_rank, memory)
+else:
+    memory = Slots([], as_rank)
+    join("r2", as_rank, memory)
+with open(os.path.join(root, "..", f"held-{as_rank}.json"), "w") as f:
+    json.dump({s: bytes(d).hex() for s, (_, d) in memory.held.items()}, f)
+rep.close()
+"""
+
+
+def test_steps_held_in_memory_only_come_back_when_the_rendezvous_swaps_the_ranks(tmp_path):
+    """Two engines on loopback hold their steps 1 and 2 in memory only and ship them thin (the
+    shared tensor left out). One dies, and the rendezvous gives its replacement rank 0 and the
+    survivor rank 1: the survivor's engine has let go of its old rank's steps (adopted whole);
+    the replacement takes the newest back from it, and the survivor holds its new rank's steps
+    again from its own copies, completed with the shared tensor of the state it let go of. Both
+    end with their rank's state byte for byte. (Without a swap: the two-node tests.)"""
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+
+    def peer(rank: int, mode: str, as_rank: int) -> subprocess.Popen:
+        argv = [sys.executable, "-c", HELD_PEER, root, str(rank), str(master.port), mode, Path(__file__).parent,
+                str(as_rank)]
+        return subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+
+    survivor, lost = peer(0, "survive", 1), peer(1, "ship", 1)
+    deadline = time.monotonic() + 120
+    while len(_events(tmp_path, "replica_held")) < 4:
+        assert time.monotonic() < deadline and lost.poll() is None and survivor.poll() is None, \
+            lost.stderr.read() if lost.poll() is not None else survivor.stderr.read()
+        time.sleep(0.1)
+    lost.kill()  # its node dies, with its memory
+    lost.wait()
+    (tmp_path / "gone").touch()
+    replacement = peer(1, "replace", 0)
+    assert (survivor.wait(120), replacement.wait(120)) == (0, 0), survivor.stderr.read() + replacement.stderr.read()
+    held = {r: json.loads((tmp_path / f"held-{r}.json").read_text()) for r in (0, 1)}
+    for r, steps in held.items():
+        for step, data in steps.items():
+            assert bytes.fromhex(data) == bytes(_held_step(int(step), rank=r)[1]), (r, step)
+    # the survivor (rank 1 now) from its own copies, both steps; the replacement (rank 0) from it
+    assert sorted(held[1]) == ["1", "2"] and sorted(held[0]) == ["2"], held
+    restored = sorted((e["rank"], e["step"], e["holder"]) for e in _events(tmp_path, "replica_restored"))
+    assert restored == [(0, 2, 1), (1, 1, 1), (1, 2, 1)], restored

@@ -209,11 +209,13 @@ def _start_replicated(cwd: Path, head: Node, other: Node, strategy: str, *, faul
 
 
 def _lose_node1(cwd: Path, head: Node, other: Node, strategy: str, *, fault: str | None = None,
-                lost: Callable[[int], bool], extra: tuple[str, ...] = REPLICAS) -> tuple[int, float]:
+                lost: Callable[[int], bool], extra: tuple[str, ...] = REPLICAS, swap: bool = False
+                ) -> tuple[int, float]:
     """A run with --replicas 2 (and `extra`) in which node 1's whole tree is killed once node 0
     holds a copy of step REPLICATED or later, node 1's part of the steps `lost(step)` picks is
-    deleted (its disk lost; with --node-local-dir its whole --dir) and node 1 starts again.
-    Returns (newest step node 0 held, when node 1 was killed)."""
+    deleted (its disk lost; with --node-local-dir its whole --dir) and node 1 starts again (with
+    `swap`, under an address the rendezvous ranks first). Returns (newest step node 0 held, when
+    node 1 was killed)."""
     procs = _start_replicated(cwd, head, other, strategy, fault=fault, extra=extra)
     other.kill()
     t_kill = time.time()
@@ -228,7 +230,7 @@ def _lose_node1(cwd: Path, head: Node, other: Node, strategy: str, *, fault: str
     for part in (cwd / "ckpts").glob("step-*/rank-00001.*"):
         if lost(int(part.parent.name.removeprefix("step-"))):
             part.unlink()
-    procs[1] = other.start(cwd, head.addr, strategy, extra=extra)
+    procs[1] = other.start(cwd, head.addr, strategy, extra=extra, addr=other.other_addr if swap else None)
     assert _finish(procs, cwd) == [0, 0], _logs(cwd)
     return held, t_kill
 
@@ -358,7 +360,8 @@ TRIES = 3
 
 
 def _lose_node1_in_step(cwd: Path, head: Node, other: Node, *, fault: str | None, extra: tuple[str, ...],
-                        lost: Callable[[int], bool], strategy: str = RunConfig.strategy) -> tuple[Path, int, float]:
+                        lost: Callable[[int], bool], strategy: str = RunConfig.strategy, swap: bool = False
+                        ) -> tuple[Path, int, float]:
     """`_lose_node1` with --persist-every 4 on top, tried again in a new folder where node 0 ran
     two steps ahead of the newest copy that left node 1 before it died (on a loaded machine, or
     at this model's 30 ms steps): no copy can be made whole then, which node 1 says in one line
@@ -366,28 +369,35 @@ def _lose_node1_in_step(cwd: Path, head: Node, other: Node, *, fault: str | None
     for i in range(TRIES):
         cwd = cwd.with_name(f"{cwd.name}-{i}")
         newest, t_kill = _lose_node1(cwd, head, other, strategy, fault=fault, lost=lost,
-                                     extra=(*extra, "--persist-every", "4"))
+                                     extra=(*extra, "--persist-every", "4"), swap=swap)
         if LAGGED not in (cwd / "node1.log").read_text():
             return cwd, newest, t_kill
     raise AssertionError(f"in {TRIES} tries node 0 always ran ahead of node 1's copies: {_logs(cwd)}")
 
 
-def test_memory_first_a_lost_node_resumes_from_its_partners_memory_at_a_step_held_only(nodes, tmp_path,
+@pytest.mark.parametrize("swap", [False, True], ids=["same-ranks", "ranks-swap"])
+def test_memory_first_a_lost_node_resumes_from_its_partners_memory_at_a_step_held_only(swap, nodes, tmp_path,
                                                                                      tmp_path_factory):
     """--persist-every 4 on top: each engine holds every step in memory (the two newest, with
     --replicas), ships each to its partner as it holds it (per-rank state only: the DDP
-    short-cut), and writes every 4th. Node 1 lost with its --dir: its new engine takes rank 1's
+    short-cut), and writes every 4th. Node 1 lost with its --dir: its new engine takes its rank's
     newest step that node 0 can make whole back into its own memory before its worker starts;
-    both ranks resume there from memory, reading no disk, and end bit-exact."""
+    both ranks resume there from memory, reading no disk, and end bit-exact. With `swap` the
+    rendezvous gives the new node rank 0 and node 0 rank 1: node 0's engine gives its old rank's
+    step back whole and holds its new rank's steps again from its own copies."""
     head, other = nodes
     plain = _uninterrupted(RunConfig.strategy, nodes, tmp_path_factory)
     lost, newest, t_kill = _lose_node1_in_step(tmp_path / "lost", head, other, fault=None, extra=NODE_LOCAL,
-                                               lost=lambda step: True)
+                                               lost=lambda step: True, swap=swap)
     events = [json.loads(line) for line in (lost / "metrics-node1" / "engine-0.jsonl").read_text().splitlines()]
     restored = [e for e in events if e.get("type") == "replica_restored" and e.get("held")]
-    assert len(restored) == 1 and restored[0]["holder"] == 0, _logs(lost)
+    assert len(restored) == 1 and restored[0]["holder"] == (1 if swap else 0), _logs(lost)
     step = restored[0]["step"]
     assert newest - 1 <= step <= newest and _resumed_at(lost, nodes, t_kill) == step, (newest, step)
+    if swap:
+        survivor = [json.loads(line) for line in (lost / "metrics-node0" / "engine-0.jsonl").open()]
+        own = [e["step"] for e in survivor if e.get("type") == "replica_restored" and e["holder"] == e["rank"] == 1]
+        assert step in own, _logs(lost)
     for node in nodes:
         log = (lost / f"node{node.rank}.log").read_text()
         assert f"resumed step {step} from the checkpoint engine's memory (no disk read)" in log, _logs(lost)

@@ -18,7 +18,9 @@ hold asks one of them for it before its worker resumes (`mirror.fill` then `Stor
 With a snapshot strategy's --persist-every, the steps held in memory only are copied too, each
 as it is held (engine/held_copies.py): an engine that holds no step of its rank (a replaced
 node's) takes the newest one a partner can make whole back into a staging slot of its own, and
-the ranks resume from memory at the newest step all of them hold (worker/resume.py).
+the ranks resume from memory at the newest step all of them hold (worker/resume.py). A survivor
+the rendezvous gave a partner's rank keeps its old rank's steps for that node (`adopt`) and
+holds its new rank's from its own copies.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -54,7 +56,7 @@ from ..storage.tiers.group import ReplicationGroup
 from ..storage.tiers.memtier import MemoryTier
 from ..storage.tiers.mirror import fill
 from ..storage.tiers.parts import rank_part, thin_part, thin_rank_part
-from .held_copies import HeldCopies, HeldCopy, HeldMemory, PartnerCopies, checked, cut, flipped, spec_of
+from .held_copies import KEEP, HeldCopies, HeldCopy, HeldMemory, PartnerCopies, checked, cut, flipped, spec_of
 
 SHIP, FETCH = 1, 2  # gloo tags: a new copy for a partner; a copy sent back to its owner
 THIN, HELD = 1, 2  # a copy's flags: its data lacks the shared tensors; it is of a step held in memory only
@@ -159,6 +161,7 @@ class Replicator:
         self.copies: PartnerCopies = HeldCopies()  # partners' steps held in memory only (join's `copies`)
         self._snapshot_copies = self.copies
         self.memory: HeldMemory | None = None
+        self._adopted: list[HeldCopy] = []  # this engine's steps of its worker's old rank (`adopt`)
         self.round: Round | None = None
         self.store: Store | None = None
         self.fault: Fault | None = None
@@ -202,12 +205,14 @@ class Replicator:
         except (CkptrunError, RuntimeError, ValueError) as e:
             log.warning(f"rank {rank}: replicas off for this round: the engines did not meet ({_short(e)})")
             self.log.emit(type="replica_error", rank=rank, error=_short(e))
+            self._adopted = []
             return
         try:
             self._exchange(r)
         except (RuntimeError, ValueError, CorruptCheckpoint, OSError) as e:
             log.warning(f"rank {rank}: copies not exchanged this round ({_short(e)}); resuming from --dir")
             self.log.emit(type="replica_error", rank=rank, error=_short(e))
+        self._adopted = []  # (the exchange is over: what it did not give back is the records')
         with self._lock:
             self.round = r
         for p in r.partners:
@@ -259,14 +264,39 @@ class Replicator:
         for t in senders:
             t.join(SEND_TIMEOUT_S)
 
+    def adopt(self, rank: int, memory: HeldMemory) -> None:
+        """The worker came back as another rank (the rendezvous ranked the nodes anew): the steps
+        `memory` holds of its old `rank` are cut whole before the engine lets go of them, for the
+        next round's exchange. There the node that has that rank now takes them back, and they
+        complete this node's copies of its new rank (the shared tensors of a thin copy are every
+        data-parallel rank's alike). Dropped once the exchange is done."""
+        adopted = []
+        for step in sorted(memory.held_steps(), reverse=True):
+            with memory.pinned(step) as got:
+                if got is not None:
+                    adopted.append(cut(rank, *got, thin=False))
+        with self._lock:
+            self._adopted = adopted
+
     def _exchange_held(self, r: Round) -> None:
         """Each engine says which of its partners' held steps it can give back whole (a thin
-        copy needs its own slot of the same step); one that holds no step of its rank asks for
-        the newest of them, into its memory."""
+        copy needs its own state of the same step, or the old rank's it adopted); one that holds
+        no step of its rank takes the newest ones back from its own copies, where the rendezvous
+        gave it a partner's rank, else asks a partner for the newest of them, into its memory."""
         own = set(self.memory.held_steps()) if self.memory is not None else set()
         with self._lock:
+            whole_at = own | {c.step for c in self._adopted}
             kept = {str(o): self.copies.steps(o) for o in r.partners}
-            can = {str(o): self.copies.whole_steps(o, own) for o in r.partners}
+            can = {str(o): self.copies.whole_steps(o, whole_at) for o in r.partners}
+            for c in self._adopted:
+                if c.index.rank in r.partners:
+                    kept[str(c.index.rank)] = sorted({*kept[str(c.index.rank)], c.step}, reverse=True)
+                    can[str(c.index.rank)] = sorted({*can[str(c.index.rank)], c.step}, reverse=True)
+            snapshots = self.copies is self._snapshot_copies  # (lowdiff+'s stepped copies: not yet)
+            takes_own = snapshots and self.memory is not None and not own
+            mine = self.copies.whole_steps(r.rank, whole_at) if takes_own else []
+        if mine:
+            own = set(self._take_back_own(r, mine))
         r.store.set(f"held-steps/{r.rank}", json.dumps({"own": sorted(own), "kept": kept, "whole": can}))
         want = {}
         if self.memory is not None and not own:
@@ -284,14 +314,53 @@ class Replicator:
         self.log.emit(type="replica_exchange", rank=r.rank, holds=sorted(own), kept=kept, whole=can, wants=want)
         self._trade(r, "want-held", want, give=lambda p, asked: self._give_back_held(r, p, int(asked["step"])),
                     take=lambda want: self._take_back_held(r, want["holder"], want["step"]))
+        with self._lock:  # (copies of its own rank, taken back or not, are of no use to this engine now)
+            if snapshots and self.copies.owners.pop(r.rank, None) is not None:
+                memory_status.withdraw(self.store.root, r.rank, of=memory_status.HELD_COPIES)
+
+    @contextlib.contextmanager
+    def _own_state(self, step: int) -> Iterator[Callable[[str, memoryview], int] | None]:
+        """A reader of this engine's own state of `step` (`HeldCopies.whole`'s `own`): held in
+        memory, or adopted from its worker's old rank; None if neither."""
+        with self.memory.pinned(step) as got:
+            if got is None:
+                got = next(((spec_of(c), memoryview(c.data)) for c in self._adopted if c.step == step), None)
+            yield None if got is None else _reader(*got)
 
     def _give_back_held(self, r: Round, owner: int, step: int) -> None:
-        """Send `owner` the copy of its `step`, made whole with this engine's own state of it."""
+        """Send `owner` the copy of its `step`: adopted whole, or made whole with this engine's
+        own state of it."""
         def whole() -> tuple[list[bytes | bytearray], int]:
-            with self.memory.pinned(step) as got:
-                return self.copies.whole(owner, step, None if got is None else _reader(*got)).blobs(), HELD
+            for c in self._adopted:
+                if c.index.rank == owner and c.step == step:
+                    return c.blobs(), HELD
+            with self._own_state(step) as own:
+                return self.copies.whole(owner, step, own).blobs(), HELD
 
         self._send_back(r, owner, f"its step {step}", whole)
+
+    def _take_back_own(self, r: Round, steps: list[int]) -> list[int]:
+        """The rendezvous gave this node a partner's rank, whose copies it holds: hold the newest
+        of `steps` (as many as the memory keeps) again, made whole and checked, before the
+        worker's Hello is answered; the steps held."""
+        t0, took = time.time(), []
+        for step in sorted(steps)[-KEEP:]:
+            try:
+                with self._own_state(step) as own:
+                    copy = checked(r.rank, *self.copies.whole(r.rank, step, own).blobs(), thin=False)
+                self.memory.install(spec_of(copy), copy.data)
+            except CorruptCheckpoint as e:
+                log.warning(f"rank {r.rank}: step {step}, held in this engine's copy of rank {r.rank}, did not "
+                            f"come back ({_short(e)})")
+                self.log.emit(type="replica_error", rank=r.rank, error=_short(e))
+                continue
+            took.append(step)
+            self.log.emit(type="replica_restored", rank=r.rank, step=step, holder=r.rank, held=True,
+                          bytes=len(copy.data), seconds=time.time() - t0)
+        if took:
+            log.info(f"rank {r.rank}: step(s) {_steps(took)} taken back from this engine's own copies of rank "
+                     f"{r.rank} (the rendezvous gave this node the rank) in {time.time() - t0:.2f} s")
+        return took
 
     def _take_back_held(self, r: Round, holder: int, step: int) -> None:
         """Hold this rank's `step` again, from `holder`'s copy, checked whole."""

@@ -165,10 +165,13 @@ class Engine:
         # Events of the old worker's jobs ending here (a staging slot freed, a step durable) are
         # not the new worker's, so it hears events only from here on: it gets every slot in the
         # reply, and a SlotFree before it would hand out a slot twice, or one this Hello drops.
+        adopt = msg.rank != self.rank and msg.strategy == self.strategy and self.replicator is not None
         if self.handler is not None and msg.rank != self.rank:
             self._give_up_handler()
         self.flush(restart=True)
         if msg.rank != self.rank or msg.strategy != self.strategy:  # what is held is another worker's
+            if adopt:  # (the node that has its old rank now may take it back from here)
+                self.replicator.adopt(self.rank, HeldSlots(self))
             self.memory.drop()
         self.memory.keep = 1 if msg.replication is None else 2
         self.held_time = 0.0
