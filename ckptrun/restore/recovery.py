@@ -30,7 +30,6 @@ READ_AHEAD_BYTES = 256 << 20  # diff records read and checked ahead of replay (m
 # ... and at most this many records: reading faster than replay gains nothing from more, and each
 # record ahead is one more read buffer whose pages are faulted in before it can be reused
 READ_AHEAD_RECORDS = 2
-CHECK_AHEAD_BYTES = 1 << 30  # diff records checked before a resume starts and kept for its replay
 
 
 @dataclass
@@ -397,47 +396,45 @@ def read_state(store: Store, m: Manifest, rank: int, *, private: bool = True, in
     return unflatten(index["skeleton"], tensors, remote)
 
 
-def resume_state(store: Store, plan: Plan, rank: int, *, hold_bytes: int = 0) -> tuple[dict, Iterator[dict] | None]:
+def resume_state(store: Store, plan: Plan, rank: int, *, check_ahead: bool = False
+                 ) -> tuple[dict, Iterator[dict] | None]:
     """What a resume at `plan.step` starts from, and the recorded steps to replay (None without
     diffs). The state is the base's, with the tracked objects' state of `plan.step` itself when
     that is a diff (recorded there, not rebuilt by replay): an object tracked before the
     optimizer exists, i.e. before replay (a framework's loop position), must get the resumed
     step's state, not the base's. Module-less optimized parameters (tracked under `orphans_key`)
     are the exception: replay rebuilds them from the base's values. The last diff record is read
-    once, for both. With `hold_bytes`, every record is checked before this returns
-    (`_checked_ahead`); without, the ones between are checked as replay reads them."""
+    once, for both. With `check_ahead`, every record is checked before this returns
+    (`_check_ahead`); without, the ones between are checked as replay reads them."""
     state = read_state(store, plan.base, rank)
     if not plan.diffs:
         return state, None
     last = read_state(store, plan.diffs[-1], rank)
-    held = _checked_ahead(store, plan, rank, hold_bytes) if hold_bytes else {}
+    if check_ahead:
+        _check_ahead(store, plan)
     replayed = {k: v for k, v in state.get("extra", {}).items() if k.startswith(ORPHANS)}
     state["extra"] = {**last["steps"][str(plan.step)]["extra"], **replayed}
-    return state, diff_states(store, plan, rank, last=last, held=held)
+    return state, diff_states(store, plan, rank, last=last)
 
 
-def _checked_ahead(store: Store, plan: Plan, rank: int, hold_bytes: int) -> dict[str, dict]:
-    """Check every diff record of `plan` now (DamagedRecord if one fails), before replay starts:
-    the first records, up to `hold_bytes`, are read and kept for replay (read once); the rest are
-    only hashed (`Store.verify_record`) and read again when replayed."""
-    held: dict[str, dict] = {}
+def _check_ahead(store: Store, plan: Plan) -> None:
+    """Check every diff record of `plan` before replay starts (DamagedRecord if one fails), by
+    hashing it (`Store.verify_record`); replay reads them again. Keeping them in memory instead
+    (up to 1 GiB, as this once did) doubled a resumed worker's peak memory and made its restore
+    slower, not faster: each kept record faulted fresh pages in before replay could start, where
+    the hashing reuses one buffer and replay's reads overlap its optimizer steps (the last
+    record is read whole by `resume_state` anyway)."""
     names = {m.name for m in store.manifests(warn=False)}
     for m in plan.diffs[:-1]:
-        size = m.bytes // m.world_size
-        if size <= hold_bytes:
-            held[m.name] = read_state(store, m, rank, private=False)
-            hold_bytes -= size
-        elif problems := store.verify_record(m, names):
+        if problems := store.verify_record(m, names):
             raise DamagedRecord(problems[0], m.name)
-    return held
 
 
-def diff_states(store: Store, plan: Plan, rank: int, *, last: dict | None = None,
-                held: dict[str, dict] | None = None) -> Iterator[dict]:
+def diff_states(store: Store, plan: Plan, rank: int, *, last: dict | None = None) -> Iterator[dict]:
     """The recorded steps base+1..plan.step in order; the next records are read, checked and
     decoded in a thread while the current one is replayed, up to READ_AHEAD_RECORDS and
     READ_AHEAD_BYTES ahead (at least one record). `last`: the last diff record's state, if the
-    caller read it already; `held`: records read already, by name (handed over, then dropped).
+    caller read it already.
 
     The records between are read into a few buffers used in turn (one per record ahead, one
     replayed): a record's buffer is read into again once its steps are replayed. Fresh buffers
@@ -450,14 +447,11 @@ def diff_states(store: Store, plan: Plan, rank: int, *, last: dict | None = None
     free: Queue = Queue()
     for _ in range(ahead + 1):
         free.put(ReadBuffer())
-    held = held if held is not None else {}
 
     def read(m: Manifest) -> tuple[dict, ReadBuffer | None]:
         """A record's state and the buffer it was read into (to hand back once replayed)."""
         if m is plan.diffs[-1]:  # its post-step state finishes the restored state: its own storage
             return (last if last is not None else read_state(store, m, rank)), None
-        if m.name in held:
-            return held.pop(m.name), None
         buf = free.get()
         return read_state(store, m, rank, private=False, into=buf), buf
 

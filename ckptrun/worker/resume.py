@@ -15,7 +15,7 @@ from ..ipc.messages import CommitPending
 from ..log import log
 from ..restore.consolidate import resharded
 from ..restore.pull import take, tier_plans
-from ..restore.recovery import CHECK_AHEAD_BYTES, DamagedRecord, Plan, newest_good, plans, resume_state
+from ..restore.recovery import DamagedRecord, Plan, newest_good, plans, resume_state
 from ..storage.store import Store
 from ..storage.tiers import Tier, open_tier
 from .jobstore import job_store
@@ -66,15 +66,15 @@ def read_resume(rt: Runtime, store: Store, plan: Plan, restarts: bool) -> tuple[
     bytes (`_decide`) and checks them as it reads them, once. With a restart to spare, the records
     between base and newest are checked while replay reads them, overlapped with it: a damaged
     one ends the attempt (`DamagedRecord`; the restart decides without it). On the last attempt
-    they are all checked now, kept in memory up to CHECK_AHEAD_BYTES, and a damaged one is set
-    aside and the choice made again here. Several ranks: rank 0 checked every byte already. A step
+    they are all checked now (hashed, then read again by replay), and a damaged one is set aside
+    and the choice made again here. Several ranks: rank 0 checked every byte already. A step
     written by another number of ranks is resharded (`resharded`, which refuses what it cannot)."""
-    hold = 0 if restarts or rt.world_size > 1 else CHECK_AHEAD_BYTES
+    check_ahead = not restarts and rt.world_size == 1
     while True:
         try:
             if plan.base.world_size != rt.world_size:
                 return plan, (resharded(store, plan, rt.rank, rt.world_size), None)
-            return plan, resume_state(store, plan, rt.rank, hold_bytes=hold)
+            return plan, resume_state(store, plan, rt.rank, check_ahead=check_ahead)
         except DamagedRecord as e:
             if rt.world_size > 1:
                 raise
