@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from ...errors import CorruptCheckpoint
 from .. import rankfile
 from ..fsutil import json_bytes
-from ..schema import Manifest, rank_files
+from ..schema import Manifest, checksum, rank_files
 from ..store import Store
 from .source import Source, Span
 
@@ -62,6 +62,8 @@ def thin_rank_part(store: Store, m: Manifest, r: int) -> tuple[bytes, bytes] | N
         if not checked["meta"].get("shared"):
             return None
         raw = store._read_metadata(m.name, rank_files(r)[1], f"rank {r} index")
+        if checksum(raw) != m.index_checksums.get(str(r)):  # (read again: replaced since it was checked)
+            raise CorruptCheckpoint(f"{m.name}: rank {r} index checksum mismatch")
         return thin_part(raw, lambda offset, n: os.pread(fd, n, base + offset), f"{m.name}: rank {r}")
     finally:
         os.close(fd)
