@@ -58,6 +58,7 @@ from .arena import HeapTrimmer, one_arena
 from .handlers import EngineContext, engine_handler
 from .held import HeldSnapshot
 from .nodecommit import Board
+from .step_clock import StepClock
 
 if TYPE_CHECKING:
     from .replicate import Replicator
@@ -94,7 +95,7 @@ class Engine:
         self.io_engine: str | None = None  # the file writer running (storage/iowriter.py)
         self.holds_memory = False  # a handler said it holds a step in memory (memory_status)
         self.memory = HeldSnapshot()  # a snapshot strategy's newest step, held in its slot (--persist-every)
-        self.held_time = 0.0  # the snapshot time of the newest step held (0: none since the worker's Hello)
+        self.step_time = StepClock()  # of the steps held (--replicas: their copies wait one step's time)
         self.stopping = threading.Event()
         self.drain: drain.Drain | None = None  # --durable: copies this rank's part of committed steps there
         self.replicator = None  # --replicas > 1: this rank's copies in partners' memory (engine/replicate.py)
@@ -174,7 +175,7 @@ class Engine:
                 self.replicator.adopt(self.rank, HeldSlots(self))
             self.memory.drop()
         self.memory.keep = 1 if msg.replication is None else 2
-        self.held_time = 0.0
+        self.step_time.reset()
         with self._send_lock:
             self.conn = self.serving
         self.rank, self.world_size, self.keep = msg.rank, msg.world_size, msg.keep
@@ -450,9 +451,7 @@ class Engine:
         write = msg.write or self.write_fault_due(msg.spec.step)
         if msg.hold:
             if self.replicator is not None:  # (the writer thread waits, so the next slot comes later)
-                now, last = msg.spec.meta.get("snapshot_time") or 0.0, self.held_time
-                self.held_time = max(last, now)
-                self.replicator.wait_held_shipped(now - last if last and now else 0.0)
+                self.replicator.wait_held_shipped(self.step_time.since(msg.spec.meta.get("snapshot_time") or 0.0))
             held, back = self.memory.hold(msg.slot, msg.spec, msg.nbytes, writing=write)
             if held:
                 self.in_memory(msg.spec.step, msg.nbytes)

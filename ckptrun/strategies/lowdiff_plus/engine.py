@@ -34,6 +34,7 @@ import torch
 
 from ...engine.handlers import EngineContext, EngineHandler, Replicas
 from ...engine.held_copies import HeldCopy, cut, thinned
+from ...engine.step_clock import StepClock
 from ...ipc.messages import RecordSpec, StrategyMessage
 from ...restore.recovery import optimizer_classes
 from ...restore.replay import warm_up_in_background
@@ -61,7 +62,7 @@ class LowDiffPlusHandler(EngineHandler):
         self.copies = PartnerReplicas(classes, lambda owner, layout: self._arena(layout, f"copy{owner}."),
                                       self.own.newest, self._state_at)
         self.generation = 0
-        self.last_time = 0.0  # the previous step's snapshot_time (0: none since the worker started)
+        self.step_time = StepClock()  # of the steps' snapshots (--replicas: their copies wait one step's time)
         self.due: set[int] = set()  # steps to write once the replica stands at them (--replicas: deferred)
         self.exact = True  # (Base.exact)
         self.persist_buf: torch.Tensor | None = None  # one buffer, reused by every write
@@ -124,7 +125,7 @@ class LowDiffPlusHandler(EngineHandler):
         """Drop the diffs kept back and the writes due (the replica starts anew)."""
         self.own.clear()
         self.due.clear()
-        self.last_time = 0.0
+        self.step_time.reset()
         self.copies.forget_own()
 
     def _based(self, replicated: list[int], shared: list[int], exact: bool) -> None:
@@ -183,8 +184,7 @@ class LowDiffPlusHandler(EngineHandler):
         # The copies keep up with the steps, or no partner's copy of this replica can stand at a
         # step the survivors' replicas still can: wait for the one before this one to have left,
         # one step's time at most (the trainer waits for this slot only if it has none spare).
-        now, last, self.last_time = msg.spec.meta["snapshot_time"], self.last_time, msg.spec.meta["snapshot_time"]
-        replicas.wait_shipped(1, now - last if last else 0.0)
+        replicas.wait_shipped(1, self.step_time.since(msg.spec.meta["snapshot_time"]))
 
     def _offer_whole(self, replicas: Replicas) -> None:
         """Ship the replica whole (thin under the short-cut), then the diffs kept back after it."""
@@ -284,7 +284,7 @@ class LowDiffPlusHandler(EngineHandler):
         it, the newer ones dropped (the worker sends those steps' diffs again)."""
         self._stand_at(self.own.newest() if step is None else step)
         self.due.clear()
-        self.last_time = 0.0
+        self.step_time.reset()
         r, arena = self.own.stepped.replica, self.own.stepped.arena
         self.ctx.emit(type="replica_fetch", rank=self.ctx.rank, step=r.step, nbytes=arena.nbytes)
         return {"step": r.step, "path": str(arena.file.path), "skeleton": r.skeleton,
