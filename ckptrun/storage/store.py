@@ -400,24 +400,30 @@ class Store:
         """{record: problem} of records whose manifest exists but fails its checks (never loaded)."""
         return self._scan()[1]
 
+    def index_bytes(self, m: Manifest, rank: int) -> tuple[bytes, Any]:
+        """(rank `rank`'s index of committed record `m` as stored, its JSON body where its layout
+        parsed it already, else None), the bytes checked against the manifest's checksum."""
+        body = None
+        if m.layout == "region":
+            raw = self.regions.copy(m, rank).index_raw
+        elif m.layout == "file":
+            fd = self._open(m.name, rankfile.file_name(rank), f"rank {rank} file")
+            try:
+                raw, body = rankfile.read_index(fd, f"{m.name}: rank {rank} file")
+            finally:
+                os.close(fd)
+        else:
+            raw = self._read_metadata(m.name, rank_files(rank)[1], f"rank {rank} index")
+        if m.index_checksums.get(str(rank)) != checksum(raw):
+            raise CorruptCheckpoint(f"{m.name}: rank {rank} index checksum mismatch")
+        return raw, body
+
     def read_index(self, name: str, rank: int, manifest: Manifest | None = None) -> dict:
         """Rank `rank`'s index of committed record `name`, every field checked against the manifest."""
         m = manifest or self.manifest(name)
         if not 0 <= rank < m.world_size:
             raise CorruptCheckpoint(f"{name}: has no rank {rank} (world_size {m.world_size})")
-        body = None
-        if m.layout == "region":
-            raw = self.regions.copy(m, rank).index_raw
-        elif m.layout == "file":
-            fd = self._open(name, rankfile.file_name(rank), f"rank {rank} file")
-            try:
-                raw, body = rankfile.read_index(fd, f"{name}: rank {rank} file")
-            finally:
-                os.close(fd)
-        else:
-            raw = self._read_metadata(name, rank_files(rank)[1], f"rank {rank} index")
-        if m.index_checksums.get(str(rank)) != checksum(raw):
-            raise CorruptCheckpoint(f"{name}: rank {rank} index checksum mismatch")
+        raw, body = self.index_bytes(m, rank)
         try:
             body = json.loads(raw) if body is None else body
             index = RankIndex.model_validate(body)

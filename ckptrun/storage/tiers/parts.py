@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from ...errors import CorruptCheckpoint
 from .. import rankfile
 from ..fsutil import json_bytes
-from ..schema import Manifest, checksum, rank_files
+from ..schema import Manifest, rank_files
 from ..store import Store
 from .source import Source, Span
 
@@ -45,8 +45,7 @@ def rank_part(store: Store, m: Manifest, r: int, stack: contextlib.ExitStack) ->
     what = f"{m.name}: rank {r}"
     if m.layout == "file":
         return [(rankfile.file_name(r), Source.of_fd(fd, 0, os.fstat(fd).st_size, spans, what))]
-    raw = (store.regions.copy(m, r).index_raw if m.layout == "region"
-           else store._read_metadata(m.name, rank_files(r)[1], f"rank {r} index"))
+    raw, _ = store.index_bytes(m, r)
     return [(rank_files(r)[0], Source.of_fd(fd, base, index["data_nbytes"], spans, what)),
             (rank_files(r)[1], Source.of_bytes(raw, m.index_checksums[str(r)], f"{what} index"))]
 
@@ -61,9 +60,7 @@ def thin_rank_part(store: Store, m: Manifest, r: int) -> tuple[bytes, bytes] | N
     try:
         if not checked["meta"].get("shared"):
             return None
-        raw = store._read_metadata(m.name, rank_files(r)[1], f"rank {r} index")
-        if checksum(raw) != m.index_checksums.get(str(r)):  # (read again: replaced since it was checked)
-            raise CorruptCheckpoint(f"{m.name}: rank {r} index checksum mismatch")
+        raw, _ = store.index_bytes(m, r)  # (read again, and checked again: it may be replaced since)
         return thin_part(raw, lambda offset, n: os.pread(fd, n, base + offset), f"{m.name}: rank {r}")
     finally:
         os.close(fd)
