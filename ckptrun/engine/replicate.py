@@ -288,10 +288,10 @@ class Replicator:
             whole_at = own | {c.step for c in self._adopted}
             kept = {str(o): self.copies.steps(o) for o in r.partners}
             can = {str(o): self.copies.whole_steps(o, whole_at) for o in r.partners}
-            for c in self._adopted:
+            for c in self._adopted:  # (whole: kept and given back alike)
                 if c.index.rank in r.partners:
-                    kept[str(c.index.rank)] = sorted({*kept[str(c.index.rank)], c.step}, reverse=True)
-                    can[str(c.index.rank)] = sorted({*can[str(c.index.rank)], c.step}, reverse=True)
+                    for said in (kept, can):
+                        said[str(c.index.rank)] = sorted({*said[str(c.index.rank)], c.step}, reverse=True)
             snapshots = self.copies is self._snapshot_copies  # (lowdiff+'s stepped copies: not yet)
             takes_own = snapshots and self.memory is not None and not own
             mine = self.copies.whole_steps(r.rank, whole_at) if takes_own else []
