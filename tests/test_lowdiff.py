@@ -160,6 +160,9 @@ def test_restore_replays_exactly(optimizer, gpt_run, gpt_truth, tmp_path):
     ckpt = gpt_run(optimizer)
     state, stderr = restore(tmp_path, ckpt, MID_BATCH)
     assert f"from {full_name(5)} + 1 diff record(s) replayed" in stderr
+    # replayed where the run trained (its index says where), in the run's own arithmetic
+    assert Store(ckpt).read_index(full_name(5), 0)["meta"]["optimizers"]["optimizer"]["device"] == "cpu"
+    assert "replayed on the CPU" not in stderr
     assert state["step"] == MID_BATCH
     assert_training_state(state, gpt_truth(optimizer, MID_BATCH))
     for step in (AFTER_FULL, END_BATCH, STEPS):

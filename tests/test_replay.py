@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import assert_same, pack, unpack
 
-from ckptrun.restore.replay import apply_diff, decode_grad, densify, optimizer_params, replay
+from ckptrun.restore.replay import apply_diff, decode_grad, densify, optimizer_params, replay, replay_device
 
 SHAPES = [(3, 4), (4,), (5,)]
 BASE, STEPS = 2, 7
@@ -126,3 +126,19 @@ def test_a_diff_that_does_not_fit_is_refused_before_anything_changes(misfit):
         apply_diff(opt, diff)
     assert_same(state(params, opt), before)
     assert all(p.grad is None for p in optimizer_params(opt))
+
+
+# ---- where offline replay runs ------------------------------------------------------------
+@pytest.mark.parametrize("trained_on", [None, "cpu"])
+def test_a_cpu_run_is_replayed_on_the_cpu_without_a_word(trained_on, capsys):
+    assert replay_device(trained_on) == torch.device("cpu")
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="needs a machine without an accelerator")
+def test_a_gpu_run_is_replayed_on_the_cpu_where_there_is_no_gpu_and_that_is_said_once(capsys):
+    """The GPU's kernels round differently: the user learns the restored steps may differ."""
+    for _ in range(2):
+        assert replay_device("cuda") == torch.device("cpu")
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 1 and "trained on cuda" in said[0] and "replayed on the CPU" in said[0], said

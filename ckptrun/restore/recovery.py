@@ -505,12 +505,15 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:200]
 
 
-def build_optimizer(cls: type, info: dict, state: dict) -> tuple[Any, list]:
+def build_optimizer(cls: type, info: dict, state: dict, device: Any = None) -> tuple[Any, list]:
     """An optimizer of class `cls` over the parameters of a full `state` (the tensors
-    themselves, not copies; `info` says which model entries they are, as `Runtime._describe`
-    recorded), with the state's optimizer state loaded: what replay steps forward."""
+    themselves, not copies, unless moved to `device`; `info` says which model entries they are,
+    as `Runtime._describe` recorded), with the state's optimizer state loaded (onto its
+    parameters' device, as torch.optim places it): what replay steps forward."""
     orphans = state.get("extra", {}).get(orphans_key("optimizer"), {})
     params = [state["models"][a[0][0]][a[0][1]] if a else orphans[str(i)] for i, a in enumerate(info["params"])]
+    if device is not None:
+        params = [p.to(device) for p in params]
     saved = state["optimizers"]["optimizer"]
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[i] for i in g["params"]]}
               for g in saved["param_groups"]]
@@ -520,18 +523,21 @@ def build_optimizer(cls: type, info: dict, state: dict) -> tuple[Any, list]:
 
 
 def _replay_offline(store: Store, plan: Plan, rank: int, state: dict, classes: dict[str, type]) -> dict:
-    """Rebuild the optimizer from the base's metadata and replay (no training script needed)."""
-    from .replay import replay
+    """Rebuild the optimizer from the base's metadata and replay (no training script needed), on
+    the device type the run trained on where this machine has it (`replay_device`); the state
+    comes back on the CPU, as read."""
+    from .replay import cpu_state_dict, replay, replay_device
 
     cls, info = _optimizer(store.read_index(plan.base.name, rank, plan.base), plan.base, rank, classes)
-    opt, params = build_optimizer(cls, info, state)
+    opt, params = build_optimizer(cls, info, state, replay_device(info.get("device")))
     orphans = state.get("extra", {}).get(orphans_key("optimizer"), {})
     last = replay(opt, diff_states(store, plan, rank))
+    params = [p.detach().cpu() for p in params]
     for p, aliases in zip(params, info["params"], strict=True):
         for model, key in aliases:
-            state["models"][model][key] = p.detach()
-    state["optimizers"]["optimizer"] = opt.state_dict()
+            state["models"][model][key] = p
+    state["optimizers"]["optimizer"] = cpu_state_dict(opt)
     state = finish_state(state, last)
     for i in orphans:  # module-less parameters: the replayed values
-        state["extra"][orphans_key("optimizer")][i] = params[int(i)].detach()
+        state["extra"][orphans_key("optimizer")][i] = params[int(i)]
     return state

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ..log import log
+
 SPARSE = "sparse"
 
 
@@ -77,6 +79,36 @@ def apply_diff(optimizer: torch.optim.Optimizer, diff: dict) -> None:
         optimizer.step()
     for p in params:
         p.grad = None
+
+
+def replay_device(trained_on: str | None) -> torch.device:
+    """Where offline replay steps the optimizer: on the device type the run trained on
+    (`trained_on`, from its index), whose arithmetic it repeats bit for bit; on the CPU where
+    this machine has none of that type. A GPU's kernels round differently from the CPU's, so
+    that replay may differ from the run by rounding: said once per process."""
+    if trained_on is None or trained_on == "cpu":
+        return torch.device("cpu")
+    here = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if here is not None and here.type == trained_on:
+        return torch.device(trained_on)
+    if trained_on not in _said_cpu:
+        _said_cpu.add(trained_on)
+        log.warning(f"warning: the run trained on {trained_on}, which this machine lacks; its recorded steps "
+                    "are replayed on the CPU and may differ from the run's by rounding (restore where "
+                    f"{trained_on} is, for the run's own bits)")
+    return torch.device("cpu")
+
+
+_said_cpu: set[str] = set()
+
+
+def cpu_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+    """`optimizer.state_dict()` with its state tensors on the CPU (a replay on a GPU): what a
+    read record holds."""
+    saved = optimizer.state_dict()
+    saved["state"] = {i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                      for i, s in saved["state"].items()}
+    return saved
 
 
 def replay(optimizer: torch.optim.Optimizer, diffs: Iterable[dict]) -> dict | None:

@@ -164,12 +164,14 @@ class TensorEntry(BaseModel):
 
 
 class OptimizerInfo(BaseModel):
-    """What offline replay needs of an optimizer (index meta "optimizers"): its class and the
-    state_dict keys of each of its parameters."""
+    """What offline replay needs of an optimizer (index meta "optimizers"): its class, the
+    state_dict keys of each of its parameters, and the device type they trained on (absent:
+    several, or a record older than the field)."""
 
     model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     cls: Annotated[str, Field(alias="class", max_length=1000)]
     params: list[list[Annotated[list[str], Field(min_length=2, max_length=2)]]]
+    device: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,15}$")] | None = None
 
 
 class IndexMeta(BaseModel):

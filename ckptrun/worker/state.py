@@ -84,14 +84,17 @@ class TrainingState:
         return (orphans_key(indexed("optimizer", idx)), discovery.OrphanParams(orphans)) if orphans else None
 
     def _describe(self, opt: torch.optim.Optimizer) -> dict:
-        """What offline replay needs: the optimizer class and each parameter's state_dict keys."""
+        """What offline replay needs: the optimizer class, each parameter's state_dict keys, and
+        the device type its parameters live on (replay there is the run's own arithmetic)."""
         aliases: dict[int, list[list[str]]] = {}
         for name, m in self.models.items():
             for key, p in m.named_parameters(remove_duplicate=False):
                 aliases.setdefault(id(p), []).append([name, key])
         cls = type(opt)
-        return {"class": f"{cls.__module__}.{cls.__qualname__}",
-                "params": [aliases.get(id(p), []) for p in replay.optimizer_params(opt)]}
+        params = replay.optimizer_params(opt)
+        types = {p.device.type for p in params}
+        return {"class": f"{cls.__module__}.{cls.__qualname__}", "params": [aliases.get(id(p), []) for p in params],
+                **({"device": types.pop()} if len(types) == 1 else {})}
 
     def track(self, name: str, obj: Any) -> None:
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")) \
