@@ -238,6 +238,39 @@ def test_replica_equals_the_trainer_at_every_step(variant, tmp_path, monkeypatch
         assert not strategy.layerwise and strategy.recopied > 0
 
 
+def test_on_a_gpu_auto_rebases_at_each_persisted_step(tmp_path, monkeypatch, request):
+    """On a GPU the replica's CPU arithmetic differs from the device's by rounding, so with
+    --rebase-every auto a real snapshot replaces the replica at each step it persists: every
+    record written is the device's own state. (The GPU is stood in for: `_on_gpu`.) With an
+    explicit --rebase-every the persisted steps are stepped replicas, as asked."""
+    monkeypatch.delenv("CKPTRUN_FAULT", raising=False)
+    from ckptrun.strategies.lowdiff_plus.trainer import LowDiffPlus
+
+    monkeypatch.setattr(LowDiffPlus, "_on_gpu", lambda self: True)
+    for rebase, generations in (("auto", 2 + 2), ("0", 2)):  # re-based at steps 10 and 20 / never
+        (tmp_path / rebase).mkdir()
+        engine = ReplicaEngine(tmp_path / rebase)
+        request.addfinalizer(engine.dispose)
+        cfg = RunConfig(strategy="lowdiff+", dir=str(tmp_path / rebase / "ckpts"), every=1, max_inflight=2, keep=0,
+                        options={"persist_every": "10", "rebase_every": rebase})
+        rt = Runtime(cfg, 0, 0, 1, 0, connect=engine.connect)
+        torch.manual_seed(0)
+        model = Net()
+        opt = optimizer("adam", model)
+        opt.register_step_pre_hook(rt.pre_step_hook)
+        opt.register_step_post_hook(rt.post_step_hook)
+        rt.on_optimizer(opt)
+        for it in range(25):
+            opt.zero_grad()
+            model(torch.randn(8, 6, generator=torch.Generator().manual_seed(it))).pow(2).mean().backward()
+            opt.step()
+        rt.finish()
+        truth = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        assert_replica(engine.handler.own.stepped.replica, truth)
+        assert engine.handler.ctx.written == [0, 10, 20, 25], rebase
+        assert engine.handler.generation == generations, rebase
+
+
 def assert_replica(replica, truth: dict) -> None:
     state = replica.full_state()
     assert_same(dict(state["models"]["model"]), dict(truth["model"]), f"step {replica.step} model")

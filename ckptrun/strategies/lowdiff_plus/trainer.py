@@ -80,7 +80,20 @@ class LowDiffPlus(Strategy):
     def _rebase_every(self) -> int:
         if self.rebase_every is not None:
             return self.rebase_every
-        return GPU_REBASE_EVERY if self.params and self.params[0].is_cuda else 0
+        return GPU_REBASE_EVERY if self._on_gpu() else 0
+
+    def _on_gpu(self) -> bool:
+        return bool(self.params) and self.params[0].is_cuda
+
+    def _rebase_due(self, step: int) -> bool:
+        """A full snapshot replaces the replica at this step: one was asked for, --rebase-every
+        says so, or (auto, on a GPU) the step is persisted: the replica's CPU arithmetic differs
+        from the device's by rounding, and a persisted step is then the device's own state, so
+        every record on disk restores the run's bits."""
+        every = self._rebase_every()
+        if self.rebase or (every and step % every == 0):
+            return True
+        return self.rebase_every is None and self._on_gpu() and self.persist.due(step)
 
     # ---- hooks -------------------------------------------------------------------------
     def on_ready(self, step: int) -> None:
@@ -179,8 +192,7 @@ class LowDiffPlus(Strategy):
 
     def after_step(self, step: int) -> None:
         ctx, taken, self.taken = self.ctx, self.taken, None
-        every = self._rebase_every()
-        if self.rebase or (every and step % every == 0):
+        if self._rebase_due(step):
             # A full snapshot of this step replaces the replica whole: the step's gradients are
             # not needed (and their slot is, with only --max-inflight slots to go round).
             ctx.discard(taken)
@@ -244,7 +256,7 @@ class LowDiffPlus(Strategy):
         if self.pending_base is not None:
             (snap, write), self.pending_base = self.pending_base, None
             ctx.seal(snap)
-            ctx.submit(snap, Base, persist=write or final, exact=not self.params[0].is_cuda,
+            ctx.submit(snap, Base, persist=write or final, exact=not self._on_gpu(),
                        replicated=ctx.replicated_positions(), shared=ctx.shared_positions())
 
 
