@@ -331,6 +331,16 @@ def test_two_node_configurations_twin_each_replicable_strategy_and_leave_out_the
             BenchOptions(**bad).validate()
 
 
+def test_a_first_checkpoint_in_the_timed_steps_is_named():
+    """The first checkpoint allocates, touches and (on a GPU) page-locks the staging slots: in a
+    short run at --every 10 with the default warm-up it would be the one checkpoint measured."""
+    assert BenchOptions(every="10", steps=12).first_checkpoint_timed() == [10]
+    assert BenchOptions(every="1,5,10", steps=22, warmup=4).first_checkpoint_timed() == [5, 10]
+    assert BenchOptions(every="10", steps=22, warmup=10).first_checkpoint_timed() == []
+    assert BenchOptions(every="1", steps=6).first_checkpoint_timed() == []  # step 1 is in the warm-up
+    assert BenchOptions(every="50", steps=30).first_checkpoint_timed() == []  # none in the run
+
+
 @FULL
 def test_two_node_bench_times_a_lost_node_back_from_its_partner(tmp_path):
     """`bench --nodes 2 --replicas 2` end to end (network namespaces; skipped without root):

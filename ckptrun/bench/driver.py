@@ -44,6 +44,11 @@ def run_bench(o: BenchOptions, console: Console | None = None, progress: Console
     on = f", on {o.nodes} nodes" if o.nodes > 1 else ""
     progress.print(f"ckptrun bench: {len(configs)} configurations x {o.repeat} repetitions, {o.steps} steps "
                    f"each, model {o.model}{on}, in {root}")
+    if timed := o.first_checkpoint_timed():
+        n = max(timed)
+        progress.print(f"ckptrun bench: note: at --every {n} the first checkpoint's one-time costs (staging "
+                       f"memory allocated, first touched, page-locked) count in the figures; --warmup {n} "
+                       "leaves them out")
     t0 = time.perf_counter()
     with netns.node_pair() if o.nodes > 1 else contextlib.nullcontext() as pair:
         outcomes = _interleaved(o, configs, work, root, progress, pair)

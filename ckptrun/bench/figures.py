@@ -2,10 +2,11 @@
 (`--timing-json`, every configuration) and, for ckptrun runs, the workers' and engines' metrics.
 
 Step time and stall are averaged over the timed steps: all but the first `warmup` steps of the
-run (one-time costs such as first-touch of staging memory are left out of every configuration
-alike). Bytes and write bandwidth count the checkpoints of those same steps, and so does the CPU
-time per process role (`proccpu`): the trainer's, the engine's, the launcher's, from the first
-timed step's start to the last one's end.
+run (one-time costs such as the allocation, first touch and page-locking of staging memory at
+the first checkpoint are left out of every configuration alike, where the warm-up covers the
+first checkpoint: at --every N, N steps or more). Bytes and write bandwidth count the
+checkpoints of those same steps, and so does the CPU time per process role (`proccpu`): the
+trainer's, the engine's, the launcher's, from the first timed step's start to the last one's end.
 """
 
 from __future__ import annotations

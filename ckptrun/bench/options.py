@@ -71,6 +71,12 @@ class BenchOptions:
 
             open_tier(self.durable).probe()
 
+    def first_checkpoint_timed(self) -> list[int]:
+        """The --every intervals N whose first checkpoint (step N) falls in the timed steps: its
+        one-time costs (the staging slots' allocation and first touch, page-locking on a GPU)
+        then count in the figures, once in a short run."""
+        return [n for n in plan.parse_every(self.every) if self.warmup < n <= self.steps]
+
     def duration_s(self) -> float:
         return _durations("--duration", self.duration)[0]
 
