@@ -496,19 +496,13 @@ def _read_own(got) -> Callable[[str, memoryview], int]:
     return read
 
 
-def test_under_ddp_a_partner_keeps_only_per_rank_state_and_completes_it_from_its_own_replica(
-        tmp_path, monkeypatch, request, caplog):
-    """--replicas under DDP, two in-process ranks whose gradients are all-reduced (averaged) and
-    whose batches (so BatchNorm buffers and dropout masks) differ: each engine ships its replica
-    and its diffs thin (per-rank state only; the gradients by their xxh3), each partner checks
-    them against its own replica and diffs; a copy dropped (a diff lost on its way) comes back
-    with the replica shipped again every RESYNC_EVERY steps; and a copy given back, its
-    replicated state read from the partner's own replica at the same step, is the owner's
-    trainer state bit for bit. A bit
-    gone bad in a copy's per-rank state is refused when it is given back; a rank whose update
-    differs (gradients not all-reduced) has its copy dropped."""
+def _two_ranks(tmp_path: Path, monkeypatch, request, *, ddp: bool) -> tuple[list, Callable[..., None], list[dict]]:
+    """Two in-process ranks, each a Runtime with the real lowdiff+ handler behind it, whose
+    engines hold each other's copies as they are offered (`Delivered`): ([(engine, runtime)],
+    step(it, all_reduce=True) training both ranks one step, each rank's states by step). Their
+    batches differ (so BatchNorm buffers and dropout masks do); `ddp`: the short-cut's thin copies,
+    and step averages the gradients (unless told not to)."""
     monkeypatch.delenv("CKPTRUN_FAULT", raising=False)
-    monkeypatch.setattr(lowdiff_plus_engine, "RESYNC_EVERY", 5)
     cfg = RunConfig(strategy="lowdiff+", dir=str(tmp_path / "ckpts"), every=1, max_inflight=2, keep=1,
                     options={"persist_every": "1000", "rebase_every": "auto"})
     engines, models, opts, truth = [], [], [], [{}, {}]
@@ -520,7 +514,8 @@ def test_under_ddp_a_partner_keeps_only_per_rank_state_and_completes_it_from_its
         rt = Runtime(cfg, 0, 0, 1, 0, connect=engine.connect)
         torch.manual_seed(0)
         model = Net()
-        monkeypatch.setattr(rt.state, "shared_positions", lambda n=len(list(model.parameters())): list(range(n)))
+        if ddp:
+            monkeypatch.setattr(rt.state, "shared_positions", lambda n=len(list(model.parameters())): list(range(n)))
         opt = optimizer("adam", model)
         opt.register_step_pre_hook(rt.pre_step_hook)
         opt.register_step_post_hook(rt.post_step_hook)
@@ -537,7 +532,7 @@ def test_under_ddp_a_partner_keeps_only_per_rank_state_and_completes_it_from_its
             x = torch.randn(8, 6, generator=torch.Generator().manual_seed(2 * it + rank))
             models[rank](x).pow(2).mean().backward()
         for ps in zip(*(m.parameters() for m in models), strict=True):
-            if all_reduce:
+            if ddp and all_reduce:
                 mean = (ps[0].grad + ps[1].grad) / 2
                 for p in ps:
                     p.grad.copy_(mean)
@@ -546,6 +541,45 @@ def test_under_ddp_a_partner_keeps_only_per_rank_state_and_completes_it_from_its
             truth[rank][engines[rank][1].step] = copy.deepcopy({"model": models[rank].state_dict(),
                                                                 "optimizer": opts[rank].state_dict()})
 
+    return engines, step, truth
+
+
+@pytest.mark.parametrize("ddp", [False, True], ids=["whole", "ddp-thin"])
+def test_a_rank_given_up_leaves_its_replica_and_its_copies_whole_at_one_step(ddp, tmp_path, monkeypatch, request):
+    """The worker came back as the other rank (the rendezvous swapped them): before the engine
+    lets its handler go, the handler stands its replica and its copy of the partner's at the
+    newest step both can stand at and cuts both whole (thin copies completed from its own
+    replica), for the next round to give back: each is its rank's trainer state at that step,
+    bit for bit, and passes the checks a receiving engine makes."""
+    engines, step, truth = _two_ranks(tmp_path, monkeypatch, request, ddp=ddp)
+    for it in range(9):
+        step(it)
+    handler = engines[0][0].handler
+    newest = min(handler.own.steps()[0], handler.copies.steps(1)[0])
+    cuts = handler.give_up(0)
+    assert sorted(c.index.rank for c in cuts) == [0, 1] and {c.step for c in cuts} == {newest}, cuts
+    for c in cuts:
+        spec = spec_of(checked(c.index.rank, *c.blobs(), thin=False))
+        state = tree_of(spec, torch.frombuffer(bytearray(c.data), dtype=torch.uint8))
+        want = truth[c.index.rank][c.step]
+        assert_same(dict(state["models"]["model"]), dict(want["model"]), f"rank {c.index.rank} model")
+        assert_same(state["optimizers"]["optimizer"], want["optimizer"], f"rank {c.index.rank} optimizer")
+        assert REPLICA_META in spec.meta
+
+
+def test_under_ddp_a_partner_keeps_only_per_rank_state_and_completes_it_from_its_own_replica(
+        tmp_path, monkeypatch, request, caplog):
+    """--replicas under DDP, two in-process ranks whose gradients are all-reduced (averaged) and
+    whose batches (so BatchNorm buffers and dropout masks) differ: each engine ships its replica
+    and its diffs thin (per-rank state only; the gradients by their xxh3), each partner checks
+    them against its own replica and diffs; a copy dropped (a diff lost on its way) comes back
+    with the replica shipped again every RESYNC_EVERY steps; and a copy given back, its
+    replicated state read from the partner's own replica at the same step, is the owner's
+    trainer state bit for bit. A bit
+    gone bad in a copy's per-rank state is refused when it is given back; a rank whose update
+    differs (gradients not all-reduced) has its copy dropped."""
+    monkeypatch.setattr(lowdiff_plus_engine, "RESYNC_EVERY", 5)
+    engines, step, truth = _two_ranks(tmp_path, monkeypatch, request, ddp=True)
     owner, partner = engines[0][0].handler, engines[1][0].handler
     for it in range(12):
         owner.ctx.replicas.lost = it == 2  # (one diff lost on its way: the partner drops its copy)

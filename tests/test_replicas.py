@@ -551,7 +551,7 @@ if mode in ("ship", "survive"):
     while not os.path.exists(os.path.join(root, "..", "gone")):
         time.sleep(0.05)
     if as_rank != rank:
-        rep.adopt(rank, memory)
+        rep.adopt(rank, memory, [])
         memory = Slots([], as_rank)
     join("r2", as_rank, memory)
 else:

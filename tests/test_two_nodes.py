@@ -409,22 +409,30 @@ def test_memory_first_a_lost_node_resumes_from_its_partners_memory_at_a_step_hel
     assert all(s % 4 == 0 or s == STOP for s in written), written
 
 
+@pytest.mark.parametrize("swap", [False, True], ids=["same-ranks", "ranks-swap"])
 def test_lowdiff_plus_a_lost_node_resumes_from_its_partners_copy_of_its_replica_stepped_by_the_diffs(
-        nodes, tmp_path, tmp_path_factory):
+        swap, nodes, tmp_path, tmp_path_factory):
     """lowdiff+ with --replicas 2 under DDP: each engine ships its replica once, then only each
     step's diff, both thin (per-rank state; the replicated state by its xxh3, checked against
     node 0's own). Node 1 lost with its --dir: its new engine takes rank 1's replica back from
     node 0's copy, completed from node 0's own replica, at a step both can stand at; both ranks
-    resume there from memory, reading no disk, and end bit-exact."""
+    resume there from memory, reading no disk, and end bit-exact. With `swap` the rendezvous
+    gives the new node rank 0 and node 0 rank 1: node 0's engine gives its old rank's replica
+    back whole and holds its copy of rank 1's as its replica, both cut at one step."""
     head, other = nodes
     plain = _uninterrupted("lowdiff+", nodes, tmp_path_factory)
     lost, _, t_kill = _lose_node1_in_step(tmp_path / "lost", head, other, fault=None, extra=NODE_LOCAL,
-                                          lost=lambda step: True, strategy="lowdiff+")
+                                          lost=lambda step: True, strategy="lowdiff+", swap=swap)
     events = [json.loads(line) for line in (lost / "metrics-node1" / "engine-0.jsonl").read_text().splitlines()]
     restored = [e for e in events if e.get("type") == "replica_restored" and e.get("held")]
-    assert len(restored) == 1 and restored[0]["holder"] == 0, _logs(lost)
+    assert len(restored) == 1 and restored[0]["holder"] == (1 if swap else 0), _logs(lost)
     step = restored[0]["step"]
     assert _resumed_at(lost, nodes, t_kill) == step, _logs(lost)
+    if swap:
+        survivor = [json.loads(line) for line in (lost / "metrics-node0" / "engine-0.jsonl").open()]
+        own = [e["step"] for e in survivor
+               if e.get("type") == "replica_restored" and e.get("held") and e["holder"] == e["rank"] == 1]
+        assert own == [step], _logs(lost)
     for node in nodes:
         log = (lost / f"node{node.rank}.log").read_text()
         assert f"resumed step {step} from the checkpoint engine's memory (no disk read)" in log, _logs(lost)

@@ -180,6 +180,13 @@ class EngineHandler:
         old worker must end here. By default that is `flush`."""
         self.flush()
 
+    def give_up(self, rank: int) -> list[HeldCopy]:
+        """With --replicas, before `close`: what of the state it holds (its old `rank`'s, and
+        partners' copies it keeps itself) the next round may give back, cut whole and checked
+        (`Replicator.adopt`): the node that has `rank` now takes its part back, and this engine
+        holds the copy of the rank its worker has now as its own. By default nothing."""
+        return []
+
     def close(self) -> None:
         """The engine gives this handler up: its worker came back as another rank (the rendezvous
         ranked the nodes anew), and what the handler holds (region files, a replica) is its old

@@ -264,13 +264,15 @@ class Replicator:
         for t in senders:
             t.join(SEND_TIMEOUT_S)
 
-    def adopt(self, rank: int, memory: HeldMemory) -> None:
+    def adopt(self, rank: int, memory: HeldMemory, given_up: list[HeldCopy]) -> None:
         """The worker came back as another rank (the rendezvous ranked the nodes anew): the steps
         `memory` holds of its old `rank` are cut whole before the engine lets go of them, for the
-        next round's exchange. There the node that has that rank now takes them back, and they
-        complete this node's copies of its new rank (the shared tensors of a thin copy are every
-        data-parallel rank's alike). Dropped once the exchange is done."""
-        adopted = []
+        next round's exchange, beside what its handler gave up whole (`given_up`: lowdiff+'s
+        replica and its copies of partners'). There the node that has that rank now takes them
+        back; they complete this node's copies of its new rank (the shared tensors of a thin copy
+        are every data-parallel rank's alike), or are that rank's own (`_own_copy`). Dropped
+        once the exchange is done."""
+        adopted = list(given_up)
         for step in sorted(memory.held_steps(), reverse=True):
             with memory.pinned(step) as got:
                 if got is not None:
@@ -292,9 +294,9 @@ class Replicator:
                 if c.index.rank in r.partners:
                     for said in (kept, can):
                         said[str(c.index.rank)] = sorted({*said[str(c.index.rank)], c.step}, reverse=True)
-            snapshots = self.copies is self._snapshot_copies  # (lowdiff+'s stepped copies: not yet)
-            takes_own = snapshots and self.memory is not None and not own
-            mine = self.copies.whole_steps(r.rank, whole_at) if takes_own else []
+            snapshots = self.copies is self._snapshot_copies
+            mine = [] if self.memory is None or own else sorted({
+                *self.copies.whole_steps(r.rank, whole_at), *(c.step for c in self._adopted if c.index.rank == r.rank)})
         if mine:
             own = set(self._take_back_own(r, mine))
         r.store.set(f"held-steps/{r.rank}", json.dumps({"own": sorted(own), "kept": kept, "whole": can}))
@@ -346,8 +348,7 @@ class Replicator:
         t0, took = time.time(), []
         for step in sorted(steps)[-KEEP:]:
             try:
-                with self._own_state(step) as own:
-                    copy = checked(r.rank, *self.copies.whole(r.rank, step, own).blobs(), thin=False)
+                copy = self._own_copy(r.rank, step)
                 self.memory.install(spec_of(copy), copy.data)
             except CorruptCheckpoint as e:
                 log.warning(f"rank {r.rank}: step {step}, held in this engine's copy of rank {r.rank}, did not "
@@ -361,6 +362,15 @@ class Replicator:
             log.info(f"rank {r.rank}: step(s) {_steps(took)} taken back from this engine's own copies of rank "
                      f"{r.rank} (the rendezvous gave this node the rank) in {time.time() - t0:.2f} s")
         return took
+
+    def _own_copy(self, rank: int, step: int) -> HeldCopy:
+        """`rank`'s `step` whole and checked, from this engine's copies of it: one its old
+        handler gave up whole (`adopt`), or one it keeps, made whole with its own state."""
+        adopted = next((c for c in self._adopted if c.index.rank == rank and c.step == step), None)
+        if adopted is not None:
+            return checked(rank, *adopted.blobs(), thin=False)
+        with self._own_state(step) as own:
+            return checked(rank, *self.copies.whole(rank, step, own).blobs(), thin=False)
 
     def _take_back_held(self, r: Round, holder: int, step: int) -> None:
         """Hold this rank's `step` again, from `holder`'s copy, checked whole."""

@@ -61,6 +61,7 @@ from .nodecommit import Board
 from .step_clock import StepClock
 
 if TYPE_CHECKING:
+    from .held_copies import HeldCopy
     from .replicate import Replicator
 
 COMMIT_TRIES = 6  # a commit that fails this often is abandoned (reported; the previous step stays)
@@ -167,12 +168,11 @@ class Engine:
         # not the new worker's, so it hears events only from here on: it gets every slot in the
         # reply, and a SlotFree before it would hand out a slot twice, or one this Hello drops.
         adopt = msg.rank != self.rank and msg.strategy == self.strategy and self.replicator is not None
-        if self.handler is not None and msg.rank != self.rank:
-            self._give_up_handler()
+        given_up = self._give_up_handler(adopt) if self.handler is not None and msg.rank != self.rank else []
         self.flush(restart=True)
         if msg.rank != self.rank or msg.strategy != self.strategy:  # what is held is another worker's
             if adopt:  # (the node that has its old rank now may take it back from here)
-                self.replicator.adopt(self.rank, HeldSlots(self))
+                self.replicator.adopt(self.rank, HeldSlots(self), given_up)
             self.memory.drop()
         self.memory.keep = 1 if msg.replication is None else 2
         self.step_time.reset()
@@ -237,17 +237,20 @@ class Engine:
             self.board = None
             self.save_error(-1, "", f"the job store is not reachable ({e}); nothing commits this round")
 
-    def _give_up_handler(self) -> None:
+    def _give_up_handler(self, adopt: bool) -> list[HeldCopy]:
         """The worker came back as another rank: the handler's state is its old rank's, which the
         engine of the node now holding that rank adopts. Its jobs end, it lets go of that state
         (`EngineHandler.close`), and the Hello (whose flush waits for the old worker's writes,
-        still under the old rank) makes a new one for the new rank."""
+        still under the old rank) makes a new one for the new rank. With `adopt` (--replicas),
+        what it held is cut first for the next round (`EngineHandler.give_up`), and returned."""
+        given_up = self.handler.give_up(self.rank) if adopt else []
         self.handler.close()
         self.strategy, self.handler = None, None
         if self.holds_memory:
             memory_status.withdraw(self.store.root, self.rank)
             self.holds_memory = False
         self.log.emit(type="rank_changed", rank=self.rank)
+        return given_up
 
     def op_alloc(self, msg: Alloc) -> None:
         """Add a generation of staging slots; the worker retires the old ones as they free up."""

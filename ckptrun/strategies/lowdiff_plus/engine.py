@@ -35,7 +35,9 @@ import torch
 from ...engine.handlers import EngineContext, EngineHandler, Replicas
 from ...engine.held_copies import HeldCopy, cut, thinned
 from ...engine.step_clock import StepClock
+from ...errors import CorruptCheckpoint
 from ...ipc.messages import RecordSpec, StrategyMessage
+from ...log import log
 from ...restore.recovery import optimizer_classes
 from ...restore.replay import warm_up_in_background
 from ...storage import writeonce
@@ -225,10 +227,14 @@ class LowDiffPlusHandler(EngineHandler):
     def _whole(self) -> HeldCopy:
         """The replica whole, for partners to step their copies of it from (thin: without the
         state every data-parallel rank holds alike)."""
-        meta = {REPLICA_META: {"exact": self.exact, "replicated": self.replicated, "shared": self.shared}}
+        meta = self._made()
         if self.thin:
             meta["shared"] = self._replicated_keys()
         return self.own.stepped.copy(self.ctx.rank, meta, thin=self.thin)
+
+    def _made(self) -> dict:
+        """A whole replica's index meta: how its Base made it (REPLICA_META)."""
+        return {REPLICA_META: {"exact": self.exact, "replicated": self.replicated, "shared": self.shared}}
 
     def _persist(self) -> None:
         """Copy the arena into the persist buffer (waiting for the previous write) and queue its
@@ -275,6 +281,27 @@ class LowDiffPlusHandler(EngineHandler):
         self._forget()
         self.own.stepped.drop()
         self.copies.close()
+
+    def give_up(self, rank: int) -> list[HeldCopy]:
+        """The replica and each partner's copy, stood at the newest step all of them can stand
+        at and cut whole: the ranks of the next round resume from memory at that one step. A
+        copy that fails its checks is left out (its rank resumes from its records), said in one
+        line; nothing where they share no step."""
+        with self.pin_lock:
+            common = set(self.own.steps())
+            for owner in list(self.copies.owners):
+                common &= set(self.copies.whole_steps(owner, common))
+            if not common:
+                return []
+            step = max(common)
+            self._stand_at(step)
+            cuts = [self.own.stepped.copy(rank, self._made())]
+            for owner in list(self.copies.owners):
+                try:
+                    cuts.append(self.copies.whole(owner, step, None))
+                except CorruptCheckpoint as e:
+                    log.warning(f"rank {rank}: its copy of rank {owner}'s replica at step {step} is left behind ({e})")
+            return cuts
 
     def held(self) -> list[tuple[int, int]]:
         return [(s, self.own.stepped.arena.nbytes) for s in self.own.steps()]
