@@ -166,6 +166,18 @@ def optimizer(name: str, model: Net) -> torch.optim.Optimizer:
     return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(groups, lr=1e-2, weight_decay=0.01)
 
 
+def hooked(cfg: RunConfig, engine: ReplicaEngine, opt_name: str) -> tuple[Runtime, Net, torch.optim.Optimizer]:
+    """A worker's Runtime on `engine`, hooked into a fresh Net's optimizer (seeded alike each time)."""
+    rt = Runtime(cfg, 0, 0, 1, 0, connect=engine.connect)
+    torch.manual_seed(0)
+    model = Net()
+    opt = optimizer(opt_name, model)
+    opt.register_step_pre_hook(rt.pre_step_hook)
+    opt.register_step_post_hook(rt.post_step_hook)
+    rt.on_optimizer(opt)
+    return rt, model, opt
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_replica_equals_the_trainer_at_every_step(variant, tmp_path, monkeypatch, request):
     """50 steps in-process against the real handler: after every step the engine's replica is
@@ -176,13 +188,7 @@ def test_replica_equals_the_trainer_at_every_step(variant, tmp_path, monkeypatch
     request.addfinalizer(engine.dispose)
     cfg = RunConfig(strategy="lowdiff+", dir=str(tmp_path / "ckpts"), every=1, max_inflight=2, keep=1,
                     options={"persist_every": "1000", "rebase_every": rebase})
-    rt = Runtime(cfg, 0, 0, 1, 0, connect=engine.connect)
-    torch.manual_seed(0)
-    model = Net()
-    opt = optimizer(opt_name, model)
-    opt.register_step_pre_hook(rt.pre_step_hook)
-    opt.register_step_post_hook(rt.post_step_hook)
-    rt.on_optimizer(opt)
+    rt, model, opt = hooked(cfg, engine, opt_name)
     sched = (torch.optim.lr_scheduler.StepLR(opt, 7, 0.5) if opt_name == "sgd" else
              torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.1 * s)))
     rt.on_scheduler(sched)
@@ -253,13 +259,7 @@ def test_on_a_gpu_auto_rebases_at_each_persisted_step(tmp_path, monkeypatch, req
         request.addfinalizer(engine.dispose)
         cfg = RunConfig(strategy="lowdiff+", dir=str(tmp_path / rebase / "ckpts"), every=1, max_inflight=2, keep=0,
                         options={"persist_every": "10", "rebase_every": rebase})
-        rt = Runtime(cfg, 0, 0, 1, 0, connect=engine.connect)
-        torch.manual_seed(0)
-        model = Net()
-        opt = optimizer("adam", model)
-        opt.register_step_pre_hook(rt.pre_step_hook)
-        opt.register_step_post_hook(rt.post_step_hook)
-        rt.on_optimizer(opt)
+        rt, model, opt = hooked(cfg, engine, "adam")
         for it in range(25):
             opt.zero_grad()
             model(torch.randn(8, 6, generator=torch.Generator().manual_seed(it))).pow(2).mean().backward()
@@ -408,13 +408,7 @@ def test_replicas_ship_the_diffs_a_partner_steps_its_copy_with_and_both_sides_ke
     monkeypatch.setattr(engine.handler.copies, "newest", lambda: bound["owner"])
     cfg = RunConfig(strategy="lowdiff+", dir=str(tmp_path / "ckpts"), every=1, max_inflight=2, keep=1,
                     options={"persist_every": "5", "rebase_every": "auto"})
-    rt = Runtime(cfg, 0, 0, 1, 0, connect=engine.connect)
-    torch.manual_seed(0)
-    model = Net()
-    opt = optimizer("adam", model)
-    opt.register_step_pre_hook(rt.pre_step_hook)
-    opt.register_step_post_hook(rt.post_step_hook)
-    rt.on_optimizer(opt)
+    rt, model, opt = hooked(cfg, engine, "adam")
     truth, own, low = {}, engine.handler.own, {"partner": 0, "owner": 0}  # (low: the step each replica is at)
     for it in range(24):
         bound.update({8: {"partner": 9}, 16: {"partner": float("inf"), "owner": 17}, 20: {"partner": 0}}.get(it, {}))
@@ -511,15 +505,9 @@ def _two_ranks(tmp_path: Path, monkeypatch, request, *, ddp: bool) -> tuple[list
         engine = ReplicaEngine(tmp_path / f"rank{rank}")
         request.addfinalizer(engine.dispose)
         engine.handler.ctx.rank = rank
-        rt = Runtime(cfg, 0, 0, 1, 0, connect=engine.connect)
-        torch.manual_seed(0)
-        model = Net()
+        rt, model, opt = hooked(cfg, engine, "adam")
         if ddp:
             monkeypatch.setattr(rt.state, "shared_positions", lambda n=len(list(model.parameters())): list(range(n)))
-        opt = optimizer("adam", model)
-        opt.register_step_pre_hook(rt.pre_step_hook)
-        opt.register_step_post_hook(rt.post_step_hook)
-        rt.on_optimizer(opt)
         engines.append((engine, rt))
         models.append(model)
         opts.append(opt)
