@@ -35,7 +35,7 @@ from conftest import (
 )
 
 from ckptrun.restore.export import export
-from ckptrun.restore.recovery import READ_AHEAD_RECORDS, diff_states, find
+from ckptrun.restore.recovery import READ_AHEAD_RECORDS, diff_states, find, load_state
 from ckptrun.storage.store import Store, diff_name, full_name, rank_files
 from ckptrun.strategies.lowdiff.model import LowDiffCosts, optimal_fb
 from ckptrun.strategies.lowdiff.policy import DEFAULT_B, DEFAULT_F, RECORD_OPEN_S, FullEveryBatch
@@ -256,6 +256,29 @@ def test_long_chain_replays_exactly_through_reused_read_buffers(long_chain, gpt_
                if g.untyped_storage().nbytes() > g.nbytes}  # (the last record's are private copies)
     assert len(kept) == STEPS and len(buffers) == READ_AHEAD_RECORDS + 1 < len(plan.diffs) - 1
     assert_training_state(exported(long_chain, STEPS, tmp_path), gpt_truth("adamw", STEPS))
+
+
+def test_a_device_without_room_to_replay_leaves_it_to_the_cpu(gpt_run, gpt_truth, monkeypatch, capsys):
+    """Offline replay runs on the device type the run trained on; where that device has no room
+    for the state (out of memory: stood in for here), the CPU replays it from the untouched
+    state read, and one line says so."""
+    from ckptrun.restore import recovery, replay
+
+    def no_room(cls, info, state, device=None):
+        if device is not None and device.type != "cpu":
+            raise torch.OutOfMemoryError("no room")
+        return build(cls, info, state, device)
+
+    build = recovery.build_optimizer
+    monkeypatch.setattr(replay, "replay_device", lambda trained_on: torch.device("meta"))
+    monkeypatch.setattr(recovery, "build_optimizer", no_room)
+    store = Store(gpt_run("adamw"))
+    state = load_state(store, find(store, MID_BATCH), 0)
+    assert_training_state({"model": state["models"]["model"], "optimizer": state["optimizers"]["optimizer"]},
+                          gpt_truth("adamw", MID_BATCH))
+    said = [line for line in capsys.readouterr().err.splitlines() if "no room to replay" in line]
+    assert said == [f"ckptrun: warning: meta has no room to replay step {MID_BATCH} of rank 0; replayed on the "
+                    "CPU, which may differ from the run's by rounding"], said
 
 
 # ---- crash matrix -----------------------------------------------------------------------------

@@ -525,11 +525,29 @@ def build_optimizer(cls: type, info: dict, state: dict, device: Any = None) -> t
 def _replay_offline(store: Store, plan: Plan, rank: int, state: dict, classes: dict[str, type]) -> dict:
     """Rebuild the optimizer from the base's metadata and replay (no training script needed), on
     the device type the run trained on where this machine has it (`replay_device`); the state
-    comes back on the CPU, as read."""
-    from .replay import cpu_state_dict, replay, replay_device
+    comes back on the CPU, as read. A device without room for the state replays nothing (the
+    state read is the CPU's, untouched): then the CPU does, said in one line."""
+    import torch
+
+    from .replay import replay_device
 
     cls, info = _optimizer(store.read_index(plan.base.name, rank, plan.base), plan.base, rank, classes)
-    opt, params = build_optimizer(cls, info, state, replay_device(info.get("device")))
+    device = replay_device(info.get("device"))
+    try:
+        return _replay_on(device, store, plan, rank, state, cls, info)
+    except torch.OutOfMemoryError:
+        if device.type == "cpu":
+            raise
+        log.warning(f"warning: {device.type} has no room to replay step {plan.step} of rank {rank}; replayed on "
+                    "the CPU, which may differ from the run's by rounding")
+        return _replay_on(torch.device("cpu"), store, plan, rank, state, cls, info)
+
+
+def _replay_on(device: Any, store: Store, plan: Plan, rank: int, state: dict, cls: type, info: dict) -> dict:
+    """`_replay_offline` with the optimizer on `device`."""
+    from .replay import cpu_state_dict, replay
+
+    opt, params = build_optimizer(cls, info, state, device)
     orphans = state.get("extra", {}).get(orphans_key("optimizer"), {})
     last = replay(opt, diff_states(store, plan, rank))
     params = [p.detach().cpu() for p in params]
