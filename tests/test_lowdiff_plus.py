@@ -246,14 +246,15 @@ def test_replica_equals_the_trainer_at_every_step(variant, tmp_path, monkeypatch
 
 def test_on_a_gpu_auto_rebases_at_each_persisted_step(tmp_path, monkeypatch, request):
     """On a GPU the replica's CPU arithmetic differs from the device's by rounding, so with
-    --rebase-every auto a real snapshot replaces the replica at each step it persists: every
-    record written is the device's own state. (The GPU is stood in for: `_on_gpu`.) With an
-    explicit --rebase-every the persisted steps are stepped replicas, as asked."""
+    --rebase-every auto a real snapshot replaces the replica at each step it persists, and at
+    the final step written at exit: every record written is the device's own state. (The GPU is
+    stood in for: `_on_gpu`.) With an explicit --rebase-every the persisted steps are stepped
+    replicas, as asked."""
     monkeypatch.delenv("CKPTRUN_FAULT", raising=False)
     from ckptrun.strategies.lowdiff_plus.trainer import LowDiffPlus
 
     monkeypatch.setattr(LowDiffPlus, "_on_gpu", lambda self: True)
-    for rebase, generations in (("auto", 2 + 2), ("0", 2)):  # re-based at steps 10 and 20 / never
+    for rebase, generations in (("auto", 2 + 3), ("0", 2)):  # re-based at steps 10, 20 and 25 / never
         (tmp_path / rebase).mkdir()
         engine = ReplicaEngine(tmp_path / rebase)
         request.addfinalizer(engine.dispose)

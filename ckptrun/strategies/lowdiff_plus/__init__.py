@@ -15,7 +15,7 @@ HW_FAILURE_SHARE = Option(
 REBASE_EVERY = Option(
     "rebase_every", "auto",
     "steps between full snapshots that replace the replica (bounds CPU/GPU rounding drift); 0 never; auto: never "
-    "on CPU; on a GPU every 100 steps and at each persisted step, so that every record written is the device's "
-    "own state.", ints=(0, 10**9))
+    "on CPU; on a GPU every 100 steps and at each step written (persisted, or final), so that every record written "
+    "is the device's own state.", ints=(0, 10**9))
 OPTIONS = (REPLICA_PERSIST_EVERY, HW_FAILURE_SHARE, REBASE_EVERY)
 

@@ -212,6 +212,11 @@ class LowDiffPlus(Strategy):
             self.rebase = True
 
     def finish(self) -> None:
+        if self.pending is not None and self.ctx.final_checkpoint and self.rebase_every is None and self._on_gpu():
+            # The final record: on a GPU, as every persisted step, the device's own state (`_rebase_due`).
+            (taken, _), self.pending = self.pending, None
+            self.ctx.discard(taken)
+            self._take_base(taken.step, write=True)
         self._hand_over(final=self.ctx.final_checkpoint)
         if self.recopied:
             self.ctx.emit(type="lowdiff_plus", recopied_bytes=self.recopied)
