@@ -270,6 +270,8 @@ def test_on_a_gpu_auto_rebases_at_each_persisted_step(tmp_path, monkeypatch, req
         assert_replica(engine.handler.own.stepped.replica, truth)
         assert engine.handler.ctx.written == [0, 10, 20, 25], rebase
         assert engine.handler.generation == generations, rebase
+        # a resume from memory is told whether the replica is the trainer's own bits (else: within rounding)
+        assert engine.handler.fetch()["exact"] is (rebase == "auto"), rebase
 
 
 def assert_replica(replica, truth: dict) -> None:

@@ -161,6 +161,7 @@ class LowDiffPlusHandler(EngineHandler):
         """Start the replica from a full snapshot (the slot's bytes, then moved into an arena)."""
         self._based(msg.replicated, msg.shared, msg.exact)
         self.own.stepped.rebase(msg.spec, self._slot_tree(msg.slot, msg.spec), msg.exact)
+        self.own.stepped.replica.real = True
         if (replicas := self.ctx.replicas) is not None:
             self._expect()
             replicas.offer_copy(self._whole())
@@ -315,7 +316,7 @@ class LowDiffPlusHandler(EngineHandler):
         r, arena = self.own.stepped.replica, self.own.stepped.arena
         self.ctx.emit(type="replica_fetch", rank=self.ctx.rank, step=r.step, nbytes=arena.nbytes)
         return {"step": r.step, "path": str(arena.file.path), "skeleton": r.skeleton,
-                "tensors": {k: s.to_json() for k, s in arena.specs.items()}, "exact": r.exact}
+                "tensors": {k: s.to_json() for k, s in arena.specs.items()}, "exact": r.exact or r.real}
 
     # ---- engine.replicate.HeldMemory ------------------------------------------------------
     def replication(self) -> tuple[Any, PartnerReplicas]:

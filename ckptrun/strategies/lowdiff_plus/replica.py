@@ -65,6 +65,7 @@ class Replica:
     exact: bool  # updated with the trainer's arithmetic (CPU training)
     time: float  # when the trainer finished the step
     skeleton: Any = None  # of `full_state()`, whose tensors are all in the arena (after `settle`)
+    real: bool = False  # the trainer's own snapshot, not stepped since (its bits, whatever the device)
 
     def full_state(self) -> dict:
         """The state as the trainer's full snapshot of this step holds it."""
@@ -118,7 +119,7 @@ class SteppedReplica:
                 for key, value in buffers.items():
                     r.state["models"][name][key].copy_(value)
         r.state.update(_own({k: diff[k] for k in POST_STEP}))
-        r.step, r.meta, r.time = spec.step, spec.meta, spec.meta["snapshot_time"]
+        r.step, r.meta, r.time, r.real = spec.step, spec.meta, spec.meta["snapshot_time"], False
         self._settle()
 
     def apply_copy(self, spec: RecordSpec, diff: HeldCopy, *, owned: bool) -> None:
