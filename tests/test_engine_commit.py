@@ -80,3 +80,26 @@ def test_a_committed_record_is_never_rewritten(engine):
     write(eng, other, bytes(len(data)))  # a re-run reaching the same step: the same state, by exactness
     assert {p.name: p.read_bytes() for p in (eng.store.root / rs.record).iterdir()} == before
     assert [type(m) for m in sent] == [Durable, Committed, Durable, Committed]
+
+
+def test_a_handler_that_cannot_give_up_what_it_holds_is_let_go_of_with_one_line(engine, capsys):
+    """The worker came back as another rank (--replicas): what the handler cannot cut for the
+    node that has its old rank now is left to the records; the Hello goes on."""
+    from ckptrun.engine.handlers import EngineHandler
+
+    eng, _ = engine
+    closed = []
+
+    class Failing(EngineHandler):
+        def give_up(self, rank: int) -> list:
+            raise RuntimeError("no room")
+
+        def close(self) -> None:
+            closed.append(True)
+
+    eng.handler, eng.strategy = Failing(None), "lowdiff+"
+    assert eng._give_up_handler(True) == []
+    assert closed == [True] and eng.handler is None and eng.strategy is None
+    said = [line for line in capsys.readouterr().err.splitlines() if "not kept" in line]
+    assert said == ["ckptrun: rank 0: what the engine held of this rank is not kept for the node that has it now "
+                    "(RuntimeError: no room); it resumes from --dir"], said

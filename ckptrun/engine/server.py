@@ -47,6 +47,7 @@ from ..ipc.messages import (
     StrategyMessage,
 )
 from ..ipc.staging import EngineSlot
+from ..log import log
 from ..storage import iowriter, memory_status
 from ..storage.dirlock import hold_for_engine
 from ..storage.fsutil import FaultHook, _no_fault
@@ -243,7 +244,13 @@ class Engine:
         (`EngineHandler.close`), and the Hello (whose flush waits for the old worker's writes,
         still under the old rank) makes a new one for the new rank. With `adopt` (--replicas),
         what it held is cut first for the next round (`EngineHandler.give_up`), and returned."""
-        given_up = self.handler.give_up(self.rank) if adopt else []
+        given_up = []
+        if adopt:
+            try:
+                given_up = self.handler.give_up(self.rank)
+            except Exception as e:  # noqa: BLE001 - let go of unkept: the ranks resume from the records
+                log.warning(f"rank {self.rank}: what the engine held of this rank is not kept for the node that has it "
+                            f"now ({type(e).__name__}: {e}); it resumes from --dir")
         self.handler.close()
         self.strategy, self.handler = None, None
         if self.holds_memory:
