@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import assert_same, pack, unpack
 
+from ckptrun.restore import replay as replay_module
 from ckptrun.restore.replay import apply_diff, decode_grad, densify, optimizer_params, replay, replay_device
 
 SHAPES = [(3, 4), (4,), (5,)]
@@ -135,9 +136,20 @@ def test_a_cpu_run_is_replayed_on_the_cpu_without_a_word(trained_on, capsys):
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.skipif(torch.accelerator.is_available(), reason="needs a machine without an accelerator")
-def test_a_gpu_run_is_replayed_on_the_cpu_where_there_is_no_gpu_and_that_is_said_once(capsys):
+def test_a_gpu_run_is_replayed_on_the_gpu_where_there_is_one(monkeypatch, capsys):
+    """Its arithmetic is the run's own (the machine's accelerator stood in for)."""
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    monkeypatch.setattr(replay_module, "_said_cpu", set())
+    assert replay_device("cuda") == torch.device("cuda")
+    assert replay_device("xpu") == torch.device("cpu")  # (another type than the machine's)
+    assert "trained on xpu" in capsys.readouterr().err
+
+
+def test_a_gpu_run_is_replayed_on_the_cpu_where_there_is_no_gpu_and_that_is_said_once(monkeypatch, capsys):
     """The GPU's kernels round differently: the user learns the restored steps may differ."""
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    monkeypatch.setattr(replay_module, "_said_cpu", set())
     for _ in range(2):
         assert replay_device("cuda") == torch.device("cpu")
     said = capsys.readouterr().err.splitlines()

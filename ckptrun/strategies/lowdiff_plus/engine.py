@@ -160,8 +160,7 @@ class LowDiffPlusHandler(EngineHandler):
     def _rebase(self, msg: Base) -> None:
         """Start the replica from a full snapshot (the slot's bytes, then moved into an arena)."""
         self._based(msg.replicated, msg.shared, msg.exact)
-        self.own.stepped.rebase(msg.spec, self._slot_tree(msg.slot, msg.spec), msg.exact)
-        self.own.stepped.replica.real = True
+        self.own.stepped.rebase(msg.spec, self._slot_tree(msg.slot, msg.spec), msg.exact, real=True)
         if (replicas := self.ctx.replicas) is not None:
             self._expect()
             replicas.offer_copy(self._whole())

@@ -92,10 +92,11 @@ class SteppedReplica:
     def step(self) -> int | None:
         return self.replica.step if self.replica is not None else None
 
-    def rebase(self, spec: RecordSpec, state: dict, exact: bool) -> None:
-        """Start from `state`, the full state of `spec`'s step (copied into a new arena)."""
+    def rebase(self, spec: RecordSpec, state: dict, exact: bool, *, real: bool = False) -> None:
+        """Start from `state`, the full state of `spec`'s step (copied into a new arena); `real`:
+        the trainer's own snapshot (`Replica.real`)."""
         self.replica = Replica(spec.step, state, self._optimizer(spec.meta, state), spec.meta, exact,
-                               spec.meta["snapshot_time"])
+                               spec.meta["snapshot_time"], real=real)
         self._relayout()
 
     def apply(self, spec: RecordSpec, diff: dict, *, owned: bool = True) -> None:

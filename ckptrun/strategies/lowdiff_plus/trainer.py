@@ -85,15 +85,19 @@ class LowDiffPlus(Strategy):
     def _on_gpu(self) -> bool:
         return bool(self.params) and self.params[0].is_cuda
 
+    def _writes_snapshots(self) -> bool:
+        """--rebase-every auto on a GPU: the replica's CPU arithmetic differs from the device's by
+        rounding, so every step written (persisted, or final) is a real snapshot instead, and
+        every record on disk restores the run's bits."""
+        return self.rebase_every is None and self._on_gpu()
+
     def _rebase_due(self, step: int) -> bool:
         """A full snapshot replaces the replica at this step: one was asked for, --rebase-every
-        says so, or (auto, on a GPU) the step is persisted: the replica's CPU arithmetic differs
-        from the device's by rounding, and a persisted step is then the device's own state, so
-        every record on disk restores the run's bits."""
+        says so, or the step is persisted and `_writes_snapshots`."""
         every = self._rebase_every()
         if self.rebase or (every and step % every == 0):
             return True
-        return self.rebase_every is None and self._on_gpu() and self.persist.due(step)
+        return self._writes_snapshots() and self.persist.due(step)
 
     # ---- hooks -------------------------------------------------------------------------
     def on_ready(self, step: int) -> None:
@@ -212,9 +216,8 @@ class LowDiffPlus(Strategy):
             self.rebase = True
 
     def finish(self) -> None:
-        if self.pending is not None and self.ctx.final_checkpoint and self.rebase_every is None and self._on_gpu():
-            # The final record: on a GPU, as every persisted step, the device's own state (`_rebase_due`).
-            (taken, _), self.pending = self.pending, None
+        if self.pending is not None and self.ctx.final_checkpoint and self._writes_snapshots():
+            (taken, _), self.pending = self.pending, None  # (the final record: a real snapshot too)
             self.ctx.discard(taken)
             self._take_base(taken.step, write=True)
         self._hand_over(final=self.ctx.final_checkpoint)
