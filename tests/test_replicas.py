@@ -9,7 +9,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -511,8 +513,9 @@ def test_a_held_step_ships_thin_is_checked_kept_two_deep_and_made_whole_from_the
 # dict): MODE "ship" holds its rank's steps 1 and 2, ships each as it holds it, then waits to be
 # killed; "survive" does the same, and once the test says its partner is gone joins round r2 as
 # AS_RANK, letting go of its steps first (adopted, as the engine does when the rank changes);
-# "replace" joins r2 as AS_RANK holding nothing. Each writes the steps it holds after r2's
-# exchange, by step, to held-RANK.json.
+# "replace" joins r2 as AS_RANK holding nothing; WORLD engines, --replica-jump JUMP. Each writes
+# the steps it holds after r2's exchange, by step, and the ranks it keeps copies of, to
+# held-RANK.json.
 HELD_PEER = """
 import contextlib, json, os, sys, time
 sys.path.insert(0, sys.argv[5])
@@ -520,8 +523,8 @@ from test_replicas import _held_step
 from ckptrun.engine.replicate import Replicator
 from ckptrun.ipc.events import EventLog
 from ckptrun.storage.store import Store
-root, rank, port, mode, _, as_rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], \
-    int(sys.argv[6])
+root, rank, port, mode, _, as_rank, world, jump = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], \
+    sys.argv[5], *map(int, sys.argv[6:9])
 
 class Slots:
     def __init__(self, steps, rank):
@@ -537,8 +540,8 @@ class Slots:
 
 rep = Replicator(EventLog(os.path.join(root, "..", "metrics"), f"engine-{rank}-{os.getpid()}"))
 def join(prefix, r, memory):
-    rep.join({"addr": "127.0.0.1", "port": port, "prefix": prefix, "replicas": 2, "jump": 1, "local": 1},
-             r, 2, Store(root), None, memory=memory)
+    rep.join({"addr": "127.0.0.1", "port": port, "prefix": prefix, "replicas": 2, "jump": jump, "local": 1},
+             r, world, Store(root), None, memory=memory)
 if mode in ("ship", "survive"):
     memory = Slots([], rank)
     join("r1", rank, memory)
@@ -558,7 +561,8 @@ else:
     memory = Slots([], as_rank)
     join("r2", as_rank, memory)
 with open(os.path.join(root, "..", f"held-{as_rank}.json"), "w") as f:
-    json.dump({s: bytes(d).hex() for s, (_, d) in memory.held.items()}, f)
+    json.dump({"steps": {s: bytes(d).hex() for s, (_, d) in memory.held.items()},
+               "copies": sorted(rep.copies.owners)}, f)
 rep.close()
 """
 
@@ -574,11 +578,7 @@ def test_steps_held_in_memory_only_come_back_when_the_rendezvous_swaps_the_ranks
     root.mkdir()
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
 
-    def peer(rank: int, mode: str, as_rank: int) -> subprocess.Popen:
-        argv = [sys.executable, "-c", HELD_PEER, root, str(rank), str(master.port), mode, Path(__file__).parent,
-                str(as_rank)]
-        return subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
-
+    peer = _held_peers(root, master, world=2, jump=1)
     survivor, lost = peer(0, "survive", 1), peer(1, "ship", 1)
     deadline = time.monotonic() + 120
     while len(_events(tmp_path, "replica_held")) < 4:
@@ -590,11 +590,98 @@ def test_steps_held_in_memory_only_come_back_when_the_rendezvous_swaps_the_ranks
     (tmp_path / "gone").touch()
     replacement = peer(1, "replace", 0)
     assert (survivor.wait(120), replacement.wait(120)) == (0, 0), survivor.stderr.read() + replacement.stderr.read()
-    held = {r: json.loads((tmp_path / f"held-{r}.json").read_text()) for r in (0, 1)}
-    for r, steps in held.items():
-        for step, data in steps.items():
-            assert bytes.fromhex(data) == bytes(_held_step(int(step), rank=r)[1]), (r, step)
+    held = _held_after(tmp_path, 2)
     # the survivor (rank 1 now) from its own copies, both steps; the replacement (rank 0) from it
     assert sorted(held[1]) == ["1", "2"] and sorted(held[0]) == ["2"], held
     restored = sorted((e["rank"], e["step"], e["holder"]) for e in _events(tmp_path, "replica_restored"))
     assert restored == [(0, 2, 1), (1, 1, 1), (1, 2, 1)], restored
+
+
+def _held_peers(root: Path, master: dist.TCPStore, world: int,
+                jump: int) -> Callable[[int, str, int], subprocess.Popen]:
+    """Start a HELD_PEER: (rank, mode, as_rank) -> its process."""
+    def peer(rank: int, mode: str, as_rank: int) -> subprocess.Popen:
+        argv = [sys.executable, "-c", HELD_PEER, root, str(rank), str(master.port), mode, Path(__file__).parent,
+                str(as_rank), str(world), str(jump)]
+        return subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+
+    return peer
+
+
+def _held_after(tmp_path: Path, world: int) -> dict[int, dict]:
+    """The steps each rank's engine holds after the second round (each its rank's bytes, checked)."""
+    held = {r: json.loads((tmp_path / f"held-{r}.json").read_text())["steps"] for r in range(world)}
+    for r, steps in held.items():
+        for step, data in steps.items():
+            assert bytes.fromhex(data) == bytes(_held_step(int(step), rank=r)[1]), (r, step)
+    return held
+
+
+def test_steps_held_in_memory_only_come_back_from_engines_that_are_not_the_ranks_partners(tmp_path):
+    """Four engines, --replicas 2 --replica-jump 2 (groups of ranks {0, 2} and {1, 3}), hold their
+    steps 1 and 2 in memory only, copied thin to their partners. The engine of rank 0 dies, and
+    the rendezvous ranks the nodes anew: each survivor one rank down, the replacement rank 3. No
+    rank's state is then held by its new partner: each takes its newest step back from the engine
+    that holds it (its old owner, or its old partner), a partner or not; and each engine then
+    keeps copies of its new partner's steps only."""
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+    peer = _held_peers(root, master, world=4, jump=2)
+    lost, *survivors = [peer(0, "ship", 0), *(peer(r, "survive", r - 1) for r in (1, 2, 3))]
+    deadline = time.monotonic() + 120
+    while len(_events(tmp_path, "replica_held")) < 8:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in (lost, *survivors)), \
+            "".join(p.stderr.read() for p in (lost, *survivors) if p.poll() is not None)
+        time.sleep(0.1)
+    lost.kill()  # its node dies, with its memory
+    lost.wait()
+    (tmp_path / "gone").touch()
+    ended = [*survivors, peer(0, "replace", 3)]
+    assert [p.wait(120) for p in ended] == [0] * 4, "".join(p.stderr.read() for p in ended)
+    held = _held_after(tmp_path, 4)
+    assert all(sorted(steps) == ["2"] for steps in held.values()), held
+    restored = sorted((e["rank"], e["step"], e["holder"]) for e in _events(tmp_path, "replica_restored"))
+    # (rank 1's step 2 is held by the engines now ranks 0 and 2; the newer holder's rank is asked)
+    assert restored == [(0, 2, 1), (1, 2, 2), (2, 2, 1), (3, 2, 2)], restored
+    group = ReplicationGroup(nnodes=4, local=1, replicas=2, jump=2)
+    copies = {r: json.loads((tmp_path / f"held-{r}.json").read_text())["copies"] for r in range(4)}
+    assert all(set(copies[r]) <= set(group.partners(r)) for r in range(4)), copies
+
+
+def test_the_exchange_board_reads_what_is_posted_for_this_rank_checked_after_every_engine_said_it():
+    """A round's exchange through its job store (engine/round_board.py): each engine reads what
+    is posted under its rank, from any engine, once all have passed the barrier; a post naming a
+    rank outside the round, a record path or a negative step is refused; an engine that never
+    comes leaves the others to their records after the timeout."""
+    from ckptrun.engine.round_board import Board
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+
+    def client() -> dist.PrefixStore:  # (each engine its own connection, as in a round)
+        return dist.PrefixStore("r1/replicas", dist.TCPStore("127.0.0.1", master.port, is_master=False,
+                                                             timeout=timedelta(seconds=10)))
+
+    store = client()
+    boards = [Board(client(), r, 3, "held", timeout=10) for r in range(3)]
+    boards[0].post("for/2", {"kept": [5, 4], "whole": [5]})
+    boards[1].post("for/2", {"kept": [5], "whole": []})
+    passed = []
+    threads = [threading.Thread(target=lambda b=b: passed.append(b.sync("said"))) for b in boards]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert len(passed) == 3  # (every engine through the barrier, none timed out)
+    assert boards[2].read("for/2", ("kept", "whole")) == [{"kept": [5, 4], "whole": [5], "from": 0},
+                                                          {"kept": [5], "whole": [], "from": 1}]
+    assert boards[1].read("for/1", ()) == []
+    for bad in ({"from": 3}, {"from": 0, "record": "../../outside"}, {"from": 0, "step": -1},
+                {"from": 0, "holder": 3}, {"from": 0, "whole": ["5"]}, {"from": 0, "kept": []}):
+        store.append("held/for/0", json.dumps(bad) + "\n")
+        with pytest.raises(ValueError, match="malformed post"):
+            boards[0].read("for/0", ("kept", "whole"))
+        store.delete_key("held/for/0")
+    alone = Board(store, 0, 2, "records", timeout=0.5)
+    with pytest.raises(RuntimeError):
+        alone.sync("said")

@@ -146,6 +146,9 @@ class PartnerCopies(Protocol):
         """`owner`'s state of `step`, whole and checked (else CorruptCheckpoint); `own(key, into)`
         reads a tensor of this engine's own state of that step (None: not held)."""
 
+    def forget(self, owner: int) -> None:
+        """Let `owner`'s copies go (it is no partner of this engine's rank any more)."""
+
 
 class HeldCopies:
     """The copies this engine holds of its partners' held steps, the KEEP newest per owner
@@ -169,6 +172,9 @@ class HeldCopies:
     def whole_steps(self, owner: int, own: Collection[int]) -> list[int]:
         """A thin copy is made whole from this engine's own state of its step."""
         return [c.step for c in self.owners.get(owner, []) if c.step in own or not c.thin]
+
+    def forget(self, owner: int) -> None:
+        self.owners.pop(owner, None)
 
     def get(self, owner: int, step: int) -> HeldCopy | None:
         return next((c for c in self.owners.get(owner, []) if c.step == step), None)

@@ -11,13 +11,15 @@ and cannot run in a torch-free engine's host memory.
 Shipping runs on a thread of its own after a step commits, so the trainer never waits on it; a
 partner that is dead or stalls past SEND_TIMEOUT_S is dropped for the rest of the round, said in
 one line, and the step stays in --dir as before. Received parts are checked before they are
-held (`MemoryTier.hold`). A new round starts with an exchange through the job store: every engine
-says which copies it holds, and one whose --dir lacks its part of the newest step its partners
-hold asks one of them for it before its worker resumes (`mirror.fill` then `Store` check it).
+held (`MemoryTier.hold`). A new round starts with an exchange through the job store
+(engine/round_board.py): every engine says which copies it holds of each rank, and one whose
+--dir lacks its part of the newest step held asks the engine that holds it (a partner, or any
+other where the rendezvous ranked the nodes anew) before its worker resumes (`mirror.fill` then
+`Store` check it); then each engine lets go of its copies of ranks not its partners now.
 
 With a snapshot strategy's --persist-every, the steps held in memory only are copied too, each
 as it is held (engine/held_copies.py): an engine that holds no step of its rank (a replaced
-node's) takes the newest one a partner can make whole back into a staging slot of its own, and
+node's) takes the newest one another engine can make whole back into a staging slot of its own, and
 the ranks resume from memory at the newest step all of them hold (worker/resume.py). A survivor
 the rendezvous gave a partner's rank keeps its old rank's steps for that node (`adopt`) and
 holds its new rank's from its own copies.
@@ -57,6 +59,7 @@ from ..storage.tiers.memtier import MemoryTier
 from ..storage.tiers.mirror import fill
 from ..storage.tiers.parts import rank_part, thin_part, thin_rank_part
 from .held_copies import KEEP, HeldCopies, HeldCopy, HeldMemory, PartnerCopies, checked, cut, flipped, spec_of
+from .round_board import Board
 
 SHIP, FETCH = 1, 2  # gloo tags: a new copy for a partner; a copy sent back to its owner
 THIN, HELD = 1, 2  # a copy's flags: its data lacks the shared tensors; it is of a step held in memory only
@@ -75,7 +78,7 @@ class Round:
     def __init__(self, spec: dict, rank: int, world_size: int) -> None:
         import torch.distributed as dist
 
-        self.key, self.rank = spec["prefix"], rank
+        self.key, self.rank, self.world_size = spec["prefix"], rank, world_size
         self.group = ReplicationGroup(world_size // spec["local"], spec["local"], spec["replicas"], spec["jump"])
         self.partners = self.group.partners(rank)
         tcp = dist.TCPStore(spec["addr"], spec["port"], is_master=False,
@@ -84,6 +87,10 @@ class Round:
         self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timedelta(seconds=FORM_TIMEOUT_S))
         self.live = set(self.partners)  # partners not (yet) found dead or stalled
         self.threads: list[threading.Thread] = []  # receiving partners' copies
+
+    def board(self, name: str) -> Board:
+        """Exchange `name`'s keys in the round's job store."""
+        return Board(self.store, self.rank, self.world_size, name, FORM_TIMEOUT_S)
 
     def send(self, dst: int, tag: int, owner: int, blobs: list[bytes | bytearray], flags: int = 0) -> None:
         """Send one copy: `blobs` = [manifest, data file, index] of rank `owner`'s part, or
@@ -208,7 +215,8 @@ class Replicator:
             self._adopted = []
             return
         try:
-            self._exchange(r)
+            if self._exchange(r):
+                self._keep_partners(r)
         except (RuntimeError, ValueError, CorruptCheckpoint, OSError) as e:
             log.warning(f"rank {rank}: copies not exchanged this round ({_short(e)}); resuming from --dir")
             self.log.emit(type="replica_error", rank=rank, error=_short(e))
@@ -219,6 +227,16 @@ class Replicator:
             t = threading.Thread(target=self._recv_loop, args=(r, p), name=f"ckptrun-replicas-from-{p}", daemon=True)
             r.threads.append(t)
             t.start()
+
+    def _keep_partners(self, r: Round) -> None:
+        """Let the copies of ranks that are not this round's partners go, once the exchange has
+        given them back (the rendezvous ranked the nodes anew): an engine holds its K-1
+        partners' copies, no more."""
+        with self._lock:
+            for held, of in ((self.held, memory_status.COPIES), (self.copies, memory_status.HELD_COPIES)):
+                for owner in [o for o in held.owners if o not in r.partners]:
+                    held.forget(owner)
+                    memory_status.withdraw(self.store.root, owner, of=of)
 
     def _end_round(self) -> None:
         """Tell the old round's partners to stop receiving (best effort: they may be dead)."""
@@ -231,38 +249,44 @@ class Replicator:
                 old.stop(p)
         old.close()
 
-    def _exchange(self, r: Round) -> None:
-        """Through the job store: what each engine holds, what each owner wants back; then the
-        wanted copies go back point to point (sends on threads, so no pair waits on the other).
-        Steps held in memory first, then records."""
-        self._exchange_held(r)
-        held = {str(o): list(v) for o, v in self.held.owners.items() if o in r.partners}
-        r.store.set(f"held/{r.rank}", json.dumps(held))
-        offers = [(step, name, p) for p in r.partners
-                  for o, (name, step) in json.loads(r.store.get(f"held/{p}")).items() if int(o) == r.rank]
-        if r.rank in self.held.owners:  # the rendezvous gave this node the rank whose copy it held
-            offers.append((self.held.owners[r.rank][1], self.held.owners[r.rank][0], r.rank))
-        self._trade(r, "want", self._wanted(r.rank, max(offers, default=None)),
-                    give=lambda p, asked: self._give_back(r, p),
-                    take=lambda want: self._take_back(r, want["holder"], want["record"]))
+    def _exchange(self, r: Round) -> bool:
+        """Through the job store: what each engine holds of each rank, what each rank wants back
+        and from whom (any engine that holds it: `Board`); then the wanted copies go back point
+        to point (sends on threads, so no pair waits on the other). Steps held in memory first,
+        then records. Whether every copy asked of this engine was sent."""
+        sent = self._exchange_held(r)
+        board = r.board("records")
+        with self._lock:
+            held = dict(self.held.owners)
+        for owner, (name, step) in held.items():
+            if owner != r.rank:
+                board.post(f"for/{owner}", {"record": name, "step": step})
+        board.sync("said")
+        offers = [(d["step"], d["record"], d["from"]) for d in board.read(f"for/{r.rank}", ("step", "record"))]
+        if r.rank in held:  # the rendezvous gave this node the rank whose copy it held
+            offers.append((held[r.rank][1], held[r.rank][0], r.rank))
+        return self._trade(r, board, self._wanted(r.rank, max(offers, default=None)),
+                           give=lambda p, asked: self._give_back(r, p),
+                           take=lambda want: self._take_back(r, want["holder"], want["record"])) and sent
 
-    def _trade(self, r: Round, key: str, want: dict, give: Callable[[int, dict], None],
-               take: Callable[[dict], None]) -> None:
-        """Say under `key` what this engine asks for (`want`: {holder, ...}, or {}), `give` each
-        partner what it asked of this one (on threads: no pair waits on the other), `take` its
-        own, then wait for the sends."""
-        r.store.set(f"{key}/{r.rank}", json.dumps(want))
+    def _trade(self, r: Round, board: Board, want: dict, give: Callable[[int, dict], None],
+               take: Callable[[dict], None], asks: tuple[str, ...] = ()) -> bool:
+        """Ask `want`'s holder for it (`want`: {holder, ...}, or {}), `give` each engine what it
+        asked of this one (each ask with the fields `asks` names; on threads: no pair waits on the
+        other), `take` its own, then wait for the sends; whether they all ended."""
+        if want and want["holder"] != r.rank:
+            board.post(f"ask/{want['holder']}", want)
+        board.sync("asked")
         senders = []
-        for p in r.partners:
-            asked = json.loads(r.store.get(f"{key}/{p}"))
-            if asked.get("holder") == r.rank:
-                t = threading.Thread(target=give, args=(p, asked), daemon=True)
-                t.start()
-                senders.append(t)
+        for asked in board.read(f"ask/{r.rank}", asks):
+            t = threading.Thread(target=give, args=(asked["from"], asked), daemon=True)
+            t.start()
+            senders.append(t)
         if want:
             take(want)
         for t in senders:
             t.join(SEND_TIMEOUT_S)
+        return not any(t.is_alive() for t in senders)
 
     def adopt(self, rank: int, memory: HeldMemory, given_up: list[HeldCopy]) -> None:
         """The worker came back as another rank (the rendezvous ranked the nodes anew): the steps
@@ -280,45 +304,53 @@ class Replicator:
         with self._lock:
             self._adopted = adopted
 
-    def _exchange_held(self, r: Round) -> None:
-        """Each engine says which of its partners' held steps it can give back whole (a thin
-        copy needs its own state of the same step, or the old rank's it adopted); one that holds
-        no step of its rank takes the newest ones back from its own copies, where the rendezvous
-        gave it a partner's rank, else asks a partner for the newest of them, into its memory."""
+    def _exchange_held(self, r: Round) -> bool:
+        """Each engine says which held steps of each rank it can give back whole (a thin copy
+        needs its own state of the same step, or the old rank's it adopted); one that holds no
+        step of its rank takes the newest ones back from its own copies, where the rendezvous
+        gave it a rank it held copies of, else asks the engine that holds the newest of them (a
+        partner, or any other), into its memory. Whether every copy asked of it was sent."""
+        board = r.board("held")
         own = set(self.memory.held_steps()) if self.memory is not None else set()
         with self._lock:
             whole_at = own | {c.step for c in self._adopted}
-            kept = {str(o): self.copies.steps(o) for o in r.partners}
-            can = {str(o): self.copies.whole_steps(o, whole_at) for o in r.partners}
+            owners = {*self.copies.owners, *(c.index.rank for c in self._adopted)} - {r.rank}
+            kept = {o: self.copies.steps(o) for o in owners}
+            can = {o: self.copies.whole_steps(o, whole_at) for o in owners}
             for c in self._adopted:  # (whole: kept and given back alike)
-                if c.index.rank in r.partners:
+                if c.index.rank in owners:
                     for said in (kept, can):
-                        said[str(c.index.rank)] = sorted({*said[str(c.index.rank)], c.step}, reverse=True)
+                        said[c.index.rank] = sorted({*said[c.index.rank], c.step}, reverse=True)
             snapshots = self.copies is self._snapshot_copies
             mine = [] if self.memory is None or own else sorted({
                 *self.copies.whole_steps(r.rank, whole_at), *(c.step for c in self._adopted if c.index.rank == r.rank)})
         if mine:
             own = set(self._take_back_own(r, mine))
-        r.store.set(f"held-steps/{r.rank}", json.dumps({"own": sorted(own), "kept": kept, "whole": can}))
+        for o in owners:
+            board.post(f"for/{o}", {"kept": kept[o], "whole": can[o]})
+        if own:
+            board.post("own", {"steps": sorted(own)})
+        board.sync("said")
         want = {}
         if self.memory is not None and not own:
-            said = {p: json.loads(r.store.get(f"held-steps/{p}")) for p in r.partners}
-            held = [set(d["own"]) for d in said.values() if d["own"]]  # (the surviving partners' own steps)
-            offers = [(int(s), p) for p, d in said.items() for s in d["whole"].get(str(r.rank), [])
-                      if all(int(s) in h for h in held)]
+            said = board.read(f"for/{r.rank}", ("kept", "whole"))
+            held = [set(d["steps"]) for d in board.read("own", ("steps",))]  # (the surviving ranks' own steps)
+            offers = [(s, d["from"]) for d in said for s in d["whole"] if all(s in h for h in held)]
             if offers:
                 step, holder = max(offers)
                 want = {"holder": holder, "step": step}
-            elif copies := sorted({s for d in said.values() for s in d["kept"].get(str(r.rank), [])}):
-                log.warning(f"rank {r.rank}: its partners hold copies of its steps {_steps(copies)} in memory, but no "
-                            "longer their own state of those steps to complete them (they ran ahead); resuming from "
-                            "--dir")
-        self.log.emit(type="replica_exchange", rank=r.rank, holds=sorted(own), kept=kept, whole=can, wants=want)
-        self._trade(r, "want-held", want, give=lambda p, asked: self._give_back_held(r, p, int(asked["step"])),
-                    take=lambda want: self._take_back_held(r, want["holder"], want["step"]))
+            elif copies := sorted({s for d in said for s in d["kept"]}):
+                log.warning(f"rank {r.rank}: other engines hold copies of its steps {_steps(copies)} in memory, but "
+                            "no longer their own state of those steps to complete them (they ran ahead); resuming "
+                            "from --dir")
+        self.log.emit(type="replica_exchange", rank=r.rank, holds=sorted(own),
+                      kept={str(o): v for o, v in kept.items()}, whole={str(o): v for o, v in can.items()}, wants=want)
+        sent = self._trade(r, board, want, give=lambda p, asked: self._give_back_held(r, p, asked["step"]),
+                           take=lambda want: self._take_back_held(r, want["holder"], want["step"]), asks=("step",))
         with self._lock:  # (copies of its own rank, taken back or not, are of no use to this engine now)
             if snapshots and self.copies.owners.pop(r.rank, None) is not None:
                 memory_status.withdraw(self.store.root, r.rank, of=memory_status.HELD_COPIES)
+        return sent
 
     @contextlib.contextmanager
     def _own_state(self, step: int) -> Iterator[Callable[[str, memoryview], int] | None]:

@@ -86,6 +86,13 @@ class MemoryTier(Tier):
         if not any(k.startswith(f"{name}/rank-") for k in self.objects):
             self.delete([f"{name}/{MANIFEST}"])
 
+    def forget(self, owner: int) -> None:
+        """Let the copy held for `owner` go."""
+        held = self.owners.pop(owner, None)
+        if held is not None:
+            self.drop(owner, held[0])
+        self.thin.discard(owner)
+
     def part(self, owner: int) -> tuple[bytes, dict[str, bytes]] | None:
         """(manifest, files) of the copy held for `owner`, as `hold` takes them; None: none held."""
         if owner not in self.owners:

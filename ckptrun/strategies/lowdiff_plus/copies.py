@@ -258,6 +258,10 @@ class PartnerReplicas:
             raise CorruptCheckpoint(f"rank {owner}'s copy cannot stand at step {step} ({type(e).__name__}: "
                                     f"{e})") from e
 
+    def forget(self, owner: int) -> None:
+        with self.lock:
+            self._drop(owner)
+
     def _drop(self, owner: int) -> bool:
         """Let `owner`'s copy go (its arena closed); whether one was held."""
         c = self.owners.pop(owner, None)
