@@ -34,6 +34,7 @@ from conftest import (
     verify,
 )
 
+from ckptrun.errors import CkptrunError, CorruptCheckpoint
 from ckptrun.restore.export import export
 from ckptrun.restore.recovery import READ_AHEAD_RECORDS, diff_states, find, load_state
 from ckptrun.storage.store import Store, diff_name, full_name, rank_files
@@ -279,6 +280,24 @@ def test_a_device_without_room_to_replay_leaves_it_to_the_cpu(gpt_run, gpt_truth
     said = [line for line in capsys.readouterr().err.splitlines() if "no room to replay" in line]
     assert said == [f"ckptrun: warning: meta has no room to replay step {MID_BATCH} of rank 0; replayed on the "
                     "CPU, which may differ from the run's by rounding"], said
+
+
+def test_a_machine_without_memory_to_replay_says_so_not_that_the_records_are_damaged(gpt_run, monkeypatch):
+    """Host memory running out during replay (torch's allocator error, stood in for) is the
+    machine's shortage: one line saying so, not "its records do not fit together"."""
+    from ckptrun.restore import recovery
+
+    def no_memory(cls, info, state, device=None):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                           "memory: you tried to allocate 4096 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(recovery, "build_optimizer", no_memory)
+    store = Store(gpt_run("adamw"))
+    with pytest.raises(CkptrunError) as got:
+        load_state(store, find(store, MID_BATCH), 0)
+    assert not isinstance(got.value, CorruptCheckpoint)
+    assert str(got.value).startswith(f"not enough memory to replay step {MID_BATCH} of rank 0 (")
+    assert str(got.value).endswith("); free memory, or restore it where there is more")
 
 
 # ---- crash matrix -----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..errors import CorruptCheckpoint, StepNotAvailable, UsageError
+from ..errors import CkptrunError, CorruptCheckpoint, StepNotAvailable, UsageError
 from ..log import log
 from ..storage.layout import ReadBuffer
 from ..storage.schema import DiffStep, SavedOptimizer, StateSkeleton, problem, short
@@ -30,6 +30,7 @@ READ_AHEAD_BYTES = 256 << 20  # diff records read and checked ahead of replay (m
 # ... and at most this many records: reading faster than replay gains nothing from more, and each
 # record ahead is one more read buffer whose pages are faulted in before it can be reused
 READ_AHEAD_RECORDS = 2
+CPU_ALLOCATOR = "DefaultCPUAllocator"  # in the RuntimeError torch raises where host memory runs out
 
 
 @dataclass
@@ -495,7 +496,15 @@ def load_state(store: Store, plan: Plan, rank: int, classes: dict[str, type] | N
         return state
     try:
         return _replay_offline(store, plan, rank, state, optimizer_classes() if classes is None else classes)
-    except (AttributeError, KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+    except RuntimeError as e:
+        import torch
+
+        if isinstance(e, torch.OutOfMemoryError) or CPU_ALLOCATOR in str(e):  # the machine, not the records
+            raise CkptrunError(f"not enough memory to replay step {plan.step} of rank {rank} ({_one_line(e)}); "
+                               "free memory, or restore it where there is more") from None
+        raise CorruptCheckpoint(f"{plan.base.name}: replaying step {plan.step} failed: its records do not "
+                                f"fit together ({type(e).__name__}: {_one_line(e)})") from None
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError) as e:
         # The records pass their own checks but do not fit together (crafted or mixed runs).
         raise CorruptCheckpoint(f"{plan.base.name}: replaying step {plan.step} failed: its records do not "
                                 f"fit together ({type(e).__name__}: {_one_line(e)})") from None
