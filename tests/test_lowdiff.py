@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +259,22 @@ def test_long_chain_replays_exactly_through_reused_read_buffers(long_chain, gpt_
                if g.untyped_storage().nbytes() > g.nbytes}  # (the last record's are private copies)
     assert len(kept) == STEPS and len(buffers) == READ_AHEAD_RECORDS + 1 < len(plan.diffs) - 1
     assert_training_state(exported(long_chain, STEPS, tmp_path), gpt_truth("adamw", STEPS))
+
+
+def test_a_replay_stopped_early_stops_its_reader(long_chain):
+    """A consumer that stops after the first step (replay failed, to be retried on the CPU)
+    closes the records' generator: the reader thread, waiting with records queued ahead, ends
+    and lets go of its buffers instead of waiting for good."""
+    store = Store(long_chain)
+    before = set(threading.enumerate())
+    steps = diff_states(store, find(store, STEPS), 0)
+    next(steps)
+    time.sleep(1)  # (it reads two records ahead, then waits for a buffer the replay holds)
+    reader, = (t for t in set(threading.enumerate()) - before if t.name == "ckptrun-diff-reader")
+    assert reader.is_alive()
+    steps.close()
+    reader.join(30)
+    assert not reader.is_alive()
 
 
 def test_a_device_without_room_to_replay_leaves_it_to_the_cpu(gpt_run, gpt_truth, monkeypatch, capsys):

@@ -8,11 +8,12 @@ record is skipped with a warning and the newest good step before it is used.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from queue import Queue
+from queue import Empty, Queue
 from typing import Any
 
 from pydantic import ValidationError
@@ -441,42 +442,66 @@ def diff_states(store: Store, plan: Plan, rank: int, *, last: dict | None = None
     replayed): a record's buffer is read into again once its steps are replayed. Fresh buffers
     would fault in every page of every record (half the read time). Nothing replay does keeps a
     gradient past its step (the optimizer reads it; training itself accumulates into the same
-    gradient tensors step after step), so the reuse is safe."""
+    gradient tensors step after step), so the reuse is safe.
+
+    A consumer that stops early (replay failed: a device out of memory, retried on the CPU)
+    closes the generator: the reader thread then stops after the record it is reading, and lets
+    go of its buffers, rather than wait on a full queue for good."""
     per_record = max(1, max((m.bytes // m.world_size for m in plan.diffs), default=1))
     ahead = max(1, min(READ_AHEAD_RECORDS, READ_AHEAD_BYTES // per_record))
     q: Queue = Queue(maxsize=ahead)
     free: Queue = Queue()
     for _ in range(ahead + 1):
         free.put(ReadBuffer())
+    stop = threading.Event()  # the consumer stopped: the reader queues nothing more
 
     def read(m: Manifest) -> tuple[dict, ReadBuffer | None]:
         """A record's state and the buffer it was read into (to hand back once replayed)."""
         if m is plan.diffs[-1]:  # its post-step state finishes the restored state: its own storage
             return (last if last is not None else read_state(store, m, rank)), None
         buf = free.get()
+        if stop.is_set():
+            return {}, buf
         return read_state(store, m, rank, private=False, into=buf), buf
 
     def reader() -> None:
         try:
             for m in plan.diffs:
-                q.put(read(m))
+                if stop.is_set():
+                    return
+                got = read(m)
+                if stop.is_set():
+                    return
+                q.put(got)
         except BaseException as e:  # handed to the consumer, which re-raises it
-            q.put((e, None))
-        q.put((None, None))
+            if not stop.is_set():
+                q.put((e, None))
+            return
+        if not stop.is_set():
+            q.put((None, None))
 
     threading.Thread(target=reader, name="ckptrun-diff-reader", daemon=True).start()
-    while True:
-        item, buf = q.get()
-        if item is None:
-            return
-        if isinstance(item, BaseException):
-            raise item
-        for s in sorted(item["steps"], key=int):
-            if int(s) <= plan.step:
-                yield item["steps"][s]
-        del item
-        if buf is not None:
-            free.put(buf)
+    buf = None
+    try:
+        while True:
+            item, buf = q.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            for s in sorted(item["steps"], key=int):
+                if int(s) <= plan.step:
+                    yield item["steps"][s]
+            del item
+            if buf is not None:
+                free.put(buf)
+                buf = None
+    finally:
+        stop.set()  # (a reader waiting to queue a record, or for a buffer, goes on to see it)
+        with contextlib.suppress(Empty):
+            while True:
+                free.put(q.get_nowait()[1] or ReadBuffer())
+        free.put(buf or ReadBuffer())
 
 
 def finish_state(state: dict, last: dict) -> dict:
@@ -558,7 +583,8 @@ def _replay_on(device: Any, store: Store, plan: Plan, rank: int, state: dict, cl
 
     opt, params = build_optimizer(cls, info, state, device)
     orphans = state.get("extra", {}).get(orphans_key("optimizer"), {})
-    last = replay(opt, diff_states(store, plan, rank))
+    with contextlib.closing(diff_states(store, plan, rank)) as diffs:  # (its reader stops if replay fails)
+        last = replay(opt, diffs)
     params = [p.detach().cpu() for p in params]
     for p, aliases in zip(params, info["params"], strict=True):
         for model, key in aliases:
