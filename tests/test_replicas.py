@@ -685,3 +685,39 @@ def test_the_exchange_board_reads_what_is_posted_for_this_rank_checked_after_eve
     alone = Board(store, 0, 2, "records", timeout=0.5)
     with pytest.raises(RuntimeError):
         alone.sync("said")
+
+
+def test_a_copy_that_cannot_be_held_is_refused_in_one_line_and_the_next_one_is_held(tmp_path, monkeypatch, capsys):
+    """Whatever holding a partner's copy raises (an error nobody foresaw, stood in for), the copy
+    is refused in one line and the receiving thread goes on to the next copy, rather than end
+    silently with its partner still shipping."""
+    from ckptrun.engine.held_copies import cut
+    from ckptrun.engine.replicate import HELD, SHIP, THIN, Replicator
+    from ckptrun.ipc.events import EventLog
+
+    rep = Replicator(EventLog(tmp_path / "metrics", "engine-0"))
+    rep.store = Store(tmp_path)
+    wire = _Wire()
+    r = _round(wire)
+    r.rank, r.live = 0, {1}
+    rep.round = r
+    real = rep.copies.hold
+
+    def hold(owner, copy, damage=False):
+        if copy.step == 1:
+            raise ValueError("something unforeseen")
+        return real(owner, copy, damage)
+
+    monkeypatch.setattr(rep.copies, "hold", hold)
+    for step in (1, 2):
+        spec, slot = _held_step(step, rank=1)
+        copy = cut(1, spec, memoryview(slot))
+        r.send(0, SHIP, 1, copy.blobs(), HELD | THIN)
+    r.stop(0)
+    rep._recv_loop(r, 1)  # (returns at the STOP, after both copies)
+    assert rep.copies.steps(1) == [2]
+    said = [line for line in capsys.readouterr().err.splitlines() if "refused" in line]
+    assert said == ["ckptrun: rank 0: refused rank 1's copy (ValueError: something unforeseen); keeping "
+                    "what it holds"], said
+    rep.round = None
+    rep.close()

@@ -704,7 +704,9 @@ class Replicator:
 
     def _recv_loop(self, r: Round, src: int) -> None:
         """Hold each copy `src` ships, until it says STOP (it left the round) or its connection
-        breaks (it died: no more copies go to it either)."""
+        breaks (it died: no more copies go to it either). A copy that cannot be held, for
+        whatever reason, is refused in one line and the next one received: this thread never
+        ends silently while its partner goes on shipping."""
         while True:
             try:
                 got = r.recv(src, SHIP, on_manifest=self._die_if_asked)
@@ -719,7 +721,9 @@ class Replicator:
                 if owner != src:
                     raise CorruptCheckpoint(f"rank {src} sent a copy of rank {owner}")
                 (self._hold_copy if flags & HELD else self._hold_record)(r, owner, flags, blobs)
-            except CorruptCheckpoint as e:
+            except Exception as e:  # noqa: BLE001 - a partner's copy is untrusted input: any failure refuses it
+                if not isinstance(e, CorruptCheckpoint):
+                    e = CorruptCheckpoint(f"{type(e).__name__}: {_short(e)}")
                 log.warning(f"rank {r.rank}: refused rank {src}'s copy ({_short(e)}); keeping what it holds")
                 self.log.emit(type="replica_error", rank=r.rank, partner=src, error=_short(e))
 
