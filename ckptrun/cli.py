@@ -296,6 +296,7 @@ def run(
     from .memory_budget import node_budget
     from .storage.iowriter import ENGINES
     from .strategies import REGISTRY
+    from .tuning.levels import Layout
 
     configure(quiet=quiet)
     if every != "auto" and not every.lstrip("-").isdigit():
@@ -327,7 +328,7 @@ def run(
                     durable_endpoint=durable_endpoint, replicas=replicas, replica_jump=replica_jump,
                     node_local_dir=node_local_dir,
                     options={**options, **({"mtbf": mtbf_s} if mtbf_s else {}),
-                             "machine_loss_share": rates.machine_loss_share})
+                             "memory_lost_share": Layout(replicas, node_local_dir).memory_lost_share(rates)})
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf,
                          local_addr, master_addr, master_port, max_restarts, standalone,
                          term_timeout=_duration("--term-timeout", term_timeout))

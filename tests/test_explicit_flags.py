@@ -171,9 +171,9 @@ def _copy_to() -> None:
 
 
 def _hw_failure_share() -> None:
-    """auto: the share of machine losses the run's rates give (the launcher's `machine_loss_share`)."""
-    assert LowDiffPlus(_ctx(hw_failure_share="0.9", machine_loss_share=0.2)).persist.hw_share == 0.9
-    assert LowDiffPlus(_ctx(hw_failure_share="auto", machine_loss_share=0.2)).persist.hw_share == 0.2
+    """auto: the share of machine losses the run's rates give (the launcher's `memory_lost_share`)."""
+    assert LowDiffPlus(_ctx(hw_failure_share="0.9", memory_lost_share=0.2)).persist.hw_share == 0.9
+    assert LowDiffPlus(_ctx(hw_failure_share="auto", memory_lost_share=0.2)).persist.hw_share == 0.2
 
 
 EXPLICIT_WINS = {"full_every": _full_every, "batch": _batch, "persist_every": _persist_every,

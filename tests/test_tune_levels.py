@@ -61,7 +61,9 @@ def test_each_kind_resumes_from_the_fastest_tier_that_survives_it():
     kinds = {lay: [lp.kinds for lp in plan_levels(tiers, r, lay, 0.1).levels]
              for lay in (Layout(node_local_dir=True), Layout(replicas=2), Layout())}
     assert kinds[Layout(node_local_dir=True)] == [("process",), (), ("node", "job")]
-    assert kinds[Layout(replicas=2)] == kinds[Layout()] == [("process",), ("node",), ("job",)]
+    assert kinds[Layout()] == [("process",), ("node",), ("job",)]
+    # with --replicas a memory tier is copied to partners on other nodes: a lost node resumes there
+    assert kinds[Layout(replicas=2)] == [("process", "node"), (), ("job",)]
     # without a remote tier nothing survives a lost job (nor, with --dir lost with its node, a lost node)
     plan = plan_levels(tiers[:2], r, Layout(node_local_dir=True), 0.1)
     assert plan.uncovered == ("node", "job") and plan.uncovered_per_h == pytest.approx(1 / 5 + 1 / 50)
@@ -211,6 +213,25 @@ def test_tune_keeps_a_given_durable_every_and_plans_lowdiff_plus_two_local_tiers
     assert "  remote  --durable-every 9 (9 steps" in proc.stdout
 
 
+def test_tune_with_replicas_plans_lowdiff_plus_disk_for_the_failures_partners_do_not_survive(tmp_path, measured):
+    """--replicas 2: a lost node's replica comes back from its partners' memory, so the memory
+    tier takes node failures too and the replica's disk interval is planned for job failures
+    alone (a tenth of them by default, against half without replicas): written less often."""
+    every = {}
+    for replicas in ("1", "2"):
+        proc = cli(tmp_path, "tune", "--strategies", "lowdiff+", "--max-overhead", "99", "--replicas", replicas,
+                   "--json", f"t{replicas}.json", EXAMPLE)
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads((tmp_path / f"t{replicas}.json").read_text())
+        tiers = result["tiers"]["levels"]
+        every[replicas] = tiers[1]["every"]
+        assert [lp["kinds"] for lp in tiers] == ([["process"], ["node"]] if replicas == "1"
+                                                 else [["process", "node"], []])
+        said = " ".join(proc.stdout.split())
+        assert f"({50 if replicas == '1' else 10}% of failures lose the state in memory; the others resume" in said
+    assert every["2"] > 2 * every["1"]  # (Young's interval: sqrt(0.5 / 0.1) = 2.2 times longer)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--mtbf", "1h", "--mtbf-node", "30m"], "--mtbf-node fail more often than --mtbf"),
     (["--mtbf-job", "soon"], "--mtbf-job: invalid duration 'soon'"),
@@ -234,12 +255,16 @@ def test_the_run_takes_the_rates_and_refuses_contradicting_ones(tmp_path, monkey
     assert proc.returncode == 0, proc.stderr
     cfg = seen[0]
     assert (cfg.mtbf_kinds, cfg.node_local_dir, cfg.durable_every) == ({"process": 2 * H}, True, 12)
-    assert cfg.options["machine_loss_share"] == pytest.approx(0.5)  # lowdiff+'s --hw-failure-share auto
+    assert cfg.options["memory_lost_share"] == pytest.approx(0.5)  # lowdiff+'s --hw-failure-share auto
     proc = cli(tmp_path, "--mtbf-node", "2h", "--mtbf-job", "20h", "--max-steps", "1", EXAMPLE)
     assert proc.returncode == 0, proc.stderr
     cfg = seen[1]  # the kinds alone: every failure's MTBF for --every auto, the rest at its default share of 1h
     assert cfg.mtbf == pytest.approx(1 / (0.5 / H + 0.55 / H)) and cfg.options["mtbf"] == cfg.mtbf
-    assert cfg.options["machine_loss_share"] == pytest.approx(0.55 / 1.05)
+    assert cfg.options["memory_lost_share"] == pytest.approx(0.55 / 1.05)
+    proc = cli(tmp_path, "--strategy", "lowdiff+", "--nnodes", "2", "--replicas", "2", "--mtbf", "1h", "--max-steps",
+               "1", EXAMPLE)
+    assert proc.returncode == 0, proc.stderr
+    assert seen[2].options["memory_lost_share"] == pytest.approx(0.1)  # a lost node resumes from partners' memory
     proc = cli(tmp_path, "--mtbf", "1h", "--mtbf-process", "30m", EXAMPLE)
     assert proc.returncode == 2 and "--mtbf-process fail more often than --mtbf" in error_line(proc)
 

@@ -148,4 +148,4 @@ def memory_first_policy(ctx: StrategyContext) -> PersistInterval | None:
     if ctx.options.get("persist_every") is None:
         return None
     return ctx.policy(PersistInterval(SNAPSHOT_PERSIST_EVERY.integer(ctx.options),
-                                      ctx.options.get("machine_loss_share", HW_SHARE)))
+                                      ctx.options.get("memory_lost_share", HW_SHARE)))

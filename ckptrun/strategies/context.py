@@ -83,8 +83,8 @@ class StrategyContext(ABC):
     @abstractmethod
     def options(self) -> dict[str, Any]:
         """This strategy's option values as given (strings or None; ckptrun/strategies/options.py),
-        plus `mtbf` in seconds when --mtbf was given and `machine_loss_share`, the share of
-        failures that lose the machine (node and job failures, tuning/levels.py)."""
+        plus `mtbf` in seconds when --mtbf was given and `memory_lost_share`, the share of
+        failures that no engine's memory survives (`Layout.memory_lost_share`, tuning/levels.py)."""
 
     @property
     @abstractmethod

@@ -55,11 +55,6 @@ class FailureRates:
     def total(self) -> float:
         return self.process + self.node + self.job
 
-    @property
-    def machine_loss_share(self) -> float:
-        """The share of failures that lose the machine with its memory (node and job ones)."""
-        return (self.node + self.job) / self.total
-
 
 def failure_rates(mtbf_s: float, given: dict[str, float], *, mtbf_given: bool = True, source: str = "--mtbf",
                   shares: dict[str, float] | None = None) -> FailureRates:
@@ -117,12 +112,21 @@ class Layout:
     node_local_dir: bool = False
 
     def survives(self, tier: str) -> tuple[str, ...]:
-        """The kinds of failure after which `tier` still holds its steps."""
+        """The kinds of failure after which `tier` still holds its steps (the memory tier of a
+        strategy that has one is copied to partners with --replicas > 1)."""
         if tier == "memory":
-            return ("process",)
+            return ("process", "node") if self.replicas > 1 else ("process",)
         if tier == "disk":
             return ("process", "node") if self.replicas > 1 or not self.node_local_dir else ("process",)
         return KINDS
+
+    def memory_lost_share(self, rates: FailureRates) -> float:
+        """The share of failures after which no engine's memory holds the step: node and job
+        ones, or with --replicas > 1 job ones only (a lost node's state comes back from its
+        partners' memory). The disk tier of a memory-first run (`--persist-every auto`) is
+        planned for these; job failures count too, as a job lost with its --dir intact resumes
+        from it."""
+        return (rates.job + (0.0 if self.replicas > 1 else rates.node)) / rates.total
 
 
 @dataclass(frozen=True)

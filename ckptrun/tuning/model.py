@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .intervals import expected_lost_work_s, expected_waste
-from .levels import FailureRates, Level
+from .levels import FailureRates, Layout, Level
 from .profile import Costs, StrategyCosts
 
 __all__ = ["Inputs", "Prediction", "StrategyPlan", "TuningModel", "predict", "settings_flags"]
@@ -55,6 +55,7 @@ class Inputs:
     mtbf_s: float  # of all failures: 1 / rates.total
     budget: float  # the overhead budget, a fraction
     rates: FailureRates  # per kind of failure (levels.py)
+    layout: Layout = Layout()  # where a lost node's state comes back from (--replicas, --node-local-dir)
 
 
 def predict(interval_s: float, delta_s: float, lag_s: float, mtbf_s: float, load_s: float) -> Prediction:

@@ -105,13 +105,13 @@ def _reason(best: StrategyPlan, others: list[StrategyPlan], budget: float, mtbf_
             f"{format_duration(p.lost_work_s)} of work lost per failure at MTBF {format_duration(mtbf_s)}{tail}")
 
 
-def make_plan(profile: Profile, rates: FailureRates, budget: float) -> Plan:
+def make_plan(profile: Profile, rates: FailureRates, budget: float, layout: Layout = Layout()) -> Plan:
     """Settings and predictions for every profiled strategy against all failures (1 /
-    rates.total), and the recommended one."""
+    rates.total), and the recommended one; `layout` says which failures a memory tier survives."""
     costs = profile.costs
     measured = {sc.name: sc for sc in profile.strategies}
     mtbf_s = 1.0 / rates.total
-    inputs = Inputs(costs, measured, mtbf_s, budget, rates)
+    inputs = Inputs(costs, measured, mtbf_s, budget, rates, layout)
     models: dict[str, TuningModel] = {name: entry.load_tuning() for name, entry in REGISTRY.items() if entry.tuning}
     answers = {name: model.evaluate(inputs) for name, model in models.items()}
     notes = [line for name, model in models.items() if (line := model.report(answers[name]))]

@@ -44,5 +44,5 @@ def tune(script: str, args: list[str], *, strategies: list[str], profile_steps: 
     if not Path(script).is_file():
         raise UsageError(f"script {script!r} not found; give the path of a Python training script")
     prof = profile(script, args, strategies, profile_steps, ckpt_dir, 1.0 / rates.total, progress, repeat_budget_s)
-    plan = make_plan(prof, rates, max_overhead)
+    plan = make_plan(prof, rates, max_overhead, layout)
     return TuneResult(prof, plan, tier_plan(prof, plan, layout, upload_Bps, durable_every))

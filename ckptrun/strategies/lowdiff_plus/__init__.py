@@ -10,7 +10,8 @@ from ..options import Option
 HW_FAILURE_SHARE = Option(
     "hw_failure_share", "auto",
     "share of failures that lose the machine and the engine's replica with it (the rest resume from memory); "
-    "sets --persist-every auto. auto: node and job failures among all (--mtbf-KIND; 0.5 by default).",
+    "sets --persist-every auto. auto: node and job failures among all (--mtbf-KIND; 0.5 by default), job "
+    "failures only with --replicas > 1 (a lost node's replica comes back from its partners).",
     fraction=True)
 REBASE_EVERY = Option(
     "rebase_every", "auto",

@@ -52,7 +52,7 @@ class LowDiffPlus(Strategy):
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         opts = ctx.options
-        hw_share = HW_FAILURE_SHARE.share(opts) or opts.get("machine_loss_share", HW_SHARE)
+        hw_share = HW_FAILURE_SHARE.share(opts) or opts.get("memory_lost_share", HW_SHARE)
         self.persist = ctx.policy(PersistInterval(REPLICA_PERSIST_EVERY.integer(opts), hw_share))
         self.rebase_every = REBASE_EVERY.integer(opts)  # None: auto
         self.params: list[torch.Tensor] = []

@@ -14,7 +14,7 @@ from ..memory_first.model import persist_every, waste
 class LowDiffPlusTuning(TuningModel):
     def settle(self, sp: StrategyPlan, sc: StrategyCosts, inputs: Inputs, answer: None) -> StrategyPlan:
         costs, mtbf_s, rates = inputs.costs, inputs.mtbf_s, inputs.rates
-        hw_share = rates.machine_loss_share
+        hw_share = inputs.layout.memory_lost_share(rates)
         every, why = persist_every(sc.persist_s, costs.step_s, mtbf_s, hw_share)
         lost, wasted = waste(sc.delta_s, sc.persist_s, costs.step_s, every, mtbf_s, costs.load_s, hw_share)
         return replace(sp, settings={"persist_every": every},

@@ -24,7 +24,7 @@ def persist_every(persist_s: float, step_s: float, mtbf_s: float, hw_share: floa
     beside training, `intervals.tier_interval_steps`)."""
     m_hw = mtbf_s / max(hw_share, MIN_SHARE)
     every, why = tier_interval_steps(persist_s, persist_s, step_s, m_hw)
-    return every, f"{why} ({hw_share:.0%} of failures lose the machine; the others resume from memory)"
+    return every, f"{why} ({hw_share:.0%} of failures lose the state in memory; the others resume from it)"
 
 
 def waste(delta_s: float, persist_s: float, step_s: float, every: int, mtbf_s: float, load_s: float,
