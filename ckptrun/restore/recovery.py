@@ -521,18 +521,21 @@ def load_state(store: Store, plan: Plan, rank: int, classes: dict[str, type] | N
         return state
     try:
         return _replay_offline(store, plan, rank, state, optimizer_classes() if classes is None else classes)
-    except RuntimeError as e:
-        import torch
-
-        if isinstance(e, torch.OutOfMemoryError) or CPU_ALLOCATOR in str(e):  # the machine, not the records
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        if _out_of_memory(e):  # the machine, not the records
             raise CkptrunError(f"not enough memory to replay step {plan.step} of rank {rank} ({_one_line(e)}); "
                                "free memory, or restore it where there is more") from None
-        raise CorruptCheckpoint(f"{plan.base.name}: replaying step {plan.step} failed: its records do not "
-                                f"fit together ({type(e).__name__}: {_one_line(e)})") from None
-    except (AttributeError, KeyError, IndexError, TypeError, ValueError) as e:
         # The records pass their own checks but do not fit together (crafted or mixed runs).
         raise CorruptCheckpoint(f"{plan.base.name}: replaying step {plan.step} failed: its records do not "
                                 f"fit together ({type(e).__name__}: {_one_line(e)})") from None
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """A device's or the host's memory ran out (torch says so by type on a device, by its
+    allocator's name in a RuntimeError on the CPU)."""
+    import torch
+
+    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and CPU_ALLOCATOR in str(e))
 
 
 def _one_line(e: BaseException) -> str:
