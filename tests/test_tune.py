@@ -56,11 +56,16 @@ def test_tune_tiny_example_within_a_minute_writes_a_recipe_that_runs(tmp_path):
     assert plan["mtbf_s"] == pytest.approx(7200.0) and "failures.log" in plan["mtbf_source"]
     for key in ("step_s", "ckpt_bytes", "diff_bytes", "write_Bps", "load_s", "replay_s"):
         assert costs[key] > 0, key
-    assert [s["name"] for s in plan["strategies"]] == ["sync", "checkfreq"]
+    # checkfreq with its memory-first row (--persist-every: every step held, every P-th written)
+    assert [(s["name"], s["variant"]) for s in plan["strategies"]] == [
+        ("sync", ""), ("checkfreq", ""), ("checkfreq", "persist")]
     for s in plan["strategies"]:
         assert s["young_s"] == pytest.approx(young_interval(s["delta_s"], 7200.0))
         assert s["daly_s"] == pytest.approx(daly_interval(s["delta_s"], 7200.0))
-        assert s["settings"]["every"] == max(s["daly_steps"], s["checkfreq_min_steps"], s["budget_min_steps"])
+        if s["variant"]:
+            assert list(s["settings"]) == ["persist_every"] and s["settings"]["persist_every"] >= 1
+        else:
+            assert s["settings"]["every"] == max(s["daly_steps"], s["checkfreq_min_steps"], s["budget_min_steps"])
         assert 0 < s["prediction"]["waste"] < 1
     lowdiff = plan["models"]["lowdiff"]  # every registered model is evaluated, its strategy profiled or not
     assert lowdiff["agrees"] and tuple(lowdiff["numeric"]) == (lowdiff["full_every"], lowdiff["batch"])

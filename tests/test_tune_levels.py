@@ -314,3 +314,33 @@ def test_a_failure_log_with_kinds_splits_its_mtbf_as_logged_and_a_flag_still_win
     (tmp_path / "f.log").write_text("2024-05-01T00:00:00Z gpu\n2024-05-01T02:00:00Z\n")
     proc = cli(tmp_path, "tune", "--failure-log", "f.log", EXAMPLE)
     assert proc.returncode == 2 and "optionally followed by a kind: process, node, job" in error_line(proc)
+
+
+def test_tune_gives_checkfreq_a_memory_first_row_and_its_tiers():
+    """checkfreq, which holds its snapshots in memory given --persist-every, gets a second row
+    (checkfreq-persist), planned from the same measured costs by the memory tier's model (lowdiff+'s
+    replica's too): the trainer pays its checkpoint cost every step, the disk is written every
+    P; recommended, its tiers are memory every step and disk every P, a lost node resuming from
+    the memory tier with --replicas 2."""
+    from dataclasses import replace
+
+    from ckptrun.strategies.memory_first.model import persist_every, waste
+    from ckptrun.tuning.plan import make_plan, tier_plan
+
+    measured = [StrategyCosts(name, 0.06, delta, delta, Slowdown(0.0, 0.0, 0.0, 0.001, 1), 0.0, 0.2, 3)
+                for name, delta in (("checkfreq", 0.004), ("lowdiff", 0.003))]
+    prof = Profile("train.py", [], "ck", 8, COSTS, measured)
+    r, layout = failure_rates(2 * H, {}), Layout(replicas=2)
+    plan = make_plan(prof, r, 0.05, layout)
+    assert [s.row for s in plan.strategies] == ["checkfreq", "checkfreq-persist", "lowdiff"]
+    held = plan.strategies[1]
+    share = layout.memory_lost_share(r)
+    every = persist_every(0.2, COSTS.step_s, 2 * H, share)[0]
+    lost, wasted = waste(0.004, 0.2, COSTS.step_s, every, 2 * H, COSTS.load_s, share)
+    assert held.settings == {"persist_every": every} and share == pytest.approx(0.1)
+    assert (held.prediction.overhead, held.prediction.lost_work_s, held.prediction.waste) == pytest.approx(
+        (0.004 / COSTS.step_s, lost, wasted))
+    assert "--persist-every auto takes it from the same flags" in held.rule
+    tiers = tier_plan(prof, replace(plan, recommended="checkfreq-persist"), layout, 0.0, None)
+    assert [(lp.level.tier, lp.level.flag, lp.kinds, lp.every) for lp in tiers.levels] == [
+        ("memory", "every step", ("process", "node"), 1), ("disk", f"--persist-every {every}", (), every)]

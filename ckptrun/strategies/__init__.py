@@ -57,12 +57,19 @@ class Entry:
     # partner's copy of a rank's part of the newest one brings a replaced node back. One that does
     # not is refused.
     replicas: bool = False
+    # `ckptrun tune`: (SUFFIX, "module:MODEL") rows of this strategy with other settings, each
+    # planned by its own TuningModel from the same measured costs (row NAME-SUFFIX).
+    tuning_variants: tuple[tuple[str, str], ...] = ()
 
     def load(self):
         return _attr(self.trainer)
 
     def load_tuning(self):
         return _attr(self.tuning)
+
+    def load_tuning_variants(self) -> dict:
+        """{suffix: TuningModel} of `tuning_variants`."""
+        return {suffix: _attr(path) for suffix, path in self.tuning_variants}
 
     def honour_every(self, options: dict, every: int) -> dict:
         """`options` with an explicit --every N mapped onto this strategy's intervals (see
@@ -95,6 +102,7 @@ BUILTIN: dict[str, Entry] = {
                        "snapshot to host overlapped with the next forward/backward; persist in the engine",
                        sharded=True, write_once=True, replicas=True, options=(memory_first.SNAPSHOT_PERSIST_EVERY,),
                        explicit_every="ckptrun.strategies.memory_first:snapshot_every",
+                       tuning_variants=(memory_first.TUNED_VARIANT,),
                        intervals="one: a snapshot every N steps, persisted in the background. With "
                                  "--persist-every P: a snapshot every step held in the engine's memory, "
                                  "written every P (P must divide N)."),
@@ -111,7 +119,7 @@ BUILTIN: dict[str, Entry] = {
                       "crash resumes from it (no disk read); the replica is persisted every P steps",
                       engine_handler="ckptrun.strategies.lowdiff_plus.engine:LowDiffPlusHandler",
                       options=lowdiff_plus.OPTIONS, short_run_flags=("--persist-every", "1"),
-                      tuning="ckptrun.strategies.lowdiff_plus.tuning:MODEL", write_once=True, replicas=True,
+                      tuning="ckptrun.strategies.memory_first.tuning:REPLICA", write_once=True, replicas=True,
                       explicit_every="ckptrun.strategies.memory_first:replica_every",
                       intervals="in memory every step; the replica persisted every --persist-every P: --every N "
                                 "sets P = N (a given P must divide N); without --every, P is auto."),

@@ -44,6 +44,12 @@ class StrategyPlan:
     settings: dict[str, Any]  # run options, as in a recipe
     rule: str  # what decided the settings
     prediction: Prediction
+    variant: str = ""  # a row of the strategy with other settings (its entry's `tuning_variants`)
+
+    @property
+    def row(self) -> str:
+        """The row's name in the report: NAME, or NAME-VARIANT."""
+        return f"{self.name}-{self.variant}" if self.variant else self.name
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ become durable (a failure during it loses the previous interval too); wasted-tim
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import UsageError
@@ -54,8 +54,12 @@ class Plan:
     strategies: list[StrategyPlan]
     models: dict[str, Any]  # strategy -> its tuning model's answer (TuningModel.evaluate)
     notes: list[str]  # the models' lines for the report, in registry order
-    recommended: str
+    recommended: str  # its row (StrategyPlan.row)
     reason: str
+
+    def best(self) -> StrategyPlan:
+        """The recommended row."""
+        return next(s for s in self.strategies if s.row == self.recommended)
 
 
 def parse_percent(text: str) -> float:
@@ -95,7 +99,7 @@ def _reason(best: StrategyPlan, others: list[StrategyPlan], budget: float, mtbf_
             measured: StrategyCosts | None = None) -> str:
     p = best.prediction
     runner_up = min(others, key=lambda s: s.prediction.waste, default=None)
-    vs = f" (next: {runner_up.name} {runner_up.prediction.waste:.2%})" if runner_up else ""
+    vs = f" (next: {runner_up.row} {runner_up.prediction.waste:.2%})" if runner_up else ""
     tail = "" if fits else "; no strategy meets the overhead budget, so this is the least wasteful one"
     if measured is not None and not measured.slowdown.resolved:
         tail += (f"; its slowdown against no checkpointing is within noise ({measured.slowdown.text()}), so its "
@@ -117,22 +121,26 @@ def make_plan(profile: Profile, rates: FailureRates, budget: float, layout: Layo
     notes = [line for name, model in models.items() if (line := model.report(answers[name]))]
     plans = []
     for sc in profile.strategies:
-        sp = _interval_plan(sc, costs, mtbf_s, budget)
-        if sc.name in models:  # the strategy's own model decides its settings
-            sp = models[sc.name].settle(sp, sc, inputs, answers[sc.name])
-        plans.append(sp)
+        interval = _interval_plan(sc, costs, mtbf_s, budget)
+        # the strategy's own model decides its settings
+        plans.append(models[sc.name].settle(interval, sc, inputs, answers[sc.name]) if sc.name in models else interval)
+        for suffix, model in REGISTRY[sc.name].load_tuning_variants().items():
+            plans.append(model.settle(replace(interval, variant=suffix), sc, inputs, None))
     fitting = [p for p in plans if p.prediction.overhead <= budget]
     best = min(fitting or plans, key=lambda p: p.prediction.waste)
     reason = _reason(best, [p for p in plans if p is not best], budget, mtbf_s, bool(fitting), measured.get(best.name))
-    return Plan(mtbf_s, rates.source, rates, budget, plans, answers, notes, best.name, reason)
+    return Plan(mtbf_s, rates.source, rates, budget, plans, answers, notes, best.row, reason)
 
 
 def tier_plan(profile: Profile, plan: Plan, layout: Layout, upload_Bps: float, durable_every: int | None) -> LevelsPlan:
     """The recommended strategy's tiers (module docstring); the remote one only with `upload_Bps`."""
     costs = profile.costs
-    best = next(s for s in plan.strategies if s.name == plan.recommended)
+    best = plan.best()
     entry = REGISTRY[best.name]
-    model = entry.load_tuning() if entry.tuning else TuningModel()
+    if best.variant:
+        model = entry.load_tuning_variants()[best.variant]
+    else:
+        model = entry.load_tuning() if entry.tuning else TuningModel()
     levels = model.levels(best, next(s for s in profile.strategies if s.name == best.name), costs)
     if upload_Bps:
         up = max(costs.ckpt_bytes / upload_Bps, 1e-3)  # the download back is taken as long

@@ -112,7 +112,7 @@ def print_report(console: Console, result: TuneResult) -> None:
     rows = []
     for sp in plan.strategies:
         p = sp.prediction
-        name = Text(f"→ {sp.name}", style="bold") if sp.name == plan.recommended else sp.name
+        name = Text(f"→ {sp.row}", style="bold") if sp.row == plan.recommended else sp.row
         rows.append((name, format_duration(sp.delta_s), _slowdown(measured.get(sp.name)),
                      format_duration(sp.persist_s), f"{format_duration(sp.young_s)} = {sp.young_steps}",
                      f"{format_duration(sp.daly_s)} = {sp.daly_steps}", str(sp.checkfreq_min_steps),
@@ -132,7 +132,7 @@ def print_report(console: Console, result: TuneResult) -> None:
 def to_json(result: TuneResult) -> dict[str, Any]:
     """Every measurement, setting and prediction (seconds, bytes, fractions)."""
     plan = asdict(result.plan)
-    best = next(s for s in result.plan.strategies if s.name == result.plan.recommended)
+    best = result.plan.best()
     return {"profile": asdict(result.profile), "plan": plan, "tiers": asdict(result.tiers),
             "recommendation": {"strategy": best.name, "settings": best.settings, "reason": result.plan.reason}}
 
@@ -149,7 +149,7 @@ def _rate_options(rates: FailureRates, mtbf_s: float) -> dict[str, str]:
 def write_recipe(path: Path, result: TuneResult) -> None:
     """A recipe that `ckptrun --recipe PATH SCRIPT` runs as is, its provenance in comments."""
     prof, plan = result.profile, result.plan
-    best = next(s for s in plan.strategies if s.name == plan.recommended)
+    best = plan.best()
     command = shlex.join([prof.script, *prof.args])
     header = [
         f"# Written by `ckptrun tune` on {time.strftime('%Y-%m-%d %H:%M')} for: {command}",

@@ -22,6 +22,11 @@ SNAPSHOT_PERSIST_EVERY = Option(
     ints=(1, 10**9))
 
 
+# `ckptrun tune`'s row of checkfreq given --persist-every (Entry.tuning_variants): its measured
+# checkpoint cost is the snapshot a held step costs every step. sync's is its blocking write, which
+# with --persist-every it pays only every P steps, so no row of sync's is planned from it.
+TUNED_VARIANT = ("persist", "ckptrun.strategies.memory_first.tuning:SNAPSHOT")
+
 HELD_WHY = (" and, with --replicas, the one before (a partner's copy of a lost node's newest step may not "
             "have left it)")
 
