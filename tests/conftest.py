@@ -121,6 +121,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "full: opt-in (a slow mode's registry-wide repeat); run only under --full")
     config.addinivalue_line("markers", "cuda: exercises a CUDA path (pytest -m cuda; skipped, saying so, without "
                                        "a GPU); scripts/gpu-check runs them on a device")
+    config.addinivalue_line("markers", "timed: reads the device's own timeline, so it runs alone on the GPU "
+                                       "(scripts/gpu-check runs the other CUDA tests four at a time)")
     # pytest-xdist hands out files by their number of tests unless told not to: keep the order
     # of the collection (LONGEST_FIRST).
     if hasattr(config.option, "loadscopereorder"):

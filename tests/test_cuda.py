@@ -128,6 +128,7 @@ def test_a_refused_page_lock_leaves_the_thread_usable(slots_dir):
 
 # ---- side-stream copies: overlap, and the update waits ---------------------------------------
 @needs_cuda
+@pytest.mark.timed  # another process's kernels on the GPU would take the compute time it measures
 def test_copy_overlaps_the_next_forward_backward(slots_dir, tmp_path, monkeypatch):
     """checkfreq copies step t's 1 GB of parameters and momentum on a side stream while the
     forward/backward of step t+1 runs on the training stream: read from the device's own

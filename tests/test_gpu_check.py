@@ -16,7 +16,7 @@ from ckptrun.strategies import REGISTRY
 sys.path.insert(0, str(REPO / "scripts"))
 from gpucheck import execute, plan  # noqa: E402
 
-ORDER = ["device", "install", "cuda-tests", "crash-matrix", "bench-every-10", "bench-every-1"]
+ORDER = ["device", "install", "cuda-timed", "cuda-tests", "crash-matrix", "bench-every-10", "bench-every-1"]
 METHODS = ",".join(["none", "torch.save", "dcp-thread", "dcp-process", *REGISTRY])  # references first
 
 
@@ -39,7 +39,8 @@ def test_dry_run_lists_every_part_in_order_within_seven_minutes():
     parts, flat = dry_run()
     assert [name for name, _ in parts] == ORDER
     assert sum(budget for _, budget in parts) <= 7 * 60
-    assert "CKPTRUN_TEST_DEVICE=cuda" in flat and "-mcudatests/test_cuda.py" in flat
+    assert "CKPTRUN_TEST_DEVICE=cuda" in flat
+    assert "-m'cudaandtimed'tests/test_cuda.py" in flat and "-m'cudaandnottimed'tests/test_cuda.py" in flat
     for every in (10, 1):
         assert f"bench--devicecuda--modellarge--strategies{METHODS}--every{every}--steps" in flat
     assert "-mgpucheck.install" in flat and "gpucheck.install--cpu" not in flat
