@@ -1,6 +1,7 @@
 """nanoGPT-style script: it is distributed when RANK is set, and then asks for NCCL and a GPU;
 otherwise it trains on the CPU. A tiny character model, AdamW, a cosine lr set by hand every
-iteration, gradient clipping, dropout from the global RNG. Runs under plain python and under
+iteration, gradient clipping, dropout from the global RNG; `--compile BACKEND` wraps the model in
+torch.compile, as nanoGPT does by default. Runs under plain python and under
 ckptrun (resuming where `ckptrun.resume_step()` says); `--env-out F` writes the environment the
 script sees as JSON."""
 
@@ -41,6 +42,7 @@ def main() -> None:
     p.add_argument("--save-at", type=int, default=0)
     p.add_argument("--save-path", default="")
     p.add_argument("--env-out", default="")
+    p.add_argument("--compile", default="", help="torch.compile the model with this backend, as nanoGPT does")
     args = p.parse_args()
     if args.env_out:
         with open(args.env_out, "w") as f:
@@ -57,6 +59,8 @@ def main() -> None:
     torch.manual_seed(1337)
     vocab = 16
     model = Bigram(vocab, 32).to(device)
+    if args.compile:
+        model = torch.compile(model, backend=args.compile)
     optimizer = torch.optim.AdamW(model.parameters(), lr=get_lr(0, args.steps), weight_decay=0.1)
     iter_num = ckptrun.resume_step() if ckptrun else 0
     while iter_num < args.steps:
