@@ -1,6 +1,7 @@
 """Leftovers after kills (issue 10, item 11). A SIGKILL of a run's whole tree leaves its staging
 files (shared memory) and temporary folder behind; the next run removes them, and never a live
-run's. A SIGKILL of the launcher alone ends its engines, which remove their staging files."""
+run's. A SIGKILL of the launcher alone ends its engines, which remove their staging files. What a
+dead worker started ends with it (tests/test_scripts.py runs it with a DataLoader's forkserver)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -19,6 +21,7 @@ from conftest import EXAMPLE, TINY, ckptrun, kill_tree, ok, spawn
 
 from ckptrun.config import RunConfig
 from ckptrun.ipc.staging import shm_root
+from ckptrun.launcher.worker_groups import end_groups
 from ckptrun.storage.leftovers import Owner, new_tag, owned, run_name, staging_path, sweep_stale
 from ckptrun.storage.store import Store
 
@@ -170,3 +173,23 @@ def test_an_engine_socket_under_a_long_temporary_folder_takes_an_abstract_name()
     short, long = RunConfig(engine_dir="/tmp/ckptrun-x"), RunConfig(engine_dir="/tmp/" + "d" * 90 + "/ckptrun-x")
     assert short.engine_address(0) == "/tmp/ckptrun-x/engine-0.sock"
     assert long.engine_address(1) == "\0ckptrun-x-engine-1"
+
+
+def test_what_a_dead_worker_left_in_its_group_is_ended_a_process_ignoring_sigterm_killed():
+    """A worker in a session of its own (as torch elastic starts one) starts a child that
+    ignores SIGTERM and one that does not, and dies: both go, the first after the grace period."""
+    code = ("import os, signal, subprocess, sys, time\n"
+            "stubborn = 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'\n"
+            "kids = [subprocess.Popen([sys.executable, '-c', c]) for c in (stubborn, 'import time; time.sleep(600)')]\n"
+            "print(*[k.pid for k in kids], flush=True)\n"
+            "time.sleep(0.5)\n"  # (the stubborn one has its handler)
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    worker = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    kids = [psutil.Process(int(p)) for p in worker.stdout.readline().split()]
+    worker.wait()
+    assert all(k.is_running() for k in kids)
+    t0 = time.monotonic()
+    end_groups([worker.pid, os.getpgrp()], grace_s=1.0)  # (its own group: never signalled)
+    _, alive = psutil.wait_procs(kids, timeout=5)
+    assert not alive, alive
+    assert 1.0 <= time.monotonic() - t0 < 5

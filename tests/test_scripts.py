@@ -3,16 +3,21 @@ and restarted, end bit-identical to an uninterrupted plain-python run."""
 
 from __future__ import annotations
 
+import psutil
 import pytest
 from conftest import (
+    FULL,
     SCRIPTS,
     STEPS,
     assert_training_state,
     ckptrun,
     error_line,
     load,
+    ok,
+    python,
     restore,
     resumed_beside_plain,
+    run_events,
     strategy_params,
 )
 
@@ -84,3 +89,27 @@ def test_compiled_model_resumes_exactly_and_restores_under_the_plain_keys(strate
     assert_training_state(_unwrapped(load(managed / "resumed.pt")), truth)
     restored, _ = restore(tmp_path, managed / "ckpts", STEPS)
     assert_training_state(restored, truth)
+
+
+@pytest.mark.parametrize("start_method", [pytest.param("fork", marks=FULL), pytest.param("spawn", marks=FULL),
+                                          "forkserver"])
+def test_dataloader_workers_resume_exactly_and_none_outlives_the_killed_worker(start_method, tmp_path):
+    """Batches from a DataLoader with two worker processes, the worker killed at step 7: the run
+    resumes bit-exact, and no loader worker of the killed one is left. With forkserver the loader
+    workers' parent is the forkserver, which outlived the killed worker (torch elastic signals
+    only a live worker's process group): they ran on, holding the launcher's output open, and
+    this run never ended."""
+    args = ["--steps", STEPS, "--start-method", start_method, "--save-at", STEPS, "--save-path"]
+    plain, managed = tmp_path / "plain", tmp_path / "ckptrun"
+    plain.mkdir()
+    managed.mkdir()
+    script = SCRIPTS / "dataloader_workers.py"
+    python(plain, script, *args, "truth.pt")
+    ok(ckptrun(managed, "--strategy", "checkfreq", "--dir", "ckpts", "--max-restarts", "1", "--metrics-dir",
+               "metrics", script, *args, "resumed.pt", fault="kill:step=7"))
+    assert [e["restart_count"] for e in run_events(managed / "metrics")] == [0, 1], "the fault did not fire"
+    assert_training_state(load(managed / "resumed.pt"), load(plain / "truth.pt"))
+    pids = [int(line) for line in (managed / "loader-pids.txt").read_text().split()]
+    assert len(pids) >= 4, pids  # two per epoch's loader, before and after the restart
+    left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"loader workers still running after the run: {left}"

@@ -226,8 +226,10 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
     from .console.hostmetrics import HostSampler
     from .console.worker_logs import WorkerLogTailer, torchrun_args
     from .rdzv_names import install as cheap_rdzv_names
+    from .worker_groups import install as end_dead_workers_groups
 
     cheap_rdzv_names()
+    end_dead_workers_groups()
     # The agent's own warnings on a signal ("Received 15 death signal", "Sending process ... closing
     # signal") restate what ckptrun reports in one line.
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
