@@ -113,3 +113,14 @@ def test_dataloader_workers_resume_exactly_and_none_outlives_the_killed_worker(s
     assert len(pids) >= 4, pids  # two per epoch's loader, before and after the restart
     left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not left, f"loader workers still running after the run: {left}"
+
+
+def test_a_step_a_grad_scaler_skips_is_named_once(tmp_path):
+    """ckptrun counts optimizer steps; a GradScaler's skipped step (inf gradients) makes a loop
+    counting from resume_step() run ahead, which a resume cannot make exact (README): each
+    worker says so once, naming the step, and the run goes on."""
+    proc = ok(ckptrun(tmp_path, "--strategy", "checkfreq", "--dir", "ckpts", SCRIPTS / "scaler_skip.py",
+                      "--inf-at", "4", "--steps", STEPS))
+    said = [line for line in proc.stderr.splitlines() if "GradScaler skipped" in line]
+    assert len(said) == 1 and "after step 4 " in said[0], proc.stderr[-2000:]
+    assert Store(tmp_path / "ckpts").manifests()[-1].step == int(STEPS) - 1  # one of the 12 iterations skipped

@@ -147,6 +147,25 @@ def _route_clipping(strategy: Any) -> None:
     torch.amp.GradScaler._unscale_grads_ = unscale_grads
 
 
+def _watch_skipped_steps(rt: Any) -> None:
+    """A GradScaler that finds inf/NaN gradients skips the optimizer's step: the runtime hears of
+    it (`skipped_step`), since no optimizer hook fires."""
+    orig = torch.amp.GradScaler.step
+    if getattr(orig, _MARK, False):
+        return
+
+    @functools.wraps(orig)
+    def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        before = rt.step
+        out = orig(scaler, optimizer, *args, **kwargs)
+        if optimizer is rt.state.primary and rt.step == before and scaler.is_enabled():
+            rt.skipped_step()
+        return out
+
+    setattr(step, _MARK, True)
+    torch.amp.GradScaler.step = step
+
+
 def install(rt: Any) -> None:
     if rt.world_size > 1 and torch.distributed.is_available():
         from .jobstore import attempt
@@ -158,6 +177,7 @@ def install(rt: Any) -> None:
     if not issubclass(torch.optim.lr_scheduler.ReduceLROnPlateau, torch.optim.lr_scheduler.LRScheduler):
         _patch_family(torch.optim.lr_scheduler.ReduceLROnPlateau, rt.on_scheduler)
     _patch_family(torch.amp.GradScaler, rt.on_scaler)
+    _watch_skipped_steps(rt)
     _patch_family(torch.nn.parallel.DistributedDataParallel, rt.on_ddp)
     _route_clipping(rt.strategy)
     integrations.install(rt)
