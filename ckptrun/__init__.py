@@ -13,8 +13,9 @@ __version__ = "0.1.0"
 
 
 def resume_step() -> int:
-    """Completed optimizer steps restored at start-up (also in $CKPTRUN_RESUME_STEP). Calling it
-    tells ckptrun that the script starts its loop there (see --on-restart)."""
+    """The iteration to resume at: the completed optimizer steps restored at start-up, plus the
+    steps a GradScaler skipped before them (also in $CKPTRUN_RESUME_STEP). Calling it tells
+    ckptrun that the script starts its loop there (see --on-restart)."""
     from .worker.runtime import current
 
     rt = current()

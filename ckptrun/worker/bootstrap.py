@@ -117,7 +117,7 @@ def main() -> None:
         rt.loading.restore_s = time.perf_counter() - t_restore
         if plan is not None or restart_count > 0:
             rt.recovery_started = t_start
-        os.environ[RESUME_ENV] = str(rt.step)
+        os.environ[RESUME_ENV] = str(rt.resume_iteration)
         rt.metrics.emit(type="run", pid=os.getpid(), engine_pid=rt.engine_pid, strategy=cfg.strategy,
                         settings=rt.strategy.settings(), dir=cfg.dir, world_size=world_size,
                         restart_count=restart_count, resume_step=rt.step, start_t=t_start)

@@ -71,7 +71,6 @@ class StepHooks:
         self._stopping: tuple[str, int | None] | None = None  # (why, signal): stop before the next step
         self.script_resumes = False  # the script asked ckptrun.resume_step() (it starts its loop there)
         self._restart_checked = False
-        self._skip_told = False
         self._optim_t0 = 0.0
         self.update_s = 0.0  # this step's update time a strategy hook spent (split updates)
 
@@ -120,17 +119,10 @@ class StepHooks:
                         f"uninterrupted run; {fix}")
 
     def skipped_step(self) -> None:
-        """A GradScaler skipped the primary optimizer's step (inf/NaN gradients). ckptrun counts
-        the optimizer's steps, so a loop that counts its iterations from ckptrun.resume_step()
-        now runs ahead of ckptrun's steps: a resume repeats as many iterations as were skipped
-        (README, "GradScaler's skipped steps"). Said once per worker."""
-        if self._skip_told or self.loading.replaying:
-            return
-        self._skip_told = True
-        log.warning(f"warning: rank {self.rank}: a GradScaler skipped the optimizer step after step {self.step} "
-                    "(inf/NaN gradients); ckptrun counts optimizer steps, so a script whose loop starts at "
-                    "ckptrun.resume_step() repeats each skipped iteration when it resumes (not bit-exact): see "
-                    "README, GradScaler's skipped steps")
+        """A GradScaler skipped the primary optimizer's step (inf/NaN gradients): no optimizer
+        hook fired, the iteration counts all the same (`TrainingState.skipped_step`)."""
+        if not self.loading.replaying:
+            self.state.skipped_step()
 
     def _gradients_final(self, step: int) -> None:
         """The gradients optimizer step `step` consumes are final: the strategy may take them."""

@@ -42,7 +42,7 @@ from .hooks import StepHooks
 from .loading import Loader, ResumeState
 from .metrics import WorkerMetrics
 from .slots import Staging
-from .state import TrainingState
+from .state import TrainingState, skipped_steps
 
 _current: Runtime | None = None
 FINAL_COMMIT_S = 60.0  # --node-local-dir: how long the end of a run waits for every node's last commits
@@ -105,6 +105,16 @@ class Runtime(StepHooks):
         """Bootstrap chose `resume`: training continues after its step, loaded as objects come."""
         self.loading.resume = resume
         self.step = self.capture.checkpointed_step = resume.step
+        try:
+            self.state.skipped = skipped_steps(resume.state)
+        except ValueError as e:
+            raise CkptrunError(f"step {resume.step}: {e}") from None
+
+    @property
+    def resume_iteration(self) -> int:
+        """The script's iteration to resume at: the optimizer steps restored, plus the steps a
+        GradScaler skipped before them (ckptrun.resume_step())."""
+        return self.step + self.state.skipped
 
     # ---- the script's objects, as they are constructed (patches.py) --------------------
     def on_optimizer(self, opt: torch.optim.Optimizer) -> None:

@@ -11,6 +11,7 @@ holds alike (a partner's copy leaves them out: storage/tiers/dpshared.py).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -20,6 +21,19 @@ from ..restore import replay
 from ..storage import writeonce
 from ..storage.tree import orphans_key
 from . import discovery
+
+# In a checkpoint's tracked objects once a GradScaler has skipped a step: {"count": the steps it
+# skipped before this one}. The script's loop resumes step t at its iteration t + count.
+SKIPPED = "ckptrun.skipped_steps"
+
+
+def skipped_steps(state: dict) -> int:
+    """The count SKIPPED holds in a restored `state` (0 without it)."""
+    held = state.get("extra", {}).get(SKIPPED)
+    count = held.get("count") if isinstance(held, dict) else 0 if held is None else None
+    if type(count) is not int or count < 0:
+        raise ValueError(f"{SKIPPED} in the checkpoint's state is not a count of steps: {held!r}")
+    return count
 
 
 def indexed(base: str, i: int) -> str:
@@ -51,6 +65,8 @@ class TrainingState:
         self.volatile: set[int] = set()  # data_ptrs of module buffers: the next forward changes them
         self._buffer_keys: dict[str, list[str]] | None = None  # per model: its state_dict keys that are buffers
         self._lazy_ok: bool | None = None  # every such key names a module buffer (a lazy capture can take them)
+        self.skipped = 0  # iterations whose optimizer step a GradScaler skipped (`skipped_step`)
+        self._late_at_skip: dict | None = None  # the late state as the first skip since the last step found it
 
     @property
     def primary(self) -> torch.optim.Optimizer | None:
@@ -106,6 +122,16 @@ class TrainingState:
     def stepped(self) -> None:
         """Optimizer step t is done: tracked Generators are taken now, before the next batch draws."""
         self._generators = {n: o.get_state() for n, o in self.tracked.items() if isinstance(o, torch.Generator)}
+        self._late_at_skip = None
+
+    def skipped_step(self) -> None:
+        """A GradScaler skipped the primary optimizer's step: the iteration ran, the parameters did
+        not move. The state of step t is the top of the iteration after it, so its late state is
+        taken now, before this iteration's scaler update and scheduler step (sealed at the next
+        optimizer step, it would hold theirs); a resume starts the script's loop at t + skipped."""
+        if self._late_at_skip is None:
+            self._late_at_skip = copy.deepcopy(self.late_state())
+        self.skipped += 1
 
     # ---- the state of step t -----------------------------------------------------------
     def early_state(self, taken: dict | None = None) -> dict:
@@ -123,14 +149,20 @@ class TrainingState:
     def late_state(self) -> dict:
         """State the script updates after optimizer.step(): schedulers (and the lr they set in
         the optimizer's param_groups), scalers, tracked objects. A tracked Generator is an RNG
-        state: it is taken as it was right after the step, before the next batch drew from it."""
+        state: it is taken as it was right after the step, before the next batch drew from it.
+        After a skipped step, as that skip found it (`skipped_step`)."""
+        if self._late_at_skip is not None:
+            return self._late_at_skip
+        extra = {n: (self._generators.get(n, o.get_state()) if isinstance(o, torch.Generator) else o.state_dict())
+                 for n, o in self.tracked.items()}
+        if self.skipped:  # (every skip so far came before the step this state is of)
+            extra[SKIPPED] = {"count": self.skipped}
         return {
             "param_groups": {indexed("optimizer", i): o.state_dict()["param_groups"]
                              for i, o in enumerate(self.optimizers)},
             "schedulers": [s.state_dict() for s in self.schedulers],
             "scalers": [s.state_dict() for s in self.scalers],
-            "extra": {n: (self._generators.get(n, o.get_state()) if isinstance(o, torch.Generator)
-                          else o.state_dict()) for n, o in self.tracked.items()},
+            "extra": extra,
         }
 
     def post_step_state(self) -> dict:
