@@ -132,3 +132,17 @@ def test_steps_a_grad_scaler_skips_count_as_iterations(strategy, inf_at, fault, 
     assert_training_state(resumed, truth)
     skips = len(inf_at.split(","))
     assert Store(managed / "ckpts").manifests()[-1].step == int(STEPS) - skips
+
+
+@pytest.mark.parametrize("strategy", strategy_params(["lowdiff+", "lowdiff"]))
+def test_frozen_layer_in_the_optimizer_unfrozen_later_resumes_exactly(strategy, tmp_path):
+    """The optimizer holds a layer that does not require grad (lowdiff+ used to fail at the
+    optimizer's construction: a tensor that does not require grad takes no gradient hook) until
+    iteration 6, and a head without gradients every other step: killed at step 7 and restarted,
+    the run ends bit-identical, and `restore` of its last step equals it."""
+    args = ["--steps", STEPS, "--save-path"]
+    plain, managed = resumed_beside_plain(tmp_path, SCRIPTS / "frozen_layer.py", args,
+                                          ["--strategy", strategy, "--keep", "0", "--dir", "ckpts"], "kill:step=7")
+    truth = load(plain / "truth.pt")
+    assert_training_state(load(managed / "resumed.pt"), truth)
+    assert_training_state(restore(managed, managed / "ckpts", STEPS)[0], truth)

@@ -59,6 +59,7 @@ class StepHooks:
     capture: Capture
     handoff: Handoff
     strategy: Strategy
+    hook_grads: Callable[[list], list]
 
     def __init__(self, interval: IntervalPolicy) -> None:
         self.step = 0  # completed optimizer steps of the primary optimizer
@@ -73,6 +74,7 @@ class StepHooks:
         self._restart_checked = False
         self._optim_t0 = 0.0
         self.update_s = 0.0  # this step's update time a strategy hook spent (split updates)
+        self.unhooked: list = []  # optimized parameters not requiring grad yet (`hook_grads`)
 
     def pre_step_hook(self, optimizer, args, kwargs) -> tuple[tuple, dict] | None:
         """Before the primary optimizer's step. With `step(closure)` (Lightning, LBFGS), forward
@@ -158,6 +160,8 @@ class StepHooks:
         self.update_s = 0.0
         self.step += 1
         self.state.stepped()
+        if self.unhooked:  # (one unfrozen since: its gradients come in backward from now on)
+            self.unhooked = self.hook_grads(self.unhooked)
         if self.cfg.max_steps and self.step >= self.cfg.max_steps:
             self._stopping = ("--max-steps", None)
         elif self.stop_signal is not None and self._stop_here():

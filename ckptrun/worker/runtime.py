@@ -142,9 +142,7 @@ class Runtime(StepHooks):
                 f"{names_where(checkpoints_every_optimizer)}")
         self.state.add_optimizer(opt)
         if self.strategy.wants_grad_hooks:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    p.register_post_accumulate_grad_hook(self.strategy.on_grad_ready)
+            self.unhooked += self.hook_grads([p for group in opt.param_groups for p in group["params"]])
         orphans = self.state.orphans(idx)
         if orphans:
             self.track(*orphans)
@@ -165,6 +163,17 @@ class Runtime(StepHooks):
         if not ddp.static_graph:  # (its bucket layout, restored before the script registers a comm hook)
             self.track(f"{DDP_BUCKETS}{len(self.state.replicated) - 1}", BucketLayout(ddp))
         self.strategy.on_ddp(ddp)
+
+    def hook_grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Give the strategy each of `params`' gradients as backward accumulates it; return those
+        that cannot take the hook yet: a parameter that does not require grad (a frozen layer,
+        perhaps unfrozen later; until then, and in the backward that first gives it a gradient,
+        the strategy takes its gradient at the step)."""
+        frozen = [p for p in params if not p.requires_grad]
+        for p in params:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self.strategy.on_grad_ready)
+        return frozen
 
     def on_scheduler(self, sched: Any) -> None:
         self.state.schedulers.append(sched)
