@@ -146,3 +146,14 @@ def test_frozen_layer_in_the_optimizer_unfrozen_later_resumes_exactly(strategy, 
     truth = load(plain / "truth.pt")
     assert_training_state(load(managed / "resumed.pt"), truth)
     assert_training_state(restore(managed, managed / "ckpts", STEPS)[0], truth)
+
+
+def test_a_param_group_added_mid_run_is_named_and_a_resume_past_it_refused_in_one_line(tmp_path):
+    """ckptrun does not resume a param group added after the optimizer was made (README): the
+    run says so once when the script adds it, and the restart after the kill at step 9 stops
+    with one line naming the checkpoint and the fix (before: torch's ValueError, a traceback)."""
+    proc = ckptrun(tmp_path, "--strategy", "checkfreq", "--dir", "ckpts", "--max-restarts", "1",
+                   SCRIPTS / "added_group.py", "--steps", STEPS, fault="kill:step=9")
+    line = error_line(proc)
+    assert proc.returncode == 2 and "different number of parameter groups" in line and "--no-resume" in line, line
+    assert proc.stderr.count("added a param group to its AdamW") == 1, proc.stderr[-2000:]

@@ -75,7 +75,13 @@ class Loader:
             self.resume.restored.add(name)
         oname = indexed("optimizer", idx)
         if oname in saved["optimizers"]:
-            opt.load_state_dict(sharded.optimizer_state(saved["optimizers"][oname], replay.optimizer_params(opt)))
+            try:
+                opt.load_state_dict(sharded.optimizer_state(saved["optimizers"][oname], replay.optimizer_params(opt)))
+            except ValueError as e:  # torch's own check: another number or size of param groups
+                raise CheckpointMismatch(f"checkpoint {self.resume.record} holds another {oname} ({e}): the script "
+                                         "makes its optimizer otherwise than the run that saved it (param groups "
+                                         "added after it was made are not resumed); pass a new --dir, or "
+                                         "--no-resume after removing it") from None
         if idx != 0:
             return
         if self.resume.diffs is not None:

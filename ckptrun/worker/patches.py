@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..log import log
 from . import integrations
 
 _MARK = "_ckptrun_wrapped"
@@ -166,12 +167,39 @@ def _watch_skipped_steps(rt: Any) -> None:
     torch.amp.GradScaler.step = step
 
 
+def _watch_added_groups(rt: Any) -> None:
+    """A param group added to a registered optimizer (`add_param_group` after its constructor:
+    a layer unfrozen mid-run) is not checkpointed as the script would need: the modules owning
+    its parameters were discovered when the optimizer was made, and a resume loads the state
+    into an optimizer made without it. Said once, with the fix."""
+    orig = torch.optim.Optimizer.add_param_group
+    if getattr(orig, _MARK, False):
+        return
+    told = False
+
+    @functools.wraps(orig)
+    def add_param_group(opt: Any, group: dict) -> Any:
+        nonlocal told
+        out = orig(opt, group)
+        if not told and any(opt is o for o in rt.state.optimizers) and rt.rank == 0:
+            told = True
+            log.warning(f"warning: the script added a param group to its {type(opt).__name__} after making it: "
+                        "ckptrun does not resume a group added mid-run (a resume after this step fails: the "
+                        "optimizer is made without it); give the optimizer every group when it is made (lr 0, "
+                        "or requires_grad False, until the layer is unfrozen)")
+        return out
+
+    setattr(add_param_group, _MARK, True)
+    torch.optim.Optimizer.add_param_group = add_param_group
+
+
 def install(rt: Any) -> None:
     if rt.world_size > 1 and torch.distributed.is_available():
         from .jobstore import attempt
 
         _isolate_attempt(attempt(rt.restart_count))
     _patch_family(torch.optim.Optimizer, rt.on_optimizer)
+    _watch_added_groups(rt)
     _watch_backward(rt)
     _patch_family(torch.optim.lr_scheduler.LRScheduler, rt.on_scheduler)
     if not issubclass(torch.optim.lr_scheduler.ReduceLROnPlateau, torch.optim.lr_scheduler.LRScheduler):
