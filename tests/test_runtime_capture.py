@@ -247,3 +247,14 @@ def test_a_slot_that_cannot_be_page_locked_is_used_pageable(tmp_path, monkeypatc
     locked_at = pool.buffers[2].data_ptr()
     pool.close()
     assert unlocked == [locked_at] and not pool.locked
+
+
+def test_models_are_found_past_weak_proxies_dead_or_alive():
+    """gc holds weakref proxies (torch.compile leaves some behind): a dead one raised
+    ReferenceError out of the optimizer's constructor, and a live one is its module, not another."""
+    import weakref
+
+    live = nn.Linear(2, 2)
+    proxies = [weakref.proxy(nn.Linear(2, 2)), weakref.proxy(live)]  # the first one's module is gone
+    opt = torch.optim.SGD(live.parameters(), lr=0.1)
+    assert discovery.owning_modules(opt) == [live] and proxies

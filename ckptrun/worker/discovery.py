@@ -10,12 +10,16 @@ import gc
 import random
 import sys
 import warnings
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
 _WRAPPER_ATTRS = ("module", "_orig_mod")
+# A weakref.proxy passes isinstance() for what it refers to, and raises ReferenceError once that
+# is gone (torch.compile leaves such proxies behind): never a module of its own.
+_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -36,7 +40,7 @@ def owning_modules(optimizer: torch.optim.Optimizer) -> list[nn.Module]:
     holders: dict[int, nn.Module] = {}
     with warnings.catch_warnings():  # isinstance() on deprecated lazy module attributes warns
         warnings.simplefilter("ignore")
-        modules = [obj for obj in gc.get_objects() if isinstance(obj, nn.Module)]
+        modules = [obj for obj in gc.get_objects() if type(obj) not in _PROXIES and isinstance(obj, nn.Module)]
     for obj in modules:
         m = unwrap(obj)
         if any(id(p) in order for p in m.parameters()):
