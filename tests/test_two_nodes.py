@@ -15,6 +15,7 @@ missing, elsewhere.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -188,10 +189,11 @@ REPLICAS = ("--replicas", "2")
 REPLICATED = 5  # node 1 is killed once node 0's engine holds its part of this step or a later one
 
 
-def _held(cwd: Path, owner: int) -> list[int]:
-    """The steps of `owner`'s copies node 0's engine has held, in order."""
+def _held(cwd: Path, owner: int, before: float = math.inf) -> list[int]:
+    """The steps of `owner`'s copies node 0's engine has held (before time `before`), in order."""
     lines = (cwd / "metrics-node0" / "engine-0.jsonl").read_text().splitlines()
-    return [e["step"] for e in map(json.loads, lines) if e.get("type") == "replica_held" and e["owner"] == owner]
+    return [e["step"] for e in map(json.loads, lines)
+            if e.get("type") == "replica_held" and e["owner"] == owner and e["t"] < before]
 
 
 def _start_replicated(cwd: Path, head: Node, other: Node, strategy: str, *, fault: str | None = None,
@@ -230,9 +232,13 @@ def _lose_node1(cwd: Path, head: Node, other: Node, strategy: str, *, fault: str
     for part in (cwd / "ckpts").glob("step-*/rank-00001.*"):
         if lost(int(part.parent.name.removeprefix("step-"))):
             part.unlink()
+    t_back = time.time()
     procs[1] = other.start(cwd, head.addr, strategy, extra=extra, addr=other.other_addr if swap else None)
     assert _finish(procs, cwd) == [0, 0], _logs(cwd)
-    return held, t_kill
+    # Copies node 1 sent before it died may be held later than the look above on a loaded machine
+    # (the receiving thread behind): what node 0 held of the old node 1 is what it held before the
+    # new one started.
+    return max(held, *_held(cwd, 1, before=t_back)), t_kill
 
 
 def _lists_the_copy_of_rank1(cwd: Path, head: Node) -> None:
