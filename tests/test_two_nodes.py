@@ -238,7 +238,7 @@ def _lose_node1(cwd: Path, head: Node, other: Node, strategy: str, *, fault: str
     # Copies node 1 sent before it died may be held later than the look above on a loaded machine
     # (the receiving thread behind): what node 0 held of the old node 1 is what it held before the
     # new one started.
-    return max(held, *_held(cwd, 1, before=t_back)), t_kill
+    return max(_held(cwd, 1, before=t_back)), t_kill
 
 
 def _lists_the_copy_of_rank1(cwd: Path, head: Node) -> None:

@@ -31,7 +31,7 @@ def install() -> None:
         return
 
     @functools.wraps(close)
-    def close_and_end_groups(self, death_sig: signal.Signals, timeout: int = 30) -> None:  # noqa: ANN001
+    def close_and_end_groups(self, death_sig: signal.Signals, timeout: int = 30) -> None:
         try:
             close(self, death_sig, timeout)
         finally:

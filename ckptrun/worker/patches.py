@@ -119,52 +119,43 @@ def _route_clipping(strategy: Any) -> None:
     torch computes it."""
     from torch.nn.utils import clip_grad
 
-    orig = clip_grad._clip_grads_with_norm_
-    if getattr(orig, _MARK, False):
-        return
+    def clipping(orig: Callable) -> Callable:
+        def scale_by_norm(parameters: Any, max_norm: float, total_norm: torch.Tensor, foreach: Any = None) -> None:
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+            strategy.on_grad_scale(params, coefficient, lambda: orig(params, max_norm, total_norm, foreach))
 
-    @functools.wraps(orig)
-    def scale_by_norm(parameters: Any, max_norm: float, total_norm: torch.Tensor, foreach: Any = None) -> None:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
-        strategy.on_grad_scale(params, coefficient, lambda: orig(params, max_norm, total_norm, foreach))
+        return scale_by_norm
 
-    setattr(scale_by_norm, _MARK, True)
-    clip_grad._clip_grads_with_norm_ = scale_by_norm
+    def unscaling(orig: Callable) -> Callable:
+        def unscale_grads(scaler: Any, optimizer: Any, inv_scale: torch.Tensor, *args: Any, **kwargs: Any):
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            found: list[Any] = []
+            strategy.on_grad_scale(params, inv_scale, lambda: found.append(orig(scaler, optimizer, inv_scale, *args,
+                                                                                **kwargs)))
+            return found[0]
 
-    unscale = torch.amp.GradScaler._unscale_grads_
-    if getattr(unscale, _MARK, False):
-        return
+        return unscale_grads
 
-    @functools.wraps(unscale)
-    def unscale_grads(scaler: Any, optimizer: Any, inv_scale: torch.Tensor, *args: Any, **kwargs: Any):
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        found: list[Any] = []
-        strategy.on_grad_scale(params, inv_scale, lambda: found.append(unscale(scaler, optimizer, inv_scale, *args,
-                                                                               **kwargs)))
-        return found[0]
-
-    setattr(unscale_grads, _MARK, True)
-    torch.amp.GradScaler._unscale_grads_ = unscale_grads
+    _replace_once(clip_grad, "_clip_grads_with_norm_", clipping)
+    _replace_once(torch.amp.GradScaler, "_unscale_grads_", unscaling)
 
 
 def _watch_skipped_steps(rt: Any) -> None:
     """A GradScaler that finds inf/NaN gradients skips the optimizer's step: the runtime hears of
     it (`skipped_step`), since no optimizer hook fires."""
-    orig = torch.amp.GradScaler.step
-    if getattr(orig, _MARK, False):
-        return
 
-    @functools.wraps(orig)
-    def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        before = rt.step
-        out = orig(scaler, optimizer, *args, **kwargs)
-        if optimizer is rt.state.primary and rt.step == before and scaler.is_enabled():
-            rt.skipped_step()
-        return out
+    def watched(orig: Callable) -> Callable:
+        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            before = rt.step
+            out = orig(scaler, optimizer, *args, **kwargs)
+            if optimizer is rt.state.primary and rt.step == before and scaler.is_enabled():
+                rt.skipped_step()
+            return out
 
-    setattr(step, _MARK, True)
-    torch.amp.GradScaler.step = step
+        return step
+
+    _replace_once(torch.amp.GradScaler, "step", watched)
 
 
 def _watch_added_groups(rt: Any) -> None:
@@ -172,25 +163,34 @@ def _watch_added_groups(rt: Any) -> None:
     a layer unfrozen mid-run) is not checkpointed as the script would need: the modules owning
     its parameters were discovered when the optimizer was made, and a resume loads the state
     into an optimizer made without it. Said once, with the fix."""
-    orig = torch.optim.Optimizer.add_param_group
-    if getattr(orig, _MARK, False):
-        return
     told = False
 
-    @functools.wraps(orig)
-    def add_param_group(opt: Any, group: dict) -> Any:
-        nonlocal told
-        out = orig(opt, group)
-        if not told and any(opt is o for o in rt.state.optimizers) and rt.rank == 0:
-            told = True
-            log.warning(f"warning: the script added a param group to its {type(opt).__name__} after making it: "
-                        "ckptrun does not resume a group added mid-run (a resume after this step fails: the "
-                        "optimizer is made without it); give the optimizer every group when it is made (lr 0, "
-                        "or requires_grad False, until the layer is unfrozen)")
-        return out
+    def watched(orig: Callable) -> Callable:
+        def add_param_group(opt: Any, group: dict) -> Any:
+            nonlocal told
+            out = orig(opt, group)
+            if not told and opt in rt.state.optimizers and rt.rank == 0:
+                told = True
+                log.warning(f"warning: the script added a param group to its {type(opt).__name__} after making "
+                            "it: ckptrun does not resume a group added mid-run (a resume after this step fails: "
+                            "the optimizer is made without it); give the optimizer every group when it is made "
+                            "(lr 0, or requires_grad False, until the layer is unfrozen)")
+            return out
 
-    setattr(add_param_group, _MARK, True)
-    torch.optim.Optimizer.add_param_group = add_param_group
+        return add_param_group
+
+    _replace_once(torch.optim.Optimizer, "add_param_group", watched)
+
+
+def _replace_once(owner: Any, name: str, wrapper: Callable[[Callable], Callable]) -> None:
+    """Set `owner.name` to `wrapper(original)` (its name and docstring kept), unless ckptrun did
+    already (a second install in one process)."""
+    orig = getattr(owner, name)
+    if getattr(orig, _MARK, False):
+        return
+    new = functools.wraps(orig)(wrapper(orig))
+    setattr(new, _MARK, True)
+    setattr(owner, name, new)
 
 
 def install(rt: Any) -> None:

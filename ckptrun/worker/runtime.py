@@ -169,10 +169,12 @@ class Runtime(StepHooks):
         that cannot take the hook yet: a parameter that does not require grad (a frozen layer,
         perhaps unfrozen later; until then, and in the backward that first gives it a gradient,
         the strategy takes its gradient at the step)."""
-        frozen = [p for p in params if not p.requires_grad]
+        frozen = []
         for p in params:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self.strategy.on_grad_ready)
+            else:
+                frozen.append(p)
         return frozen
 
     def on_scheduler(self, sched: Any) -> None:

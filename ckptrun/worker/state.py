@@ -30,7 +30,9 @@ SKIPPED = "ckptrun.skipped_steps"
 def skipped_steps(state: dict) -> int:
     """The count SKIPPED holds in a restored `state` (0 without it)."""
     held = state.get("extra", {}).get(SKIPPED)
-    count = held.get("count") if isinstance(held, dict) else 0 if held is None else None
+    if held is None:
+        return 0
+    count = held.get("count") if isinstance(held, dict) else None
     if type(count) is not int or count < 0:
         raise ValueError(f"{SKIPPED} in the checkpoint's state is not a count of steps: {held!r}")
     return count
