@@ -90,8 +90,8 @@ def _rates(mtbf_s: float, kinds: dict[str, str], source: str = "",
     """The --mtbf-KIND flags given (seconds) and the failure rates they make with `mtbf_s` (0:
     --mtbf not given; `source`, `logged`: a failure log's); UsageError if they contradict each
     other."""
+    from .tuning.intervals import DEFAULT_MTBF_S
     from .tuning.levels import rates_for
-    from .worker.decisions import DEFAULT_MTBF_S
 
     given = {k: _duration(f"--mtbf-{k}", v) for k, v in kinds.items() if v}
     try:
@@ -130,6 +130,23 @@ EVERY_HELP = ("Optimizer steps between checkpoints, or auto: chosen and re-evalu
               "or the run is refused at start "
               "naming the flag in the way; left unset, each strategy checkpoints every step with its own auto "
               "settings. How each strategy maps N onto its intervals: the end of this help.")
+
+
+MAX_OVERHEAD_ENV = "CKPTRUN_MAX_OVERHEAD"
+MAX_OVERHEAD_HELP = ("What checkpointing may cost the training loop, in percent of the step without checkpointing "
+                     "(tune's --max-overhead): stall on the training thread plus the step's own slowdown, measured "
+                     "online (a fresh run's first 4 steps take no checkpoint to measure that step). Every setting "
+                     "left unset or auto is chosen within it: --every (every step when the budget allows), "
+                     "persist, full and batch intervals; a strategy that cannot keep within it says so once. An "
+                     "explicit --every N is kept, and its cost against the budget said once. off: no budget. "
+                     f"Default 5, or ${MAX_OVERHEAD_ENV}.")
+
+
+def parse_budget(text: str) -> float:
+    """--max-overhead: a fraction, 0 for `off`."""
+    from .tuning.plan import parse_percent
+
+    return 0.0 if str(text).strip().lower() in ("off", "0", "0%") else parse_percent(text)
 
 
 def _intervals_epilog(width: int = 76) -> str:
@@ -178,6 +195,7 @@ def run(
     = DEFAULT,
     dir: Annotated[str, typer.Option("--dir", help="Checkpoint directory.")] = "ckpts",
     every: Annotated[str, typer.Option(help=EVERY_HELP)] = "1",
+    max_overhead: Annotated[str, typer.Option(envvar=MAX_OVERHEAD_ENV, help=MAX_OVERHEAD_HELP)] = "5",
     mtbf: Mtbf = "",
     mtbf_process: MtbfProcess = "",
     mtbf_node: MtbfNode = "",
@@ -321,7 +339,7 @@ def run(
                     strategy=strategy, dir=dir, every=1 if every == "auto" else int(every), keep=keep,
                     resume=resume, on_save_error=on_save_error, max_inflight=max_inflight, writers=writers,
                     io_threads=io_threads, io_engine=io_engine, metrics_dir=metrics_dir, every_auto=every == "auto",
-                    mtbf=mtbf_s, mtbf_kinds=mtbf_kinds, max_steps=max_steps,
+                    mtbf=mtbf_s, mtbf_kinds=mtbf_kinds, max_steps=max_steps, max_overhead=parse_budget(max_overhead),
                     on_restart=on_restart, dist_env=dist_env,
                     every_given=every_given, durable=durable, durable_keep=durable_keep,
                     durable_every=0 if durable_every == "auto" else int(durable_every),

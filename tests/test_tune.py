@@ -339,7 +339,8 @@ def test_a_policys_changes_reach_the_log_once_a_minute_and_the_metrics_every_tim
 
     emitted: list[dict] = []
     rt = SimpleNamespace(rank=0, world_size=1, metrics=SimpleNamespace(emit=lambda **kw: emitted.append(kw)),
-                         cfg=SimpleNamespace(mtbf=0.0, every_auto=True, every=1))
+                         cfg=SimpleNamespace(mtbf=0.0, every_auto=True, every=1, every_given=False,
+                                             max_overhead=0.0, strategy="checkfreq"))
     retuner, interval = decisions.for_runtime(rt)
     now = [1000.0]
     monkeypatch.setattr(decisions.time, "monotonic", lambda: now[0])

@@ -42,8 +42,8 @@ from ..storage.store import Store, retained
 from ..storage.tiers import Tier, open_tier
 from ..storage.tiers.base import MANIFEST, UploadFault
 from ..storage.tiers.parts import Part, record_parts
+from ..tuning.intervals import DEFAULT_MTBF_S
 from ..tuning.levels import FailureRates, Layout, durable_every, rates_for
-from ..worker.decisions import DEFAULT_MTBF_S
 
 if TYPE_CHECKING:
     from .nodecommit import Board

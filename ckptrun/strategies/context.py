@@ -150,7 +150,8 @@ class StrategyContext(ABC):
     @property
     @abstractmethod
     def every_auto(self) -> bool:
-        ...
+        """The interval is the strategy's to choose online: --every auto, or --every left unset
+        under --max-overhead (its `use_interval` rule is then kept within the budget)."""
 
     @property
     @abstractmethod

@@ -24,7 +24,7 @@ from ..strategies import checkpoints_every_optimizer, names_where
 from ..strategies.base import Strategy
 from ..strategies.save_policy import IntervalPolicy
 from .capture import Capture
-from .decisions import Retuner
+from .decisions import Retuner, within_budget
 from .handoff import Handoff
 from .loading import Loader
 from .metrics import WorkerMetrics
@@ -75,6 +75,7 @@ class StepHooks:
         self._optim_t0 = 0.0
         self.update_s = 0.0  # this step's update time a strategy hook spent (split updates)
         self.unhooked: list = []  # optimized parameters not requiring grad yet (`hook_grads`)
+        self.strategy_started = False  # its `on_ready` ran (`start_strategy`)
 
     def pre_step_hook(self, optimizer, args, kwargs) -> tuple[tuple, dict] | None:
         """Before the primary optimizer's step. With `step(closure)` (Lightning, LBFGS), forward
@@ -128,7 +129,8 @@ class StepHooks:
 
     def _gradients_final(self, step: int) -> None:
         """The gradients optimizer step `step` consumes are final: the strategy may take them."""
-        self._timed(self.strategy.before_step, step)
+        if step > self.retuner.probe_until:
+            self._timed(self.strategy.before_step, step)
         if self.fault and self.fault.target == "kill" and self.fault.phase == "compute" \
                 and self.fault.step == step:
             self.metrics.flush()
@@ -166,7 +168,7 @@ class StepHooks:
             self._stopping = ("--max-steps", None)
         elif self.stop_signal is not None and self._stop_here():
             self._stopping = (signal.Signals(self.stop_signal).name, self.stop_signal)
-        self._timed(self.strategy.after_step, self.step)
+        self._strategy_after(self.step)
         if self.recovery_started is not None:
             resume = self.loading.resume
             self.metrics.emit(type="restart", restart_count=self.restart_count,
@@ -177,6 +179,35 @@ class StepHooks:
         self.staging.report(self.step)
         record = self.metrics.end_step(self.step)
         self.retuner.after_step(self.step, record)
+
+    def _strategy_after(self, step: int) -> None:
+        """The strategy's `after_step`; during a fresh run's probe of the no-checkpoint step
+        (worker/budget.py) nothing, and at its last step (or a stop during it) the strategy
+        starts, as if the run began at this step."""
+        probe = self.retuner.probe_until
+        if step > probe:
+            self._timed(self.strategy.after_step, step)
+        elif step == probe or self._stopping is not None:
+            self.retuner.watch.end_probe(step)
+            self._timed(lambda _step: self.start_strategy(), step)
+
+    def on_grad_ready(self, param) -> None:
+        """A parameter's gradient is final (backward): the strategy's, once it has started."""
+        if self.step >= self.retuner.probe_until:
+            self.strategy.on_grad_ready(param)
+
+    def on_grad_scale(self, params: list, coefficient, scale: Callable[[], None]) -> None:
+        """The script clips or unscales gradients: through the strategy, once it has started."""
+        if self.step >= self.retuner.probe_until:
+            self.strategy.on_grad_scale(params, coefficient, scale)
+        else:
+            scale()
+
+    def start_strategy(self) -> None:
+        """The strategy's `on_ready` at the step training (re)starts from, once."""
+        if not self.strategy_started:
+            self.strategy_started = True
+            self.strategy.on_ready(self.step)
 
     def _stop_here(self) -> bool:
         """After SIGTERM/SIGINT: is the step just finished the one every rank stops after?
@@ -207,7 +238,7 @@ class StepHooks:
     def use_interval(self, policy: IntervalPolicy) -> None:
         """A strategy's own `--every auto` rule replaces the run's (Daly's)."""
         self.retuner.policies.remove(self.interval)
-        self.interval = self.retuner.add(policy)
+        self.interval = self.retuner.add(within_budget(self, policy))
 
     def _timed(self, hook: Callable[[int], None], step: int) -> None:
         """Run a strategy hook; all the time it blocks training is stall. Whatever the inner timers
