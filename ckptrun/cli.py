@@ -6,6 +6,7 @@ import contextlib
 import inspect
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -139,14 +140,15 @@ MAX_OVERHEAD_HELP = ("What checkpointing may cost the training loop, in percent 
                      "left unset or auto is chosen within it: --every (every step when the budget allows), "
                      "persist, full and batch intervals; a strategy that cannot keep within it says so once. An "
                      "explicit --every N is kept, and its cost against the budget said once. off: no budget. "
-                     f"Default 5, or ${MAX_OVERHEAD_ENV}.")
+                     f"Default: ${MAX_OVERHEAD_ENV} if set (a recipe's or this flag's value wins), else 5.")
 
 
 def parse_budget(text: str) -> float:
-    """--max-overhead: a fraction, 0 for `off`."""
+    """--max-overhead: a fraction, 0 for `off`; unset ("") is $CKPTRUN_MAX_OVERHEAD, else 5%."""
     from .tuning.plan import parse_percent
 
-    return 0.0 if str(text).strip().lower() in ("off", "0", "0%") else parse_percent(text)
+    text = str(text).strip() or os.environ.get(MAX_OVERHEAD_ENV, "").strip() or "5"
+    return 0.0 if text.lower() in ("off", "0", "0%") else parse_percent(text)
 
 
 def _intervals_epilog(width: int = 76) -> str:
@@ -195,7 +197,7 @@ def run(
     = DEFAULT,
     dir: Annotated[str, typer.Option("--dir", help="Checkpoint directory.")] = "ckpts",
     every: Annotated[str, typer.Option(help=EVERY_HELP)] = "1",
-    max_overhead: Annotated[str, typer.Option(envvar=MAX_OVERHEAD_ENV, help=MAX_OVERHEAD_HELP)] = "5",
+    max_overhead: Annotated[str, typer.Option(help=MAX_OVERHEAD_HELP, show_default=False)] = "",
     mtbf: Mtbf = "",
     mtbf_process: MtbfProcess = "",
     mtbf_node: MtbfNode = "",

@@ -6,7 +6,9 @@ a fresh run's probe of the no-checkpoint step resumes bit-exact."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import EXAMPLE, STEPS, TINY, assert_training_state, ckptrun, load, ok, resumed_beside_plain
@@ -19,6 +21,7 @@ from ckptrun.storage.store import Store
 from ckptrun.strategies.save_policy import Measured
 from ckptrun.worker.budget import PROBE_STEPS, Baseline, Watch
 from ckptrun.worker.decisions import EveryStep, FixedInterval, PersistBound, Retuner, WithinBudget
+from ckptrun.worker.hooks import StepHooks
 
 BUDGET = 0.05
 
@@ -140,6 +143,8 @@ def test_the_summary_shows_the_overhead_against_the_budget():
     state.apply({"type": "budget", "rank": 0, "t": 2.0, "verdict": "over", "overhead": 0.09, "budget": 0.05})
     state.apply({"type": "overhead", "rank": 0, "t": 3.0, "step": 25, "overhead": 0.09, "budget": 0.05})
     assert ("overhead", "9.0% of 5% (over: see the warning)") in summary_rows(state.summary())
+    state.apply({"type": "skipped", "rank": 0, "t": 4.0, "step": 30})
+    assert ("overhead", "9.0% of 5%, 1 skipped: disk behind (over: see the warning)") in summary_rows(state.summary())
 
 
 @pytest.mark.parametrize("text, fraction", [("5", 0.05), ("2.5%", 0.025), ("off", 0.0), ("0", 0.0)])
@@ -193,3 +198,29 @@ def test_a_run_that_probed_its_first_steps_resumes_bit_exact(strategy, tmp_path)
     plain, managed = resumed_beside_plain(tmp_path, EXAMPLE, args, flags, "kill:step=9")
     assert_training_state(load(managed / "resumed.pt"), load(plain / "truth.pt"))
     assert min(m.step for m in Store(managed / "ckpts").manifests()) >= PROBE_STEPS
+
+
+def test_the_env_sets_the_default_budget_and_a_recipe_or_the_flag_wins(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTRUN_MAX_OVERHEAD", "off")
+    assert parse_budget("") == 0.0 and parse_budget("3") == pytest.approx(0.03)
+    monkeypatch.delenv("CKPTRUN_MAX_OVERHEAD")
+    assert parse_budget("") == pytest.approx(0.05)
+
+
+def _hooks(*, free: list[int], auto: bool = True, world_size: int = 1) -> SimpleNamespace:
+    """The little of a worker's StepHooks that `_disk_behind` reads: a run at step 8."""
+    pool = SimpleNamespace(cond=threading.Condition(), buffers={0: None, 1: None}, free=free)
+    events: list[dict] = []
+    return SimpleNamespace(cfg=SimpleNamespace(max_overhead=BUDGET, interval_auto=auto), staging=SimpleNamespace(
+        pool=pool), world_size=world_size, step=8, _skipped_at=None, events=events,
+        metrics=SimpleNamespace(emit=lambda **e: events.append(e)))
+
+
+def test_a_due_snapshot_that_finds_every_slot_still_being_written_is_skipped_not_waited_for():
+    behind = _hooks(free=[])
+    assert StepHooks._disk_behind(behind, 8) and StepHooks._disk_behind(behind, 8)
+    assert [e["type"] for e in behind.events] == ["skipped"], "said once per step"
+    assert not StepHooks._disk_behind(behind, 9), "a look-ahead (gockpt's) is never skipped"
+    assert not StepHooks._disk_behind(_hooks(free=[1]), 8)
+    assert not StepHooks._disk_behind(_hooks(free=[], auto=False), 8), "an explicit --every is honoured"
+    assert not StepHooks._disk_behind(_hooks(free=[], world_size=2), 8), "ranks must checkpoint the same steps"

@@ -76,7 +76,8 @@ def test_tune_tiny_example_within_a_minute_writes_a_recipe_that_runs(tmp_path):
     assert not (tmp_path / "ck").exists()  # the scratch folder is gone (and --dir, which tune created)
 
     recipe = yaml.safe_load((tmp_path / "tuned.yaml").read_text())
-    assert recipe == {"strategy": best["strategy"], **best["settings"], "mtbf": "2h", "dir": "ck"}
+    assert recipe == {"strategy": best["strategy"], **best["settings"], "max_overhead": "5", "mtbf": "2h",
+                      "dir": "ck"}
     ok(ckptrun(tmp_path, "--recipe", "tuned.yaml", EXAMPLE, *SMALL, "--steps", "4"))
     assert committed(tmp_path / "ck")[-1] == 4
 

@@ -76,6 +76,7 @@ class StepHooks:
         self.update_s = 0.0  # this step's update time a strategy hook spent (split updates)
         self.unhooked: list = []  # optimized parameters not requiring grad yet (`hook_grads`)
         self.strategy_started = False  # its `on_ready` ran (`start_strategy`)
+        self._skipped_at: int | None = None  # the step whose due snapshot was skipped last (`_disk_behind`)
 
     def pre_step_hook(self, optimizer, args, kwargs) -> tuple[tuple, dict] | None:
         """Before the primary optimizer's step. With `step(closure)` (Lightning, LBFGS), forward
@@ -233,7 +234,22 @@ class StepHooks:
         """Is a checkpoint of `step` due? Always for the step the run stops after."""
         if self._stopping is not None:
             return True
-        return self.interval.due(step)
+        return self.interval.due(step) and not self._disk_behind(step)
+
+    def _disk_behind(self, step: int) -> bool:
+        """Under --max-overhead, with the interval the run's to choose (never an explicit --every)
+        and one rank (ranks must checkpoint the same steps): a snapshot due at the step just taken
+        that finds every staging slot still on its way to disk is skipped, not waited for; the
+        next due step's is the newest (DESIGN §6: the disk is paced, never waited on)."""
+        cfg, pool = self.cfg, self.staging.pool
+        if not (cfg.max_overhead > 0 and cfg.interval_auto and self.world_size == 1 and step == self.step):
+            return False
+        with pool.cond:
+            behind = bool(pool.buffers) and not pool.free
+        if behind and self._skipped_at != step:
+            self._skipped_at = step
+            self.metrics.emit(type="skipped", step=step, reason="every staging slot still being written")
+        return behind
 
     def use_interval(self, policy: IntervalPolicy) -> None:
         """A strategy's own `--every auto` rule replaces the run's (Daly's)."""

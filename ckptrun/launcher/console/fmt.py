@@ -102,4 +102,6 @@ def summary_rows(summary: RunSummary) -> list[tuple[str, str]]:
 
 def budget_text(b: Budgeted) -> str:
     """`2.8% of 5%`: what checkpointing costs the loop against --max-overhead."""
-    return f"{max(0.0, b.overhead):.1%} of {b.budget * 100:g}%" + (" (over: see the warning)" if b.over else "")
+    skipped = f", {b.skipped} skipped: disk behind" if b.skipped else ""
+    over = " (over: see the warning)" if b.over else ""
+    return f"{max(0.0, b.overhead):.1%} of {b.budget * 100:g}%{skipped}{over}"

@@ -214,6 +214,7 @@ class RankStats:
     overhead: float | None = None
     budget: float | None = None
     over_budget: bool = False
+    skipped: int = 0  # due snapshots skipped while the disk was behind (worker/hooks.py `_disk_behind`)
     ckpt_bytes_last: int | None = None
     ckpt_bytes_total: int = 0
     ckpts_taken: int = 0
@@ -286,6 +287,7 @@ class Budgeted:
     overhead: float
     budget: float
     over: bool  # a rank said its strategy cannot keep within it
+    skipped: int = 0  # due snapshots skipped while the disk was behind (the most of any rank)
 
 
 @dataclass(frozen=True)
@@ -530,6 +532,9 @@ class MetricsState:
         rs = self._rank(e["rank"])
         rs.overhead, rs.budget = float(e["overhead"]), float(e["budget"])
 
+    def _on_skipped(self, e: dict[str, Any], t: float) -> None:
+        self._rank(e["rank"]).skipped += 1
+
     def _on_budget(self, e: dict[str, Any], t: float) -> None:
         if e.get("verdict") == "over":
             self._rank(e["rank"]).over_budget = True
@@ -540,12 +545,15 @@ class MetricsState:
         if not measured:
             return None
         worst = max(measured, key=lambda rs: rs.overhead)
-        return Budgeted(worst.overhead, worst.budget, any(rs.over_budget for rs in self.ranks.values()))
+        ranks = self.ranks.values()
+        return Budgeted(worst.overhead, worst.budget, any(rs.over_budget for rs in ranks),
+                        max(rs.skipped for rs in ranks))
 
     _handlers = {
         "interval": _on_interval,
         "overhead": _on_overhead,
         "budget": _on_budget,
+        "skipped": _on_skipped,
         "run": _on_run,
         "step": _on_step,
         "restart": _on_restart,
