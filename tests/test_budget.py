@@ -102,6 +102,13 @@ def test_within_budget_does_not_see_saw_at_an_interval_that_keeps_it():
     assert policy.propose(low, 50).settings == {"every": 2}
 
 
+def test_an_interval_is_not_lowered_before_a_checkpoint_at_it_was_measured():
+    policy = WithinBudget(PersistBound(EveryStep()))
+    policy.every = 74
+    m = Measured(3600.0, True, step_s=1.0, persist_s=4.0, budget=BUDGET, base_step_s=1.0, overhead=0.0)
+    assert policy.propose(m, 25) is None
+
+
 def test_an_explicit_every_is_kept_and_its_cost_said_once_with_the_interval_that_fits():
     m = Machine(FixedInterval(1), explicit=1).run(PROBE_STEPS + 80)
     assert m.policy.every == 1
