@@ -335,19 +335,20 @@ def run(
         options = REGISTRY[strategy].honour_every(options, int(every))
     if strategy in REGISTRY and not _given(ctx, "max_inflight"):  # (an explicit one too small is refused)
         max_inflight = max(max_inflight, REGISTRY[strategy].least_inflight(options, replicas))
+    budget = parse_budget(max_overhead)
     node_bytes, node_source = node_budget(host_memory or None)
     cfg = RunConfig(host_memory_node=node_bytes, host_memory_source=node_source,
                     max_inflight_given=_given(ctx, "max_inflight"),
                     strategy=strategy, dir=dir, every=1 if every == "auto" else int(every), keep=keep,
                     resume=resume, on_save_error=on_save_error, max_inflight=max_inflight, writers=writers,
                     io_threads=io_threads, io_engine=io_engine, metrics_dir=metrics_dir, every_auto=every == "auto",
-                    mtbf=mtbf_s, mtbf_kinds=mtbf_kinds, max_steps=max_steps, max_overhead=parse_budget(max_overhead),
+                    mtbf=mtbf_s, mtbf_kinds=mtbf_kinds, max_steps=max_steps, max_overhead=budget,
                     on_restart=on_restart, dist_env=dist_env,
                     every_given=every_given, durable=durable, durable_keep=durable_keep,
                     durable_every=0 if durable_every == "auto" else int(durable_every),
                     durable_endpoint=durable_endpoint, replicas=replicas, replica_jump=replica_jump,
                     node_local_dir=node_local_dir,
-                    options={**options, **({"mtbf": mtbf_s} if mtbf_s else {}),
+                    options={**options, **({"mtbf": mtbf_s} if mtbf_s else {}), "max_overhead": budget,
                              "memory_lost_share": Layout(replicas, node_local_dir).memory_lost_share(rates)})
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf,
                          local_addr, master_addr, master_port, max_restarts, standalone,
