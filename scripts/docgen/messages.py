@@ -9,6 +9,7 @@ is not listed."""
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,7 +77,8 @@ def _callee(call: ast.Call) -> str:
     return ""
 
 
-def collect() -> list[Message]:
+@functools.cache
+def collect() -> tuple[Message, ...]:
     """Every literal error message in the package, in file order, duplicates (same text) once."""
     trees = _trees()
     family = error_classes(trees)
@@ -95,7 +97,7 @@ def collect() -> list[Message]:
                 text = " ".join(text.split())
                 if text.strip(HOLE + " ") and text not in found:
                     found[text] = Message(text, kind, f"{path.relative_to(repo)}:{node.lineno}")
-    return sorted(found.values(), key=lambda m: (m.where.split(":")[0], int(m.where.split(":")[1])))
+    return tuple(sorted(found.values(), key=lambda m: (m.where.split(":")[0], int(m.where.split(":")[1]))))
 
 
 if __name__ == "__main__":
