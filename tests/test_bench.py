@@ -449,6 +449,10 @@ def test_freshness_is_the_distance_back_to_the_newest_step_in_memory_and_on_disk
     saves = [{"step": 2, "done_t": 12.5}, {"step": 4, "done_t": 13.9}]
     on_disk = freshness.saves_freshness(steps, saves)
     assert (on_disk.memory_median, on_disk.disk_median, on_disk.disk_max, on_disk.disk_mean) == (None, 1, 2, 1.0)
+    assert not (f.nothing_on_disk or no_memory.nothing_on_disk or on_disk.nothing_on_disk)
+    # A run whose interval exceeds it: nothing on disk by its end, its distances only grow (said, a lower bound)
+    unsaved = freshness.saves_freshness(steps, [{"step": 4, "done_t": 15.0}])
+    assert (unsaved.disk_median, unsaved.disk_max, unsaved.nothing_on_disk) == (3, 4, True)
 
 
 def test_predicted_waste_is_overhead_plus_lost_work_and_recovery_per_mtbf():
@@ -492,3 +496,20 @@ def test_a_run_that_says_it_cannot_keep_within_the_budget_is_marked():
     row = next(line for line in lines if "lowdiff*" in line)
     assert all(cell in row for cell in ("8.1% of 5%", "bp 40 snap 1.2", "0/1", "3/7", "%")), row
     assert any(line.startswith("* the run said its strategy cannot keep within the budget") for line in lines)
+    rows[1]["nothing_on_disk"], rows[1]["predicted_waste"] = True, {"1h": 0.2}  # (checkfreq saved nothing)
+    console = Console(record=True, width=80, file=io.StringIO())
+    report.print_tables(report.budget_tables(rows, 0.05, None, 80), console)
+    row = next(line for line in console.export_text().splitlines() if "checkfreq" in line)
+    assert " none " in row and " >20.0%" in row, row
+
+
+def test_a_strategy_at_its_defaults_may_have_committed_nothing_by_the_crash():
+    """At its defaults a strategy's budget may space its checkpoints beyond a short run: the
+    restarted worker starting over from 0 then leaves its recovery unmeasured; with a given
+    interval it is an error, as before."""
+    events = [{"type": "restart", "resume_step": 0, "recovery_s": 3.0}]
+    result = _figures(1.0, None)
+    figures.ckptrun_recovery(result, events, required=False)
+    assert result.recovery_s is None
+    with pytest.raises(CkptrunError, match="started over from step 0"):
+        figures.ckptrun_recovery(result, events)

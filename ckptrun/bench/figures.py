@@ -82,6 +82,7 @@ class RunFigures:
     fresh_disk_max: int | None = None
     fresh_restorable_mean: float | None = None
     fresh_disk_mean: float | None = None
+    nothing_on_disk: bool = False  # no step reached the disk by the last timed step: freshness and waste understated
 
     def __post_init__(self) -> None:
         if self.bytes_per_step > 0 and self.stall_ms_per_step > 1e-3:
@@ -94,6 +95,7 @@ class RunFigures:
         self.fresh_memory_median, self.fresh_memory_max = f.memory_median, f.memory_max
         self.fresh_disk_median, self.fresh_disk_max = f.disk_median, f.disk_max
         self.fresh_restorable_mean, self.fresh_disk_mean = f.restorable_mean, f.disk_mean
+        self.nothing_on_disk = f.nothing_on_disk
         return self
 
 
@@ -211,16 +213,21 @@ def _budget(events: list[dict]) -> dict[str, Any]:
             "own_overhead": last.get("overhead"), "own_budget": last.get("budget")}
 
 
-def ckptrun_recovery(result: RunFigures, events: list[dict]) -> dict:
+def ckptrun_recovery(result: RunFigures, events: list[dict], *, required: bool = True) -> dict:
     """Set `result`'s recovery figures from the restarted worker's `restart` event among its
     metrics `events`: its start to the end of its first resumed step, and of it the restart (its
-    set-up until the first optimizer exists) and the state restore. Returns the event."""
+    set-up until the first optimizer exists) and the state restore. Returns the event. A worker
+    that started over from step 0 is an error when a step to resume from was `required`; else
+    (a strategy at its defaults, whose budget may space its checkpoints beyond a short run) the
+    recovery is left unmeasured (None)."""
     restarts = [e for e in events if e.get("type") == "restart"]
     if not restarts:
         raise CkptrunError("the crashed worker was not restarted and resumed (no restart event in its metrics)")
-    if not restarts[0]["resume_step"]:
-        raise CkptrunError("the restarted worker found no committed step and started over from step 0")
     first = restarts[0]
+    if not first["resume_step"]:
+        if not required:
+            return first
+        raise CkptrunError("the restarted worker found no committed step and started over from step 0")
     setup = first.get("setup_s")
     result.recovery_s, result.setup_s = float(first["recovery_s"]), None if setup is None else float(setup)
     result.restore_s = float(first.get("restore_s") or 0.0)

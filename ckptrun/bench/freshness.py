@@ -30,14 +30,15 @@ class Freshness:
     disk_max: int | None = None
     restorable_mean: float | None = None  # to the newest step in memory or on disk
     disk_mean: float | None = None
+    nothing_on_disk: bool = False
 
     @classmethod
-    def of(cls, memory: list[int] | None, disk: list[int], restorable: list[int]) -> Freshness:
-        """From per-step distances (`memory` None: no memory tier)."""
+    def of(cls, memory: list[int] | None, disk: list[int], restorable: list[int], last: int) -> Freshness:
+        """From per-step distances (`memory` None: no memory tier); `last`: the last timed step."""
         if not disk:
             return cls()
         return cls(median(memory) if memory else None, max(memory) if memory else None, median(disk), max(disk),
-                   fmean(restorable), fmean(disk))
+                   fmean(restorable), fmean(disk), disk[-1] >= last)
 
 
 def worker_freshness(records: list[dict[str, Any]], first: int, last: int) -> Freshness:
@@ -58,7 +59,8 @@ def worker_freshness(records: list[dict[str, Any]], first: int, last: int) -> Fr
         disk.append(max(s - d for _, d in ranks))
         restorable.append(max(s - max(m or 0, d) for m, d in ranks))
         memory.append(max(s - (m or 0) for m, _ in ranks))
-    return Freshness.of(memory if has_memory else None, [max(0, d) for d in disk], [max(0, r) for r in restorable])
+    return Freshness.of(memory if has_memory else None, [max(0, d) for d in disk], [max(0, r) for r in restorable],
+                        steps[-1] if steps else 0)
 
 
 def saves_freshness(steps: list[dict[str, Any]], saves: list[dict[str, Any]]) -> Freshness:
@@ -69,4 +71,4 @@ def saves_freshness(steps: list[dict[str, Any]], saves: list[dict[str, Any]]) ->
     for e in steps:
         newest = max((step for t, step in done if t <= e["t"]), default=0)
         disk.append(max(0, e["step"] - newest))
-    return Freshness.of(None, disk, disk)
+    return Freshness.of(None, disk, disk, steps[-1]["step"] if steps else 0)

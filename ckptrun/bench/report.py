@@ -101,6 +101,7 @@ CAUSES = {"snapshot": "snap", "backpressure": "bp", "sync_write": "write", "laye
 CAUSES_LEGEND = ("snap: waiting for a snapshot, bp: back-pressure, write: a synchronous write, layer: a layer's "
                  "copy, save: the script's own save")
 OVER = "*"
+NOTHING = "none"  # the disk cell of a configuration none of whose steps reached the disk in the run
 
 
 def _causes_cell(causes: dict[str, float] | None) -> str:
@@ -114,7 +115,14 @@ def _causes_cell(causes: dict[str, float] | None) -> str:
 
 def _fresh_cell(row: dict[str, Any], tier: str) -> str:
     med, top = row[f"fresh_{tier}_median"], row[f"fresh_{tier}_max"]
+    if tier == "disk" and row["nothing_on_disk"]:
+        return NOTHING
     return "-" if med is None else f"{med:g}/{top:g}"
+
+
+def _waste_cell(row: dict[str, Any], mtbf: str) -> str:
+    w = row["predicted_waste"][mtbf]
+    return "-" if w is None else (">" if row["nothing_on_disk"] else "") + f"{100 * w:.1f}%"
 
 
 def _own_cell(row: dict[str, Any]) -> str:
@@ -134,8 +142,7 @@ def budget_tables(rows: list[dict[str, Any]], budget: float | None, calibration:
                *(Col(f"waste {m}" if len(mtbfs) > 1 else "waste") for m in mtbfs))
     cells = [[r["name"] + (OVER if r["over_budget"] else ""), every_cell(r), _own_cell(r),
               _causes_cell(r["stall_by_cause"]), _fresh_cell(r, "memory"), _fresh_cell(r, "disk"),
-              *(_num(None if r["predicted_waste"][m] is None else 100 * r["predicted_waste"][m], ".1f") + "%"
-                * (r["predicted_waste"][m] is not None) for m in mtbfs)]
+              *(_waste_cell(r, m) for m in mtbfs)]
              for r in rows if r["repetitions"]]
     of = "no budget" if budget is None else f"budget {budget:.0%}"
     title = f"the overhead budget ({of}), freshness, predicted waste at MTBF {', '.join(mtbfs)}"
@@ -146,6 +153,9 @@ def budget_tables(rows: list[dict[str, Any]], budget: float | None, calibration:
              "work and recovery over the MTBF"]
     if any(r["over_budget"] for r in rows):
         lines.append(f"{OVER} the run said its strategy cannot keep within the budget")
+    if any(r["nothing_on_disk"] for r in rows if r["repetitions"]):
+        lines.append(f"{NOTHING}: no step reached the disk by the end of the run (an interval longer than the "
+                     "run): its waste, >, counts only the steps run; a longer --steps measures it")
     if calibration is not None:
         lines.append(calibration.note())
     if left_out:

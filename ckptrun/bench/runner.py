@@ -95,7 +95,7 @@ def _ckptrun_run(cfg: Configuration, work: Workload, run_dir: Path, steps: int, 
     first = figures.attempts(run_dir / "timing.jsonl")[0]
     result = figures.ckptrun_figures(first, run_dir / "metrics", warmup, mem, cpu)
     if spec.crash_step is not None:
-        figures.ckptrun_recovery(result, MetricsTailer(run_dir / "metrics").poll())
+        figures.ckptrun_recovery(result, MetricsTailer(run_dir / "metrics").poll(), required=cfg.every is not None)
     return result, first.params
 
 

@@ -55,6 +55,7 @@ def summarize(configs: list[Configuration], outcomes: dict[str, list[Outcome]],
                      **{k: mid.get(k) for k in KEYS}, "min": low, "max": high, "repetitions": len(ok),
                      "save_cost_s": cfg.save_cost_s, "stall_by_cause": _causes(ok),
                      "over_budget": any(x.budget_over is not None for x in ok),
+                     "nothing_on_disk": any(x.nothing_on_disk for x in ok),
                      "io_engines": sorted({x.io_engine for x in ok if x.io_engine}),
                      "runs": [o.to_json() for o in runs],
                      "errors": [o.error for o in runs if o.error]})
