@@ -42,7 +42,8 @@ def test_tiny_bench_writes_every_figure_with_ratios_against_its_own_none(tmp_pat
         assert set(stats.KEYS) <= row.keys()
         assert set(row["min"]) == set(row["max"]) == set(stats.KEYS)
         assert row["repetitions"] == 1 and row["errors"] == []
-        assert set(row["runs"][0]) == {*FIGURES, "io_engine", "wall_s", "load_1m", "stall_by_cause", "budget_over"}
+        assert set(row["runs"][0]) == {*FIGURES, "io_engine", "wall_s", "load_1m", "stall_by_cause", "budget_over",
+                                     "nothing_on_disk"}
         assert row["min"]["median_step_s"] <= row["median_step_s"] <= row["max"]["median_step_s"]
     none, sync = rows["none"], rows["sync"]
     assert none["overhead_ratio"] == 1.0
