@@ -563,7 +563,8 @@ def bench(
                                                  "dcp-thread, dcp-process), ckptrun strategies and their variants "
                                                  "(an unknown name lists them all). `default`: "
                                                  "torch.save, dcp-thread and each strategy once at its defaults "
-                                                 "(about 3 minutes on 2 cores with the other defaults); `all`: "
+                                                 "(about 3 minutes on 2 cores with the other defaults, and a "
+                                                 "short calibration run of none and each reference); `all`: "
                                                  "every reference, strategy and variant. `none` (no "
                                                  "checkpointing) always runs.")] = "default",
     every: Annotated[str, typer.Option(help="Checkpoint interval(s) in steps, comma-separated, e.g. 1,5,10,50; "

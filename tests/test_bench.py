@@ -5,6 +5,7 @@ configuration choice) without runs. Nothing here asserts speed."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import shutil
@@ -413,7 +414,8 @@ def test_a_reference_runs_at_the_fewest_steps_between_saves_within_the_budget(tm
 
     def fake_run(cfg, work, run_dir, steps, warmup, timeout_s, *, recover=True):
         ran.append((cfg.name, cfg.every, steps, recover))
-        return Outcome(_figures(step_s[cfg.method]), None, 1.0)
+        lag = freshness.Freshness(disk_mean=0.0 if cfg.method == "torch.save" else 1.5)
+        return Outcome(_figures(step_s[cfg.method]).set_freshness(lag), None, 1.0)
 
     monkeypatch.setattr(budget, "run_configuration", fake_run)
     configs = plan.configurations("checkfreq,torch.save,dcp-thread", "default")
@@ -424,6 +426,8 @@ def test_a_reference_runs_at_the_fewest_steps_between_saves_within_the_budget(tm
     every = {c.name: c.every for c in chosen}
     assert every == {"none": None, "checkfreq": None, "torch.save": 10, "dcp-thread": 2}
     assert cal.save_cost_s == pytest.approx({"torch.save": 1.0, "dcp-thread": 0.2})
+    assert {c.name: c.save_lag_steps for c in chosen if c.kind == "reference"} == {"torch.save": 0.0,
+                                                                                   "dcp-thread": 1.5}
     assert "torch.save every 10 (1000 ms a save)" in cal.note() and "2000 ms step" in cal.note()
     assert [c.every for c in budget.calibrate(configs, work, tmp_path, 2, None, 60.0, console)[0]][2:] == [1, 1]
     assert len(ran) == 3  # no budget: every step, nothing calibrated
@@ -470,6 +474,13 @@ def test_predicted_waste_is_overhead_plus_lost_work_and_recovery_per_mtbf():
     assert rows["sync"]["predicted_waste"] == pytest.approx({"1h": 0.03 + (3.5 * 2.06 + 10) / 3600,
                                                              "1m": 0.03 + (3.5 * 2.06 + 10) / 60})
     assert rows["none"]["predicted_waste"] == {"1h": None, "1m": None}
+    # A reference at every 10 that saved nothing in the run: (10 - 1) / 2 steps + its 1.5 steps of lag
+    ref = next(c for c in plan.configurations("torch.save", "10") if c.kind == "reference")
+    ref = dataclasses.replace(ref, save_lag_steps=1.5)
+    unsaved = _figures(2.06, None).set_freshness(freshness.Freshness(None, None, 5.0, 9, 5.0, 5.0, True))
+    row = stats.summarize([configs[0], ref], {"none": [Outcome(figs["none"], None, 1.0)],
+                                              "torch.save": [Outcome(unsaved, None, 1.0)]})[1]
+    assert stats.interval_model(row) and row["predicted_waste"]["1h"] == pytest.approx(0.03 + 6.5 * 2.06 / 3600)
 
 
 def test_a_run_that_says_it_cannot_keep_within_the_budget_is_marked():

@@ -7,7 +7,9 @@ them, stays within the budget of `none`'s step. The cost of one save is measured
 calibration run of each reference saving every step, against a calibration run of `none`: its
 step time less none's, all it costs the loop (its stall and the slowdown of the step around
 it). Saving every step, a DCP save also waits for the previous one to be written, so for DCP
-this cost is an upper bound and its interval on the safe side.
+this cost is an upper bound and its interval on the safe side. The same run measures how many
+steps after its own a save is on disk (its lag): where a reference's interval exceeds the bench's
+run, its waste is predicted from the interval and that lag (bench/stats.py).
 """
 
 from __future__ import annotations
@@ -80,15 +82,16 @@ def calibrate(configs: list[Configuration], work: Workload, root: Path, warmup: 
                    f"({steps} steps each, saving every step) for their interval within the {budget:.0%} budget")
     runs = [Configuration(BASELINE, BASELINE, "baseline", None),
             *(replace(c, name=f"{c.name}@1", every=1) for c in todo)]
-    step_s = {}
+    measured = {}
     for i, cfg in enumerate(runs):
         out = run_configuration(cfg, work, root / f"calibrate-{i:02d}-{cfg.method}", steps, warmup, timeout_s,
                                 recover=False)
         if out.figures is None:
             raise CkptrunError(f"the calibration run of {cfg.name} failed: {out.error}")
-        step_s[cfg.method] = out.figures.step_s
-    none = step_s[BASELINE]
-    costs = {c.name: max(0.0, step_s[c.method] - none) for c in todo}
+        measured[cfg.method] = out.figures
+    none = measured[BASELINE].step_s
+    costs = {c.name: max(0.0, measured[c.method].step_s - none) for c in todo}
     every = {n: reference_interval(cost, none, budget) for n, cost in costs.items()}
-    chosen = [replace(c, every=every[c.name], save_cost_s=costs[c.name]) if c in todo else c for c in configs]
+    chosen = [replace(c, every=every[c.name], save_cost_s=costs[c.name],
+                      save_lag_steps=measured[c.method].fresh_disk_mean) if c in todo else c for c in configs]
     return chosen, Calibration(budget, steps, none, costs, every)

@@ -56,7 +56,10 @@ class Configuration:
     flags: tuple[str, ...] = ()  # a strategy's own run options (VARIANTS); a baseline's script flags
     reference: str = BASELINE  # the configuration its overhead ratio is measured against
     durable: str = ""  # `bench --durable`: the tier its runs drain to, each under a prefix of its own
-    save_cost_s: float | None = None  # a reference's cost per save that chose its interval (bench/budget.py)
+    # A reference's interval chosen within the budget (bench/budget.py): the cost of one save that chose it,
+    # and the steps from a save's step until it was on disk, both measured in its calibration run
+    save_cost_s: float | None = None
+    save_lag_steps: float | None = None
 
 
 @dataclass(frozen=True)

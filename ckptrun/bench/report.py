@@ -14,6 +14,7 @@ from ..errors import CkptrunError
 from ..widthfit import Col, fit_table, left_out_line, width_of
 from .budget import Calibration
 from .plan import BASELINE, every_label
+from .stats import interval_model
 
 SCHEMA = "ckptrun-bench/1"
 
@@ -122,7 +123,8 @@ def _fresh_cell(row: dict[str, Any], tier: str) -> str:
 
 def _waste_cell(row: dict[str, Any], mtbf: str) -> str:
     w = row["predicted_waste"][mtbf]
-    return "-" if w is None else (">" if row["nothing_on_disk"] else "") + f"{100 * w:.1f}%"
+    mark = "~" if interval_model(row) else ">" if row["nothing_on_disk"] else ""
+    return "-" if w is None else f"{mark}{100 * w:.1f}%"
 
 
 def _own_cell(row: dict[str, Any]) -> str:
@@ -155,7 +157,8 @@ def budget_tables(rows: list[dict[str, Any]], budget: float | None, calibration:
         lines.append(f"{OVER} the run said its strategy cannot keep within the budget")
     if any(r["nothing_on_disk"] for r in rows if r["repetitions"]):
         lines.append(f"{NOTHING}: no step reached the disk by the end of the run (an interval longer than the "
-                     "run): its waste, >, counts only the steps run; a longer --steps measures it")
+                     "run): its waste counts only the steps run (>), a longer --steps measures it; a reference's "
+                     "(~) is predicted from its interval N, (N-1)/2 steps plus its saves' lag in calibration")
     if calibration is not None:
         lines.append(calibration.note())
     if left_out:

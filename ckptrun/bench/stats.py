@@ -53,7 +53,8 @@ def summarize(configs: list[Configuration], outcomes: dict[str, list[Outcome]],
         rows.append({"name": cfg.name, "method": cfg.method, "kind": cfg.kind, "every": cfg.every,
                      "against": cfg.reference if cfg.name != BASELINE else None,
                      **{k: mid.get(k) for k in KEYS}, "min": low, "max": high, "repetitions": len(ok),
-                     "save_cost_s": cfg.save_cost_s, "stall_by_cause": _causes(ok),
+                     "save_cost_s": cfg.save_cost_s, "save_lag_steps": cfg.save_lag_steps,
+                     "stall_by_cause": _causes(ok),
                      "over_budget": any(x.budget_over is not None for x in ok),
                      "nothing_on_disk": any(x.nothing_on_disk for x in ok),
                      "io_engines": sorted({x.io_engine for x in ok if x.io_engine}),
@@ -73,11 +74,20 @@ def _causes(runs: list[Any]) -> dict[str, float] | None:
 
 
 def waste(row: dict[str, Any], mtbf_s: float) -> float | None:
-    """The row's predicted waste at `mtbf_s` from its medians; None without a ratio or a saved step."""
+    """The row's predicted waste at `mtbf_s` from its medians; None without a ratio or a saved step.
+    A reference none of whose saves reached the disk in the run (its interval N exceeds it) would
+    lose (N - 1) / 2 steps plus its saves' lag on average (`interval_model`)."""
     if row[RATIO] is None or row["fresh_disk_mean"] is None:
         return None
-    return predicted_waste(row[RATIO] - 1.0, row[STEP], row["fresh_restorable_mean"], row["fresh_disk_mean"],
-                           row["recovery_s"], mtbf_s)
+    disk, restorable = row["fresh_disk_mean"], row["fresh_restorable_mean"]
+    if interval_model(row):
+        disk = restorable = (row["every"] - 1) / 2 + row["save_lag_steps"]
+    return predicted_waste(row[RATIO] - 1.0, row[STEP], restorable, disk, row["recovery_s"], mtbf_s)
+
+
+def interval_model(row: dict[str, Any]) -> bool:
+    """Whether the row's waste comes from its interval rather than its measured freshness."""
+    return bool(row["nothing_on_disk"] and row.get("save_lag_steps") is not None and row["every"])
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
