@@ -146,8 +146,8 @@ def budget_tables(rows: list[dict[str, Any]], budget: float | None, calibration:
               _causes_cell(r["stall_by_cause"]), _fresh_cell(r, "memory"), _fresh_cell(r, "disk"),
               *(_waste_cell(r, m) for m in mtbfs)]
              for r in rows if r["repetitions"]]
-    of = "no budget" if budget is None else f"budget {budget:.0%}"
-    title = f"the overhead budget ({of}), freshness, predicted waste at MTBF {', '.join(mtbfs)}"
+    against = "without an overhead budget" if budget is None else f"against the {budget:.0%} overhead budget"
+    title = f"{against}: freshness, predicted waste at MTBF {', '.join(mtbfs)}"
     table, left_out = fit_table(columns, cells, width, title=title, title_justify="left")
     lines = [f"run says: the overhead the run measured itself, of its budget; stall by cause in ms per step ("
              f"{CAUSES_LEGEND}); memory, disk: steps from each timed step back to the newest step in host memory, "
