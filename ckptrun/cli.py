@@ -576,16 +576,26 @@ def _verify(store: Store, dir: str, optimizer_class: list[str] | None) -> None:
 @app.command()
 def bench(
     model: Annotated[str, typer.Option(help="Example GPT size: tiny (seconds, for tests), small (CPU; ~55 MB "
-                                            "of state), medium (GPU; ~1.3 GB), large (GPU; ~4.3 GB).")] = "small",
+                                            "of state), wide (CPU; 1.7 GB of state, nearly all a wide "
+                                            "embedding, against a step of ~2 s: more state per second of "
+                                            "step than a disk writes), medium (GPU; ~1.3 GB), large (GPU; "
+                                            "~4.3 GB).")] = "small",
     strategies: Annotated[str, typer.Option(help="What to measure, comma-separated: references (torch.save, "
                                                  "dcp-thread, dcp-process), ckptrun strategies and their variants "
                                                  "(an unknown name lists them all). `default`: "
                                                  "torch.save, dcp-thread and each strategy once at its defaults "
-                                                 "(about 3 minutes on 2 cores with the other defaults); `all`: "
+                                                 "(about 3 minutes on 2 cores with the other defaults, and a "
+                                                 "short calibration run of none and each reference); `all`: "
                                                  "every reference, strategy and variant. `none` (no "
                                                  "checkpointing) always runs.")] = "default",
     every: Annotated[str, typer.Option(help="Checkpoint interval(s) in steps, comma-separated, e.g. 1,5,10,50; "
-                                            "each configuration runs at each.")] = "1",
+                                            "each configuration runs at each. `default` (shown as auto): "
+                                            "each strategy at its own defaults (no --every), and the "
+                                            "references (torch.save, DCP) every N steps, the fewest that "
+                                            "keep them within the overhead budget: N from each one's cost "
+                                            "per save, measured saving every step in a short calibration "
+                                            "run against none's (for DCP, whose save then also waits for "
+                                            "the previous one, an upper bound).")] = "default",
     steps: Annotated[int, typer.Option(help="Training steps per run (not with --failures: those runs last "
                                             "--duration).")] = 30,
     repeat: Annotated[int, typer.Option(help="Repetitions, interleaved; figures are their median, with their "
@@ -610,8 +620,9 @@ def bench(
                                                "same for every configuration): `worker` kills the training "
                                                "processes (the launcher restarts them), `node` the whole "
                                                "process tree (the bench starts it again).")] = "",
-    mtbf: Annotated[str, typer.Option(help="With --failures: mean time between failures, e.g. 30s; several, "
-                                           "comma-separated, give goodput against MTBF.")] = "30s",
+    mtbf: Annotated[str, typer.Option(help="Mean time between failures: of the predicted waste column "
+                                           "(default 1h); with --failures, of the kills (default 30s; "
+                                           "several, comma-separated, give goodput against MTBF).")] = "",
     duration: Annotated[str, typer.Option(help="With --failures: wall-clock budget of each run, e.g. "
                                                "2m.")] = "2m",
     seed: Annotated[int, typer.Option(help="With --failures: seed of the kill schedule (repetition r uses "
@@ -639,6 +650,11 @@ def bench(
                                                "same with --replicas K; against NAME+node-local): what the "
                                                "copies in the partner's memory add, and how much sooner a "
                                                "lost node is back.")] = 1,
+    max_overhead: Annotated[str, typer.Option(help="The overhead budget in percent of the no-checkpoint step "
+                                                   "(`off`: none), passed to every ckptrun run as "
+                                                   "--max-overhead when given (else the runs keep their "
+                                                   "default, 5%); the references' intervals at --every "
+                                                   "default keep it too.")] = "",
 ) -> None:
     """Measure every strategy against no checkpointing, torch.save and DCP async_save; with
     --failures, their goodput when failures really happen.
@@ -651,12 +667,20 @@ def bench(
     (user + system) per step of the training process (every thread of it), of the checkpoint
     engine (ckptrun's engine; DCP's checkpoint daemon for dcp-process; 0 where there is none)
     and of ckptrun's launcher (- for the references: no launcher).
+
+    A second table sets each configuration against the overhead budget: the overhead the run
+    measured itself (`run says`; a configuration marked * said its strategy cannot keep within
+    the budget), the stall by cause, the freshness of what is saved (steps from each timed step
+    back to the newest step in host memory and on disk, median/max) and the predicted waste at
+    --mtbf: the overhead plus each failure's lost work and recovery over the MTBF, by the tiers'
+    model fed with the measured figures.
     """
     from .bench import BenchOptions, run_bench
 
     raise typer.Exit(run_bench(BenchOptions(model, strategies, every, steps, repeat, device, trainer_threads,
                                             warmup, dir, json_file, plot, io_engine, failures, mtbf, duration,
-                                            seed, failure_log, traces, wide, durable, nodes, replicas), out,
+                                            seed, failure_log, traces, wide, durable, nodes, replicas,
+                                            max_overhead), out,
                                  err))
 
 

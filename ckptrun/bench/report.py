@@ -12,7 +12,9 @@ from rich.text import Text
 
 from ..errors import CkptrunError
 from ..widthfit import Col, fit_table, left_out_line, width_of
-from .plan import BASELINE
+from .budget import Calibration
+from .plan import BASELINE, every_label
+from .stats import interval_model
 
 SCHEMA = "ckptrun-bench/1"
 
@@ -68,11 +70,11 @@ def tables(rows: list[dict[str, Any]], title: str, width: int | None) -> list[Re
     for r in rows:
         if r["repetitions"] == 0:
             failed.append(f"{r['name']} failed: {r['errors'][0].splitlines()[0]}")
-            cells.append([r["name"], _num(r["every"], "d"), "-", "failed", *["-"] * (len(columns) - 4)])
+            cells.append([r["name"], every_cell(r), "-", "failed", *["-"] * (len(columns) - 4)])
             continue
         figs = {h: _mid(r, key, fmt, scale) + ("x" if h in RATIO_COLUMNS and r[key] is not None else "")
                 for h, _, key, fmt, scale in shown}
-        cells.append([r["name"], _num(r["every"], "d"), ",".join(r["io_engines"]) or "-", figs["step ms"],
+        cells.append([r["name"], every_cell(r), ",".join(r["io_engines"]) or "-", figs["step ms"],
                       figs["overhead"], r["against"] or "-", *(figs[h] for h, *_ in shown[2:])])
         ranges.append([r["name"], *(_spread(r, key, fmt, scale) for h, _, key, fmt, scale in shown
                                     if h in RANGED)])
@@ -88,6 +90,80 @@ def tables(rows: list[dict[str, Any]], title: str, width: int | None) -> list[Re
         out += [spread, *([Text(left_out_line(gone, HINT))] if gone else [])]
     out += [Text(line, style="red") for line in failed]
     return out
+
+
+def every_cell(row: dict[str, Any]) -> str:
+    """A row's interval: `-` for a baseline, `auto` for a strategy at its defaults."""
+    return "-" if row["kind"] == "baseline" else every_label(row["every"])
+
+
+# The stall's causes as the budget table names them, and the legend under it.
+CAUSES = {"snapshot": "snap", "backpressure": "bp", "sync_write": "write", "layer_wait": "layer", "save": "save"}
+CAUSES_LEGEND = ("snap: waiting for a snapshot, bp: back-pressure, write: a synchronous write, layer: a layer's "
+                 "copy, save: the script's own save")
+OVER = "*"
+NOTHING = "none"  # the disk cell of a configuration none of whose steps reached the disk in the run
+
+
+def _causes_cell(causes: dict[str, float] | None) -> str:
+    """`snap 12 bp 3.1`: the causes with any stall, the largest first, in ms per step."""
+    if not causes:
+        return "-"
+    shown = sorted(((ms, c) for c, ms in causes.items() if ms >= 0.05), reverse=True)
+    return " ".join(f"{CAUSES.get(c, c)} {ms:.0f}" if ms >= 10 else f"{CAUSES.get(c, c)} {ms:.1f}"
+                    for ms, c in shown) or "0"
+
+
+def _fresh_cell(row: dict[str, Any], tier: str) -> str:
+    med, top = row[f"fresh_{tier}_median"], row[f"fresh_{tier}_max"]
+    if tier == "disk" and row["nothing_on_disk"]:
+        return NOTHING
+    return "-" if med is None else f"{med:g}/{top:g}"
+
+
+def _waste_cell(row: dict[str, Any], mtbf: str) -> str:
+    w = row["predicted_waste"][mtbf]
+    mark = "~" if interval_model(row) else ">" if row["nothing_on_disk"] else ""
+    return "-" if w is None else f"{mark}{100 * w:.1f}%"
+
+
+def _own_cell(row: dict[str, Any]) -> str:
+    own, of = row["own_overhead"], row["own_budget"]
+    return "-" if own is None else f"{own:.1%}" + ("" if of is None else f" of {of:.0%}")
+
+
+def budget_tables(rows: list[dict[str, Any]], budget: float | None, calibration: Calibration | None,
+                  width: int | None) -> list[RenderableType]:
+    """The second table: against the overhead budget, per configuration: what the run said of its
+    own overhead, the stall by cause, the freshness in memory and on disk, the predicted waste;
+    a configuration whose run said it cannot keep within the budget marked OVER; then what each
+    column means and how the references' intervals were chosen."""
+    mtbfs = list(rows[0]["predicted_waste"]) if rows else []
+    columns = (Col("configuration", key=True, justify="left"), Col("every", 3), Col("run says", 2),
+               Col("stall by cause", 1, justify="left"), Col("memory"), Col("disk"),
+               *(Col(f"waste {m}" if len(mtbfs) > 1 else "waste") for m in mtbfs))
+    cells = [[r["name"] + (OVER if r["over_budget"] else ""), every_cell(r), _own_cell(r),
+              _causes_cell(r["stall_by_cause"]), _fresh_cell(r, "memory"), _fresh_cell(r, "disk"),
+              *(_waste_cell(r, m) for m in mtbfs)]
+             for r in rows if r["repetitions"]]
+    against = "without an overhead budget" if budget is None else f"against the {budget:.0%} overhead budget"
+    title = f"{against}: freshness, predicted waste at MTBF {', '.join(mtbfs)}"
+    table, left_out = fit_table(columns, cells, width, title=title, title_justify="left")
+    lines = [f"run says: the overhead the run measured itself, of its budget; stall by cause in ms per step ("
+             f"{CAUSES_LEGEND}); memory, disk: steps from each timed step back to the newest step in host memory, "
+             "on disk (median/max); waste: the expected share of time lost, overhead plus each failure's lost "
+             "work and recovery over the MTBF"]
+    if any(r["over_budget"] for r in rows):
+        lines.append(f"{OVER} the run said its strategy cannot keep within the budget")
+    if any(r["nothing_on_disk"] for r in rows if r["repetitions"]):
+        lines.append(f"{NOTHING}: no step reached the disk by the end of the run (an interval longer than the "
+                     "run): its waste counts only the steps run (>), a longer --steps measures it; a reference's "
+                     "(~) is predicted from its interval N, (N-1)/2 steps plus its saves' lag in calibration")
+    if calibration is not None:
+        lines.append(calibration.note())
+    if left_out:
+        lines.append(left_out_line(left_out, HINT))
+    return [table, *(Text(line) for line in lines)]
 
 
 def print_tables(parts: list[RenderableType], console: Console) -> None:
