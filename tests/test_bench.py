@@ -29,8 +29,9 @@ MACHINE_KEYS = {"cpu_model", "logical_cores", "torch", "gpus", "dir_filesystem"}
 
 def test_tiny_bench_writes_every_figure_with_ratios_against_its_own_none(tmp_path):
     out, png, runs = tmp_path / "b.json", tmp_path / "b.png", tmp_path / "runs"
+    # (--every 1: a checkpoint every step, no budget thinning them: the figures below count them)
     proc = ok(ckptrun(tmp_path, "bench", "--model", "tiny", "--strategies", "sync", "--steps", 4, "--warmup", 1,
-                      "--repeat", 1, "--dir", runs, "--json", out, "--plot", png))
+                      "--every", 1, "--repeat", 1, "--dir", runs, "--json", out, "--plot", png))
     assert "overhead" in proc.stdout and "sync" in proc.stdout  # the terminal table
     doc = json.loads(out.read_text())
     assert doc["schema"] == report.SCHEMA and doc["command"].startswith("ckptrun bench --model tiny")

@@ -253,6 +253,10 @@ def ckptrun_flags(cfg: Configuration, ckpt_dir: Path, metrics_dir: Path, run_nam
     # intervals auto, or as a variant sets them). A given --every N is honoured as given (every
     # multiple of N restorable), which pins those intervals to N, or refuses a variant that cannot.
     every = ["--every", str(cfg.every)] if cfg.every not in (None, 1) else []
+    # A numeric interval is measured as asked: no overhead budget thins it (unless --max-overhead
+    # was given to bench); `default` (None) runs each strategy at its defaults, the budget included.
+    if cfg.every is not None and "--max-overhead" not in cfg.flags:
+        every += ["--max-overhead", "off"]
     # A prefix of its own per run: a run never resumes from, or is refused over, another's steps.
     durable = ["--durable", f"{cfg.durable.rstrip('/')}/{run_name}-{uuid.uuid4().hex[:8]}"] if cfg.durable else []
     return ["--strategy", cfg.method, *cfg.flags, *durable, "--dir", str(ckpt_dir), *every,
