@@ -63,7 +63,8 @@ def _recipe_defaults(ctx: typer.Context, path: str) -> str:
 
 _NOT_IN_RECIPES = {"script", "script_args", "recipe"}
 Script = Annotated[str, typer.Argument(help="The training script; everything after it is its own.")]
-ScriptArgs = Annotated[list[str] | None, typer.Argument(help="Arguments passed to the script.")]
+ScriptArgs = Annotated[list[str] | None, typer.Argument(help="Arguments passed to the script as given, never read "
+                                                                 "as ckptrun's or torchrun's.")]
 Mtbf = Annotated[str, typer.Option(help="Mean time between failures of every kind: 90s, 45m, 2h, 1.5d "
                                         "(default 1h). run: used by --every auto and the strategies' auto "
                                         "settings. The kinds not given by --mtbf-KIND share it: process 50%, "
