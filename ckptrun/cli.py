@@ -33,8 +33,11 @@ out = Console(highlight=False)
 Dir = Annotated[Path, typer.Option("--dir", help="Checkpoint directory.")]
 ReadDir = Annotated[str, typer.Option("--dir", help="Checkpoint directory, or a --durable tier (s3://BUCKET/PREFIX "
                                                     "or a path).")]
-Endpoint = Annotated[str, typer.Option(help="URL of an S3-compatible service for an s3:// --dir (default: the "
-                                            "client's standard chain, e.g. AWS_ENDPOINT_URL).")]
+# One name on every command, the name `run` had before accepted too (a recipe may use either).
+Endpoint = Annotated[str, typer.Option("--endpoint", "--durable-endpoint",
+                                       help="URL of the S3-compatible service behind s3:// URLs (--durable, or "
+                                            "an s3:// --dir) (default: the client's standard chain, e.g. "
+                                            "AWS_ENDPOINT_URL); --durable-endpoint is the same flag.")]
 OptimizerClass = Annotated[
     list[str] | None,
     typer.Option("--optimizer-class", help="Trust this optimizer class (pkg.module:Class; repeatable) for "
@@ -53,11 +56,14 @@ def _duration(flag: str, text: str) -> float:
 
 def _recipe_defaults(ctx: typer.Context, path: str) -> str:
     """--recipe (processed first): its values become the run command's defaults, so explicit
-    flags override them and click converts and checks them like the flags themselves."""
+    flags override them and click converts and checks them like the flags themselves. A key is
+    any of an option's long names (an alias too), with underscores for dashes."""
     if path:
         from .tuning.recipes import load_recipe
 
-        ctx.default_map = load_recipe(path, {p.name for p in ctx.command.params} - _NOT_IN_RECIPES)
+        keys = {key: p.name for p in ctx.command.params if p.name not in _NOT_IN_RECIPES
+                for key in (p.name, *(o.lstrip("-").replace("-", "_") for o in p.opts if o.startswith("--")))}
+        ctx.default_map = load_recipe(path, keys)
     return path
 
 
@@ -202,9 +208,7 @@ def run(
     = "auto",
     durable_keep: Annotated[int, typer.Option(help="Full checkpoints retained on --durable (0 keeps all); one "
                                                    "goes only after a newer one is committed there.")] = 2,
-    durable_endpoint: Annotated[str, typer.Option(help="URL of an S3-compatible service for --durable "
-                                                       "(default: the client's standard chain, e.g. "
-                                                       "AWS_ENDPOINT_URL).")] = "",
+    endpoint: Endpoint = "",
     replicas: Annotated[int, typer.Option(help="Copies of each committed step: 1 (--dir only) or K: also in "
                                                "the memory of K-1 partner ranks' engines on other nodes; a "
                                                "replaced node takes its ranks' parts back from them when its "
@@ -306,6 +310,9 @@ def run(
         raise UsageError(f"--durable-every must be a number of steps or auto (got {durable_every!r})")
     if io_engine not in ENGINES:
         raise UsageError(f"--io-engine must be one of {', '.join(ENGINES)} (got {io_engine!r})")
+    if endpoint and not durable:
+        raise UsageError("--endpoint names the service of an s3:// --durable; give --durable "
+                         "s3://BUCKET/PREFIX, or drop --endpoint")
     mtbf_s = _duration("--mtbf", mtbf) if mtbf else 0.0
     mtbf_kinds, rates = _rates(mtbf_s, {"process": mtbf_process, "node": mtbf_node, "job": mtbf_job})
     mtbf_s = mtbf_s or (1.0 / rates.total if mtbf_kinds else 0.0)  # the kinds alone give every failure's MTBF
@@ -326,7 +333,7 @@ def run(
                     on_restart=on_restart, dist_env=dist_env,
                     every_given=every_given, durable=durable, durable_keep=durable_keep,
                     durable_every=0 if durable_every == "auto" else int(durable_every),
-                    durable_endpoint=durable_endpoint, replicas=replicas, replica_jump=replica_jump,
+                    durable_endpoint=endpoint, replicas=replicas, replica_jump=replica_jump,
                     node_local_dir=node_local_dir,
                     options={**options, **({"mtbf": mtbf_s} if mtbf_s else {}),
                              "memory_lost_share": Layout(replicas, node_local_dir).memory_lost_share(rates)})

@@ -80,7 +80,7 @@ def test_drained_steps_restore_from_the_url(strategy, s3, example_truth, tmp_pat
     """Every strategy's steps reach the store; `restore`/`verify`/`ls` read the URL like a
     directory, and --durable-keep holds there."""
     url = f"s3://{s3.bucket()}/run"
-    ok(durable_run(tmp_path, strategy, url, "--durable-endpoint", s3.url, "--durable-keep", "1"))
+    ok(durable_run(tmp_path, strategy, url, "--endpoint", s3.url, "--durable-keep", "1"))
     ups = engine_events(tmp_path, "durable")
     assert ups and ups[-1]["step"] == STEPS and {"lag_steps", "lag_s", "upload_s", "bytes"} <= set(ups[-1])
     state, _ = restore(tmp_path, url, "latest")
@@ -92,7 +92,7 @@ def test_drained_steps_restore_from_the_url(strategy, s3, example_truth, tmp_pat
     feed = MetricsState()  # what the dashboard shows: the remote step, no lag once the run ended
     feed.apply_all(map(json.loads, (tmp_path / "metrics" / "engine-0.jsonl").read_text().splitlines()))
     assert feed.remote["step"] == STEPS and feed.remote_lag() == 0
-    listed = ok(ckptrun(tmp_path, "ls", "--dir", url, "--json"))
+    listed = ok(ckptrun(tmp_path, "ls", "--dir", url, "--json", "--durable-endpoint", s3.url))
     assert max(r["step"] for r in json.loads(listed.stdout)) == STEPS
 
 
@@ -204,6 +204,28 @@ def test_unusable_store_is_one_line_at_start(case, s3, tmp_path):
     assert {"credentials": "credentials refused", "bucket": "does not exist",
             "endpoint": "cannot reach"}[case] in line, line
     assert not (tmp_path / "metrics").exists()
+
+
+def test_one_endpoint_flag_on_every_command(tmp_path, monkeypatch):
+    """--endpoint is the name on every command, --durable-endpoint (run's old name) its alias,
+    both shown in help and taken by a recipe; on `run` it needs --durable (else ignored)."""
+    from ckptrun import cli as entry
+    from ckptrun.launcher import run as launcher
+
+    for command in ("run", "ls", "restore", "verify"):
+        assert "--endpoint, --durable-endpoint" in cli(tmp_path, command, "--help").stdout, command
+    seen = []
+    monkeypatch.setattr(launcher, "run", lambda cfg, *a, **kw: seen.append(cfg.durable_endpoint) or 0)
+    url, durable = "http://127.0.0.1:9", ["--durable", "s3://b/run"]
+    (tmp_path / "new.yaml").write_text(f"endpoint: {url}\n")
+    (tmp_path / "old.yaml").write_text(f"durable_endpoint: {url}\n")
+    (tmp_path / "both.yaml").write_text(f"endpoint: {url}\ndurable-endpoint: {url}\n")
+    for flags in (["--endpoint", url], ["--durable-endpoint", url], ["--recipe", str(tmp_path / "new.yaml")],
+                  ["--recipe", str(tmp_path / "old.yaml")]):
+        assert entry.main([*flags, *durable, str(EXAMPLE)]) == 0, flags
+    assert seen == [url] * 4
+    assert "durable-endpoint sets endpoint a second time" in error_line(cli(tmp_path, "--recipe", "both.yaml", EXAMPLE))
+    assert "give --durable" in error_line(cli(tmp_path, "--endpoint", url, EXAMPLE))
 
 
 def test_crafted_listings_are_refused(s3, tmp_path):
