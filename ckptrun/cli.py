@@ -384,7 +384,7 @@ def restore(
         return [m.name for m in plan.records] if plan else []
 
     with reading(dir, endpoint or None, records) as store:
-        plan = export(store.root, step, out_file, format, rank, optimizer_class)
+        plan = export(store, step, out_file, format, rank, optimizer_class)
     via = f" + {len(plan.diffs)} diff record(s) replayed" if plan.diffs else ""
     err.print(f"restored step {plan.step} (from {plan.base.name}{via}, rank {rank}) -> {out_file}")
 
@@ -461,7 +461,8 @@ def _ls(store: Store, as_json: bool, wide: bool, remote: Store | None = None) ->
     step = min((h["step"] for h in held), default=None)
     copies = memory_status.live(store.root, of=memory_status.HELD_COPIES)  # of steps held in memory only
     listed = remote is not None or bool(copies) or any(len(t) > 1 for t in tiers.values())
-    here = {m.name: _ranks_here(store, m) for m in ms if "local" in tiers.get(m.name, [])}
+    # (a remote --dir is read through a copy of its manifests: which ranks' parts it holds is no question there)
+    here = {m.name: _ranks_here(store, m) for m in ms if "local" in tiers.get(m.name, []) and not store.copy_of}
     rows = [{"step": m.step, "kind": m.kind, "record": m.name, "bytes": m.bytes, "ranks": m.world_size,
              "ranks_here": here.get(m.name), "rank_bytes": m.rank_bytes or None,
              "depends_on": m.depends_on, "first_step": m.first_step, "layout": m.layout,

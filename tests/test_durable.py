@@ -228,6 +228,26 @@ def test_one_endpoint_flag_on_every_command(tmp_path, monkeypatch):
     assert "give --durable" in error_line(cli(tmp_path, "--endpoint", url, EXAMPLE))
 
 
+def test_a_remote_dir_is_named_by_its_url_and_has_no_node_local_notes(s3, tmp_path):
+    """`ls`, `restore` and `verify` of an s3:// --dir read a private copy of it: what they say
+    names the URL given (not the copy's temporary folder), and a listing says nothing that
+    applies only to a node-local --dir (each record's parts are the store's, not a node's)."""
+    store = _local_steps(tmp_path / "ckpts", world_size=2)
+    url = f"s3://{s3.bucket()}/run"
+    tier = open_tier(url)
+    for m in store.manifests():
+        with record_parts(store, m) as (parts, manifest):
+            tier.publish_record(m.name, parts, manifest)
+    listed = cli(tmp_path, "ls", "--dir", url)
+    assert listed.returncode == 0 and "step-00000002" in listed.stdout, listed.stderr
+    assert "node-local" not in listed.stdout + listed.stderr and "note:" not in listed.stdout, listed.stdout
+    assert [r["ranks_here"] for r in json.loads(cli(tmp_path, "ls", "--dir", url, "--json").stdout)] == [None, None]
+    missing = error_line(cli(tmp_path, "restore", "--dir", url, "--step", "10", "--out", tmp_path / "o.pt"))
+    assert f"step 10 is not committed in {url}; available steps: 1-2" in missing, missing
+    no_bucket = error_line(cli(tmp_path, "verify", "--dir", "s3://no-such-bucket/run"))
+    assert no_bucket.endswith("s3://no-such-bucket/run: bucket no-such-bucket does not exist"), no_bucket
+
+
 def test_crafted_listings_are_refused(s3, tmp_path):
     """Keys outside the record/file pattern (`..`), sizes out of range and a commit object
     naming missing data are refused as a crafted directory's are."""

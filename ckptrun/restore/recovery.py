@@ -338,11 +338,11 @@ def find(store: Store, step: int | str, classes: dict[str, type] | None = None, 
             newest = max(plans(store).items(), default=(0, None))[1]
             partial = newest and ranks and missing_part(store, newest, ranks)
             raise StepNotAvailable(f"rank {rank}: {partial}" if partial else
-                                   f"no restorable step in {store.root}" + _available(store))
+                                   f"no restorable step in {store.where}" + _available(store))
         return plan
     plan = plans(store).get(int(step))
     if plan is None:
-        raise StepNotAvailable(f"step {step} is not committed in {store.root}" + _available(store))
+        raise StepNotAvailable(f"step {step} is not committed in {store.where}" + _available(store))
     if ranks and (partial := missing_part(store, plan, ranks)):
         raise StepNotAvailable(f"rank {rank}: {partial}")
     problems = sum(_problems(store, plan, classes, ranks=_checked_ranks(store, plan, ranks)), [])
