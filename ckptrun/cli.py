@@ -199,12 +199,18 @@ def run(
                                               "(s3://BUCKET/PREFIX with the s3 extra, or a path on a shared "
                                               "file system); a resume takes the newest step of --dir and it.")]
     = "",
-    durable_every: Annotated[str, typer.Option(help="Copy the newest committed step to --durable once it is this "
-                                                    "many steps past the last copied one; auto: the tiers' model "
-                                                    "(as `ckptrun tune` prints it): Daly's interval for the "
-                                                    "measured upload time against the failures that resume from "
-                                                    "--durable (job; node too with --node-local-dir and "
-                                                    "--replicas 1), never more often than the uploads drain.")]
+    durable_every: Annotated[str, typer.Option(help="N: copy the committed steps that are multiples of N to "
+                                                    "--durable, as --every N means for --dir (where the uploads "
+                                                    "fall behind, the newest multiple reached, older ones "
+                                                    "skipped, said once; where the strategy committed no record "
+                                                    "at a multiple, the first committed step after it). auto: "
+                                                    "the newest committed step once the interval of the tiers' "
+                                                    "model (as `ckptrun tune` prints it) is past the last copy: "
+                                                    "Daly's interval for the measured upload time against the "
+                                                    "failures that resume from --durable (job; node too with "
+                                                    "--node-local-dir and --replicas 1), never more often than "
+                                                    "the uploads drain. Either way the run's last committed "
+                                                    "step is copied at its end.")]
     = "auto",
     durable_keep: Annotated[int, typer.Option(help="Full checkpoints retained on --durable (0 keeps all); one "
                                                    "goes only after a newer one is committed there.")] = 2,

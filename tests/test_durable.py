@@ -34,6 +34,7 @@ from s3server import moto_server
 
 from ckptrun.engine import drain
 from ckptrun.engine.drain import Drain
+from ckptrun.engine.durable_due import Due, due
 from ckptrun.ipc.events import EventLog
 from ckptrun.launcher.console.metrics_feed import MetricsState
 from ckptrun.storage.fsutil import _no_fault
@@ -99,10 +100,11 @@ def test_drained_steps_restore_from_the_url(strategy, s3, example_truth, tmp_pat
 def test_killed_run_resumes_from_the_store_without_its_dir(s3, example_truth, tmp_path):
     """A run killed at step 7 (its whole --dir lost with the machine) resumes from the store."""
     url = f"s3://{s3.bucket()}/run"
-    killed = durable_run(tmp_path, "checkfreq", url, "--durable-every", "2", fault="kill:step=7")
+    killed = durable_run(tmp_path, "checkfreq", url, "--durable-every", "3", fault="kill:step=7")
     assert killed.returncode != 0
     remote = open_tier(url).committed()
     assert remote, "nothing reached the store before the kill"
+    assert all(int(name.split("-")[1]) % 3 == 0 for name in remote), f"--durable-every 3 copied {remote}"
     shutil.rmtree(tmp_path / "ckpts")
     again = ok(durable_run(tmp_path, "checkfreq", url))
     assert "resuming from" in again.stderr
@@ -490,6 +492,43 @@ def test_ls_shows_each_steps_tiers(tmp_path, monkeypatch):
         assert proc.returncode == 0 and said in line and f"listing {ckpts} alone" in line, proc.stderr
         assert "step-00000002" in proc.stdout and "tiers" not in proc.stdout
     assert error_line(cli(tmp_path, "ls", "--dir", ckpts, "--durable", str(remote))).startswith("ckptrun")
+
+
+@pytest.mark.parametrize(("steps", "last", "every", "expected"), [
+    ([2, 4, 6], -1, 10, None),  # no multiple reached: nothing, not the first step (it was)
+    (list(range(1, 13)), -1, 10, Due(10, ())),
+    (list(range(1, 13)), 10, 10, None),  # the next is 20
+    (list(range(1, 36)), 10, 10, Due(30, (20,))),  # behind: the newest multiple, 20 skipped
+    ([3, 6, 9, 12, 15, 18, 21, 24], -1, 10, Due(21, ())),  # no record at 20: the first after it
+    ([3, 6, 9, 12, 15, 18, 21, 24], 21, 10, None),  # (21 stood for 20)
+    ([30, 40], 37, 10, Due(40, ())),  # a resumed run's tier ends at the last run's final step
+])
+def test_durable_every_copies_the_multiples(steps, last, every, expected):
+    """--durable-every N means what --every N means: the committed multiples of N (before: the
+    newest step once N past the last copy: 2, 12, 25, 35 for N = 10)."""
+    assert due(steps, last, every) == expected
+
+
+def test_a_drain_behind_copies_the_newest_multiple_and_says_so_once(tmp_path):
+    """A drain that finds two multiples of --durable-every committed copies the newer, says the
+    skip once (a warning and a `durable_skip` event), and the run's final step at close."""
+    store = _local_steps(tmp_path / "ckpts", steps=(1, 2, 3, 4, 5, 6, 7))
+    metrics = tmp_path / "metrics"
+    d = _drain(store, str(tmp_path / "remote"), 0, metrics)
+    d.every = 3
+    d.round()
+    assert d.tier.committed() == [full_name(6)]
+    _local_steps(store.root, steps=(8, 9, 10, 11, 12, 13))
+    d.round()
+    d.round()  # nothing due
+    assert d.tier.committed() == [full_name(6), full_name(12)]
+    _local_steps(store.root, steps=(14,))
+    d.round(final=True)  # what close() runs once the thread has stopped
+    assert d.tier.committed() == [full_name(6), full_name(12), full_name(14)]
+    d.log.flush()
+    said = [e for e in map(json.loads, (metrics / "engine-0.jsonl").read_text().splitlines())
+            if e["type"] == "durable_skip"]
+    assert [(e["step"], e["skipped"]) for e in said] == [(6, [3])], said
 
 
 def test_auto_interval_follows_bandwidth_and_failure_rate(tmp_path):
