@@ -404,8 +404,10 @@ def _time_or_none(value: object) -> float | None:
 @app.command("ls")
 def ls(dir: ReadDir = "ckpts",
        as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output, every field.")] = False,
-       wide: Annotated[bool, typer.Option("--wide", help="Every column, however narrow the terminal (by "
-                                                         "default the less important ones are left out "
+       wide: Annotated[bool, typer.Option("--wide", help="Every record (a diff chain's records one by one) and "
+                                                         "every column, however narrow the terminal (by "
+                                                         "default a chain's consecutive diff records are one "
+                                                         "row, and the less important columns are left out "
                                                          "where they do not fit).")] = False,
        endpoint: Endpoint = "",
        durable: Annotated[str, typer.Option("--durable", help="Also list this remote tier (s3://BUCKET/PREFIX "
@@ -415,7 +417,13 @@ def ls(dir: ReadDir = "ckpts",
     """List committed steps, and the step a live run's engines hold in memory (kind `memory`:
     survives a worker crash, not a machine loss; lowdiff+). A tiers column says where each step
     is, when not only in --dir: `remote` (--durable), `copy:R` (an engine on this host holds
-    rank R's part of it for its partner: --replicas)."""
+    rank R's part of it for its partner: --replicas).
+
+    Diff chains (lowdiff, lowdiff+): consecutive diff records on one full checkpoint are one row
+    (`N records`; --wide and --json list each), and a line per run of restorable steps says
+    which full checkpoints they restore from, how many are diffs, and what restoring the newest
+    takes: the bytes it reads (every rank's) and the steps it replays through the optimizer, the
+    two costs of a restore (no time is given: none is recorded to estimate one from)."""
     from .storage.tiers.mirror import reading
 
     with reading(dir, endpoint or None) as store, _remote_tier(dir, durable, endpoint) as remote:
@@ -448,9 +456,10 @@ def _remote_tier(dir: str, durable: str, endpoint: str) -> Iterator[Store | None
 
 
 def _ls(store: Store, as_json: bool, wide: bool, remote: Store | None = None) -> None:
+    from .restore.chain_listing import group_diffs, restorable_lines
     from .storage import memory_status
     from .storage.store import full_name
-    from .widthfit import Col, fit_table, left_out_line
+    from .widthfit import Col, fit_table, left_out_line, print_tables
 
     ms = store.manifests()
     tiers = {m.name: ["local"] for m in ms}
@@ -484,19 +493,22 @@ def _ls(store: Store, as_json: bool, wide: bool, remote: Store | None = None) ->
     if as_json:
         out.print_json(json.dumps(rows))
         return
+    shown = rows if wide else group_diffs(rows)
     columns = (Col("step", key=True), Col("kind", 1, justify="left"), Col("record", key=True, justify="left"),
                Col("bytes", 2), Col("ranks", 5), Col("bytes per rank", 4), Col("depends_on", 3, justify="left"),
                Col("layout", 6, justify="left"))
     cells = [[str(r["step"]) if r["first_step"] == r["step"] else f"{r['first_step']}-{r['step']}", r["kind"],
               r["record"], f"{r['bytes']:,}", str(r["ranks"]), _per_rank(r["rank_bytes"]),
-              ", ".join(r["depends_on"]) or "-", r["layout"]] for r in rows]
-    if all(r["ranks"] <= 1 for r in rows):  # bytes per rank would repeat bytes
+              ", ".join(r["depends_on"]) or "-", r["layout"]] for r in shown]
+    if all(r["ranks"] <= 1 for r in shown):  # bytes per rank would repeat bytes
         columns, cells = columns[:5] + columns[6:], [c[:5] + c[6:] for c in cells]
     if listed:
         columns += (Col("tiers", 1, justify="left"),)
-        cells = [[*c, "+".join(r.get("tiers", ["memory"]))] for c, r in zip(cells, rows, strict=True)]
+        cells = [[*c, "+".join(r.get("tiers", ["memory"]))] for c, r in zip(cells, shown, strict=True)]
     table, left_out = fit_table(columns, cells, None if wide else out.width)
-    out.print(table)
+    print_tables([table], out)
+    for line in restorable_lines(ms, out.width):
+        out.print(line, soft_wrap=True)
     partial = [r for r in rows if r.get("ranks_here") is not None and len(r["ranks_here"]) < r["ranks"]]
     if partial:
         held = sorted({r for row in partial for r in row["ranks_here"]})

@@ -11,7 +11,8 @@ from rich.console import Console, RenderableType
 from rich.text import Text
 
 from ..errors import CkptrunError
-from ..widthfit import Col, fit_table, left_out_line, width_of
+from ..widthfit import Col, fit_table, left_out_line
+from ..widthfit import print_tables as print_tables  # (the bench's drivers print through this module)
 from .plan import BASELINE
 
 SCHEMA = "ckptrun-bench/1"
@@ -88,15 +89,6 @@ def tables(rows: list[dict[str, Any]], title: str, width: int | None) -> list[Re
         out += [spread, *([Text(left_out_line(gone, HINT))] if gone else [])]
     out += [Text(line, style="red") for line in failed]
     return out
-
-
-def print_tables(parts: list[RenderableType], console: Console) -> None:
-    """Print `parts` at their full width (tables fitted by `tables` already fit the width asked)."""
-    need = max((width_of(p) for p in parts if not isinstance(p, Text)), default=0)
-    if need > console.width:
-        console = Console(file=console.file, width=need, highlight=False, color_system=console.color_system)
-    for part in parts:
-        console.print(part)
 
 
 def report_width(console: Console, wide: bool) -> int | None:
