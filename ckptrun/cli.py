@@ -34,8 +34,11 @@ out = Console(highlight=False)
 Dir = Annotated[Path, typer.Option("--dir", help="Checkpoint directory.")]
 ReadDir = Annotated[str, typer.Option("--dir", help="Checkpoint directory, or a --durable tier (s3://BUCKET/PREFIX "
                                                     "or a path).")]
-Endpoint = Annotated[str, typer.Option(help="URL of an S3-compatible service for an s3:// --dir (default: the "
-                                            "client's standard chain, e.g. AWS_ENDPOINT_URL).")]
+# One name on every command, the name `run` had before accepted too (a recipe may use either).
+Endpoint = Annotated[str, typer.Option("--endpoint", "--durable-endpoint",
+                                       help="URL of the S3-compatible service behind s3:// URLs (--durable, or "
+                                            "an s3:// --dir) (default: the client's standard chain, e.g. "
+                                            "AWS_ENDPOINT_URL); --durable-endpoint is the same flag.")]
 OptimizerClass = Annotated[
     list[str] | None,
     typer.Option("--optimizer-class", help="Trust this optimizer class (pkg.module:Class; repeatable) for "
@@ -54,17 +57,21 @@ def _duration(flag: str, text: str) -> float:
 
 def _recipe_defaults(ctx: typer.Context, path: str) -> str:
     """--recipe (processed first): its values become the run command's defaults, so explicit
-    flags override them and click converts and checks them like the flags themselves."""
+    flags override them and click converts and checks them like the flags themselves. A key is
+    any of an option's long names (an alias too), with underscores for dashes."""
     if path:
         from .tuning.recipes import load_recipe
 
-        ctx.default_map = load_recipe(path, {p.name for p in ctx.command.params} - _NOT_IN_RECIPES)
+        keys = {key: p.name for p in ctx.command.params if p.name not in _NOT_IN_RECIPES
+                for key in (p.name, *(o.lstrip("-").replace("-", "_") for o in p.opts if o.startswith("--")))}
+        ctx.default_map = load_recipe(path, keys)
     return path
 
 
 _NOT_IN_RECIPES = {"script", "script_args", "recipe"}
 Script = Annotated[str, typer.Argument(help="The training script; everything after it is its own.")]
-ScriptArgs = Annotated[list[str] | None, typer.Argument(help="Arguments passed to the script.")]
+ScriptArgs = Annotated[list[str] | None, typer.Argument(help="Arguments passed to the script as given, never read "
+                                                                 "as ckptrun's or torchrun's.")]
 Mtbf = Annotated[str, typer.Option(help="Mean time between failures of every kind: 90s, 45m, 2h, 1.5d "
                                         "(default 1h). run: used by --every auto and the strategies' auto "
                                         "settings. The kinds not given by --mtbf-KIND share it: process 50%, "
@@ -212,18 +219,22 @@ def run(
                                               "(s3://BUCKET/PREFIX with the s3 extra, or a path on a shared "
                                               "file system); a resume takes the newest step of --dir and it.")]
     = "",
-    durable_every: Annotated[str, typer.Option(help="Copy the newest committed step to --durable once it is this "
-                                                    "many steps past the last copied one; auto: the tiers' model "
-                                                    "(as `ckptrun tune` prints it): Daly's interval for the "
-                                                    "measured upload time against the failures that resume from "
-                                                    "--durable (job; node too with --node-local-dir and "
-                                                    "--replicas 1), never more often than the uploads drain.")]
+    durable_every: Annotated[str, typer.Option(help="N: copy the committed steps that are multiples of N to "
+                                                    "--durable, as --every N means for --dir (where the uploads "
+                                                    "fall behind, the newest multiple reached, older ones "
+                                                    "skipped, said once; where the strategy committed no record "
+                                                    "at a multiple, the first committed step after it). auto: "
+                                                    "the newest committed step once the interval of the tiers' "
+                                                    "model (as `ckptrun tune` prints it) is past the last copy: "
+                                                    "Daly's interval for the measured upload time against the "
+                                                    "failures that resume from --durable (job; node too with "
+                                                    "--node-local-dir and --replicas 1), never more often than "
+                                                    "the uploads drain. Either way the run's last committed "
+                                                    "step is copied at its end.")]
     = "auto",
     durable_keep: Annotated[int, typer.Option(help="Full checkpoints retained on --durable (0 keeps all); one "
                                                    "goes only after a newer one is committed there.")] = 2,
-    durable_endpoint: Annotated[str, typer.Option(help="URL of an S3-compatible service for --durable "
-                                                       "(default: the client's standard chain, e.g. "
-                                                       "AWS_ENDPOINT_URL).")] = "",
+    endpoint: Endpoint = "",
     replicas: Annotated[int, typer.Option(help="Copies of each committed step: 1 (--dir only) or K: also in "
                                                "the memory of K-1 partner ranks' engines on other nodes; a "
                                                "replaced node takes its ranks' parts back from them when its "
@@ -325,6 +336,9 @@ def run(
         raise UsageError(f"--durable-every must be a number of steps or auto (got {durable_every!r})")
     if io_engine not in ENGINES:
         raise UsageError(f"--io-engine must be one of {', '.join(ENGINES)} (got {io_engine!r})")
+    if endpoint and not durable:
+        raise UsageError("--endpoint names the service of an s3:// --durable; give --durable "
+                         "s3://BUCKET/PREFIX, or drop --endpoint")
     mtbf_s = _duration("--mtbf", mtbf) if mtbf else 0.0
     mtbf_kinds, rates = _rates(mtbf_s, {"process": mtbf_process, "node": mtbf_node, "job": mtbf_job})
     mtbf_s = mtbf_s or (1.0 / rates.total if mtbf_kinds else 0.0)  # the kinds alone give every failure's MTBF
@@ -346,7 +360,7 @@ def run(
                     on_restart=on_restart, dist_env=dist_env,
                     every_given=every_given, durable=durable, durable_keep=durable_keep,
                     durable_every=0 if durable_every == "auto" else int(durable_every),
-                    durable_endpoint=durable_endpoint, replicas=replicas, replica_jump=replica_jump,
+                    durable_endpoint=endpoint, replicas=replicas, replica_jump=replica_jump,
                     node_local_dir=node_local_dir,
                     options={**options, **({"mtbf": mtbf_s} if mtbf_s else {}), "max_overhead": budget,
                              "memory_lost_share": Layout(replicas, node_local_dir).memory_lost_share(rates)})
@@ -397,7 +411,7 @@ def restore(
         return [m.name for m in plan.records] if plan else []
 
     with reading(dir, endpoint or None, records) as store:
-        plan = export(store.root, step, out_file, format, rank, optimizer_class)
+        plan = export(store, step, out_file, format, rank, optimizer_class)
     via = f" + {len(plan.diffs)} diff record(s) replayed" if plan.diffs else ""
     err.print(f"restored step {plan.step} (from {plan.base.name}{via}, rank {rank}) -> {out_file}")
 
@@ -411,8 +425,10 @@ def _time_or_none(value: object) -> float | None:
 @app.command("ls")
 def ls(dir: ReadDir = "ckpts",
        as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output, every field.")] = False,
-       wide: Annotated[bool, typer.Option("--wide", help="Every column, however narrow the terminal (by "
-                                                         "default the less important ones are left out "
+       wide: Annotated[bool, typer.Option("--wide", help="Every record (a diff chain's records one by one) and "
+                                                         "every column, however narrow the terminal (by "
+                                                         "default a chain's consecutive diff records are one "
+                                                         "row, and the less important columns are left out "
                                                          "where they do not fit).")] = False,
        endpoint: Endpoint = "",
        durable: Annotated[str, typer.Option("--durable", help="Also list this remote tier (s3://BUCKET/PREFIX "
@@ -422,7 +438,13 @@ def ls(dir: ReadDir = "ckpts",
     """List committed steps, and the step a live run's engines hold in memory (kind `memory`:
     survives a worker crash, not a machine loss; lowdiff+). A tiers column says where each step
     is, when not only in --dir: `remote` (--durable), `copy:R` (an engine on this host holds
-    rank R's part of it for its partner: --replicas)."""
+    rank R's part of it for its partner: --replicas).
+
+    Diff chains (lowdiff, lowdiff+): consecutive diff records on one full checkpoint are one row
+    (`N records`; --wide and --json list each), and a line per run of restorable steps says
+    which full checkpoints they restore from, how many are diffs, and what restoring the newest
+    takes: the bytes it reads (every rank's) and the steps it replays through the optimizer, the
+    two costs of a restore (no time is given: none is recorded to estimate one from)."""
     from .storage.tiers.mirror import reading
 
     with reading(dir, endpoint or None) as store, _remote_tier(dir, durable, endpoint) as remote:
@@ -455,9 +477,10 @@ def _remote_tier(dir: str, durable: str, endpoint: str) -> Iterator[Store | None
 
 
 def _ls(store: Store, as_json: bool, wide: bool, remote: Store | None = None) -> None:
+    from .restore.chain_listing import group_diffs, restorable_lines
     from .storage import memory_status
     from .storage.store import full_name
-    from .widthfit import Col, fit_table, left_out_line
+    from .widthfit import Col, fit_table, left_out_line, print_tables
 
     ms = store.manifests()
     tiers = {m.name: ["local"] for m in ms}
@@ -474,7 +497,8 @@ def _ls(store: Store, as_json: bool, wide: bool, remote: Store | None = None) ->
     step = min((h["step"] for h in held), default=None)
     copies = memory_status.live(store.root, of=memory_status.HELD_COPIES)  # of steps held in memory only
     listed = remote is not None or bool(copies) or any(len(t) > 1 for t in tiers.values())
-    here = {m.name: _ranks_here(store, m) for m in ms if "local" in tiers.get(m.name, [])}
+    # (a remote --dir is read through a copy of its manifests: which ranks' parts it holds is no question there)
+    here = {m.name: _ranks_here(store, m) for m in ms if "local" in tiers.get(m.name, []) and not store.copy_of}
     rows = [{"step": m.step, "kind": m.kind, "record": m.name, "bytes": m.bytes, "ranks": m.world_size,
              "ranks_here": here.get(m.name), "rank_bytes": m.rank_bytes or None,
              "depends_on": m.depends_on, "first_step": m.first_step, "layout": m.layout,
@@ -490,19 +514,22 @@ def _ls(store: Store, as_json: bool, wide: bool, remote: Store | None = None) ->
     if as_json:
         out.print_json(json.dumps(rows))
         return
+    shown = rows if wide else group_diffs(rows)
     columns = (Col("step", key=True), Col("kind", 1, justify="left"), Col("record", key=True, justify="left"),
                Col("bytes", 2), Col("ranks", 5), Col("bytes per rank", 4), Col("depends_on", 3, justify="left"),
                Col("layout", 6, justify="left"))
     cells = [[str(r["step"]) if r["first_step"] == r["step"] else f"{r['first_step']}-{r['step']}", r["kind"],
               r["record"], f"{r['bytes']:,}", str(r["ranks"]), _per_rank(r["rank_bytes"]),
-              ", ".join(r["depends_on"]) or "-", r["layout"]] for r in rows]
-    if all(r["ranks"] <= 1 for r in rows):  # bytes per rank would repeat bytes
+              ", ".join(r["depends_on"]) or "-", r["layout"]] for r in shown]
+    if all(r["ranks"] <= 1 for r in shown):  # bytes per rank would repeat bytes
         columns, cells = columns[:5] + columns[6:], [c[:5] + c[6:] for c in cells]
     if listed:
         columns += (Col("tiers", 1, justify="left"),)
-        cells = [[*c, "+".join(r.get("tiers", ["memory"]))] for c, r in zip(cells, rows, strict=True)]
+        cells = [[*c, "+".join(r.get("tiers", ["memory"]))] for c, r in zip(cells, shown, strict=True)]
     table, left_out = fit_table(columns, cells, None if wide else out.width)
-    out.print(table)
+    print_tables([table], out)
+    for line in restorable_lines(ms, out.width):
+        out.print(line, soft_wrap=True)
     partial = [r for r in rows if r.get("ranks_here") is not None and len(r["ranks_here"]) < r["ranks"]]
     if partial:
         held = sorted({r for row in partial for r in row["ranks_here"]})

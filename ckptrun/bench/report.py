@@ -11,7 +11,8 @@ from rich.console import Console, RenderableType
 from rich.text import Text
 
 from ..errors import CkptrunError
-from ..widthfit import Col, fit_table, left_out_line, width_of
+from ..widthfit import Col, fit_table, left_out_line
+from ..widthfit import print_tables as print_tables  # (the bench's drivers print through this module)
 from .budget import Calibration
 from .plan import BASELINE, every_label
 from .stats import interval_model
@@ -164,15 +165,6 @@ def budget_tables(rows: list[dict[str, Any]], budget: float | None, calibration:
     if left_out:
         lines.append(left_out_line(left_out, HINT))
     return [table, *(Text(line) for line in lines)]
-
-
-def print_tables(parts: list[RenderableType], console: Console) -> None:
-    """Print `parts` at their full width (tables fitted by `tables` already fit the width asked)."""
-    need = max((width_of(p) for p in parts if not isinstance(p, Text)), default=0)
-    if need > console.width:
-        console = Console(file=console.file, width=need, highlight=False, color_system=console.color_system)
-    for part in parts:
-        console.print(part)
 
 
 def report_width(console: Console, wide: bool) -> int | None:
