@@ -67,9 +67,9 @@ def test_tiny_bench_writes_every_figure_with_ratios_against_its_own_none(tmp_pat
     assert sync["trainer_cpu_ms_per_step"] > 0 and sync["engine_cpu_ms_per_step"] > 0
     assert sync["launcher_cpu_ms_per_step"] is not None
     assert "fwd+bwd ratio" in proc.stdout
-    # The budget table: sync at its defaults (no --every), its stall by cause, freshness, waste at 1h
+    # The budget table: sync every step, its stall by cause, freshness, waste at 1h
     assert all(h in proc.stdout for h in ("stall by cause", "memory", "disk", "waste", "MTBF 1h")), proc.stdout
-    assert sync["every"] is None and doc["settings"]["every"] == "default" and doc["settings"]["budget"] == 0.05
+    assert sync["every"] == 1 and doc["settings"]["every"] == "1" and doc["settings"]["budget"] == 0.05
     assert set(sync["stall_by_cause"]) >= {"snapshot", "backpressure", "sync_write"}
     assert sum(sync["stall_by_cause"].values()) == pytest.approx(sync["stall_ms_per_step"])
     assert 0 <= sync["fresh_disk_median"] <= sync["fresh_disk_max"] <= 4 and sync["fresh_disk_mean"] is not None
