@@ -33,6 +33,7 @@ def _shell(command: str, cwd: Path) -> subprocess.CompletedProcess:
     """A documented command as a user types it from the clone's root: bash, this interpreter's
     `ckptrun` and `python` first on PATH, output and errors together."""
     env = clean_env(None)
+    env.pop("CKPTRUN_MAX_OVERHEAD")  # (the suite's runs take no budget; a user's take the default)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
