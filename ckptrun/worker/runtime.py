@@ -41,6 +41,7 @@ from .handoff import Handoff
 from .hooks import StepHooks
 from .loading import Loader, ResumeState
 from .metrics import WorkerMetrics
+from .slot_size import cuda_device, first_snapshot_bytes
 from .slots import Staging
 from .state import TrainingState, skipped_steps
 
@@ -154,6 +155,7 @@ class Runtime(StepHooks):
             self.loading.optimizer(opt, idx)
         if idx == 0:
             self.strategy.on_ready(self.step)
+            self.staging.prepare(self.strategy.staged_bytes(first_snapshot_bytes(self.state, opt)), cuda_device(params))
 
     def on_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """A DDP wrapper was created: the parameters it synchronises (and the optimizer state over
@@ -197,7 +199,7 @@ class Runtime(StepHooks):
         self.handoff.drain()
         if self.cfg.node_local_dir and self.world_size > 1 and not self.handoff.lost.is_set():
             self._committed_on_every_node()
-        self.staging.pool.close()
+        self.staging.close()
         if self.metrics.last_memory_step is not None:  # reached after the last step's record
             self.metrics.emit(type="in_memory", step=self.metrics.last_memory_step)
         self.metrics.close()
