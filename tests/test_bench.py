@@ -16,7 +16,7 @@ from conftest import EXAMPLE, FULL, assert_training_state, ckptrun, load, ok, py
 from rich.console import Console
 
 from ckptrun.bench import BenchOptions, figures, plan, report, stats
-from ckptrun.bench.figures import FIGURES, RunFigures
+from ckptrun.bench.figures import CAUSE_FIGURES, FIGURES, RunFigures
 from ckptrun.bench.proccpu import CpuTrace
 from ckptrun.bench.progress import RunProgress
 from ckptrun.bench.runner import Outcome
@@ -51,6 +51,10 @@ def test_tiny_bench_writes_every_figure_with_ratios_against_its_own_none(tmp_pat
     assert none["stall_ms_per_step"] == 0 and none["write_MBps"] is None
     assert sync["committed"] == 4 and sync["bytes_per_step"] > 0 and sync["write_MBps"] > 0
     assert sync["stall_ms_per_step"] > 0 and 0 < sync["restore_s"] < sync["recovery_s"] and sync["peak_rss_MB"] > 0
+    # The stall split by cause (a slow row says why): sync's write on the training path; none has no causes.
+    causes = {f: sync[f] for f in CAUSE_FIGURES.values() if sync[f] is not None}
+    assert causes["sync_write_ms_per_step"] > 0 and sum(causes.values()) == pytest.approx(sync["stall_ms_per_step"])
+    assert all(none[f] is None for f in CAUSE_FIGURES.values())
     # The recovery's parts: the restart until the optimizer exists, ckptrun's restore, the first step.
     assert sync["setup_s"] > 0 and sync["setup_s"] + sync["restore_s"] < sync["recovery_s"]
     # The staging slots are shared memory, counted once in the memory held (RSS counts them per process).

@@ -23,7 +23,11 @@ from .proccpu import CpuTrace
 from .procmem import Memory
 
 # Per-run figures, in report order (the summary's `median_step_s` is the median of `step_s`).
-FIGURES = ("step_s", "compute_s", "stall_ms_per_step", "layer_wait_ms_per_step", "trainer_cpu_ms_per_step",
+# The stall's causes (the worker's `stall_s`), each a figure of its own: what a slow row waits on.
+CAUSE_FIGURES = {"snapshot": "snapshot_ms_per_step", "backpressure": "backpressure_ms_per_step",
+                 "setup": "setup_ms_per_step", "sync_write": "sync_write_ms_per_step",
+                 "layer_wait": "layer_wait_ms_per_step"}
+FIGURES = ("step_s", "compute_s", "stall_ms_per_step", *CAUSE_FIGURES.values(), "trainer_cpu_ms_per_step",
            "engine_cpu_ms_per_step", "launcher_cpu_ms_per_step", "bytes_per_step", "shipped_per_step", "write_MBps",
            "effective_MBps", "peak_rss_MB", "peak_MB", "staging_MB", "page_cache_MB", "committed", "recovery_s",
            "setup_s", "restore_s")
@@ -45,7 +49,15 @@ class RunFigures:
     # own load for the references). The rest is the first resumed step.
     setup_s: float | None = None
     restore_s: float | None = None
-    # The part of the stall that updates waited for their own layer's copy (lightcheck); None: no such cause
+    # The stall by cause (ckptrun runs; None: a reference, or no step of the run had the cause): the
+    # snapshot (state built and copied, sends), back-pressure (every slot in flight), the staging
+    # slots' set-up (allocated, faulted in, page-locked: a first checkpoint before it was done, or
+    # a state that outgrew them), the write on the training path (sync), and an update waiting
+    # for its own layer's copy (lightcheck)
+    snapshot_ms_per_step: float | None = None
+    backpressure_ms_per_step: float | None = None
+    setup_ms_per_step: float | None = None
+    sync_write_ms_per_step: float | None = None
     layer_wait_ms_per_step: float | None = None
     page_cache_MB: float | None = None  # the machine's page-cache growth during the run (bench/procmem.py)
     io_engine: str | None = None  # the engine's file writer that ran (native, python); None: not a ckptrun run
@@ -119,6 +131,13 @@ def _io(writes: list[tuple[int, int, float]], first: int, last: int) -> tuple[in
     return nbytes, (nbytes / seconds / 1e6 if seconds > 0 else None)
 
 
+def _by_cause(steps: dict[int, dict[str, float]], timed: list[int]) -> dict[str, float | None]:
+    """Each cause's stall, ms per timed step; None for a cause no step of the run reported."""
+    seen = {c for causes in steps.values() for c in causes}
+    return {figure: 1e3 * fmean(steps[s].get(cause, 0.0) for s in timed) if cause in seen else None
+            for cause, figure in CAUSE_FIGURES.items()}
+
+
 def _memory(mem: Memory) -> dict[str, float]:
     return {"peak_rss_MB": mem.peak_rss_MB, "peak_MB": mem.peak_MB, "staging_MB": mem.staging_MB,
             "page_cache_MB": mem.page_cache_MB}
@@ -162,8 +181,7 @@ def ckptrun_figures(timing: Attempt, metrics_dir: Path, warmup: int, mem: Memory
                       **_compute_and_cpu(timed, timing.pid, cpu),
                       io_engine=next((str(e["engine"]) for e in events if e.get("type") == "io_engine"), None),
                       committed=sum(1 for e in events if e.get("type") == "commit" and e["step"] <= last),
-                      layer_wait_ms_per_step=(1e3 * fmean(steps[s["step"]].get("layer_wait", 0.0) for s in timed)
-                                              if any("layer_wait" in c for c in steps.values()) else None))
+                      **_by_cause(steps, [s["step"] for s in timed]))
 
 
 def ckptrun_recovery(result: RunFigures, events: list[dict]) -> dict:

@@ -34,6 +34,10 @@ def _mid(row: dict[str, Any], key: str, fmt: str, scale: float = 1.0) -> str:
 # (column, how soon it is left out at a narrow width, the row's key, format, scale); medians
 FIGURE_COLUMNS = (("step ms", 0, "median_step_s", ".1f", 1e3), ("overhead", 0, "overhead_ratio", ".2f", 1.0),
                   ("stall ms/step", 1, "stall_ms_per_step", ".1f", 1.0),
+                  ("of it snapshot", 8, "snapshot_ms_per_step", ".1f", 1.0),
+                  ("of it back-pressure", 8, "backpressure_ms_per_step", ".1f", 1.0),
+                  ("of it slot set-up", 8, "setup_ms_per_step", ".1f", 1.0),
+                  ("of it sync write", 8, "sync_write_ms_per_step", ".1f", 1.0),
                   ("of it layer wait", 8, "layer_wait_ms_per_step", ".1f", 1.0),
                   ("fwd+bwd ms", 8, "compute_s", ".1f", 1e3), ("fwd+bwd ratio", 2, "compute_ratio", ".2f", 1.0),
                   ("trainer CPU ms", 3, "trainer_cpu_ms_per_step", ".1f", 1.0),
@@ -46,7 +50,7 @@ FIGURE_COLUMNS = (("step ms", 0, "median_step_s", ".1f", 1e3), ("overhead", 0, "
                   ("staging MB", 9, "staging_MB", ".0f", 1.0), ("page cache MB", 10, "page_cache_MB", ".0f", 1.0),
                   ("commits", 6, "committed", ".0f", 1.0), ("recovery s", 2, "recovery_s", ".2f", 1.0),
                   ("of it restart s", 11, "setup_s", ".2f", 1.0), ("of it restore s", 11, "restore_s", ".2f", 1.0))
-ONLY_WHEN_SET = ("shipped_per_step",)  # a column shown only where some row has the figure
+ONLY_WHEN_SET = ("shipped_per_step", "setup_ms_per_step")  # a column shown only where some row has the figure
 # the figures whose spread over the repetitions the second table shows
 RANGED = ("step ms", "overhead", "stall ms/step", "fwd+bwd ratio", "MB/step", "write MB/s", "recovery s")
 RATIO_COLUMNS = ("overhead", "fwd+bwd ratio")  # shown with an x
