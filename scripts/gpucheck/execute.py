@@ -17,6 +17,7 @@ from .plan import REPO, Part
 TEST_LINE = re.compile(r"(\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)|"
                        r"(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+::\S+)")
 BENCH_LINE = re.compile(r"^\[\d+/\d+\] (\S+) \(repetition \d+\): (FAILED)?")
+NO_TESTS = 5  # pytest's exit status when no test is selected
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Result:
     seconds: float = 0.0
     not_reached: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)  # tests or configurations that failed
+    done: list[str] = field(default_factory=list)  # tests or configurations it finished (passed or failed)
 
     @property
     def ok(self) -> bool:
@@ -49,8 +51,10 @@ def run(part: Part, out: Path, env: dict[str, str]) -> Result:
     if part.scratch is not None:
         shutil.rmtree(part.scratch, ignore_errors=True)
     done, failed = reached(part, log.read_text(errors="replace"))
+    if rc == NO_TESTS and part.tests and not planned:  # (nothing owed: every test it selects passed last time)
+        rc = 0
     status = "passed" if rc == 0 else "stopped at its budget" if rc is None else f"failed (exit {rc})"
-    return Result(part, status, time.monotonic() - t0, [p for p in planned if p not in done], failed)
+    return Result(part, status, time.monotonic() - t0, [p for p in planned if p not in done], failed, sorted(done))
 
 
 def collect(part: Part, env: dict[str, str]) -> list[str]:
