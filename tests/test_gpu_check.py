@@ -102,11 +102,11 @@ def test_what_a_part_reached_is_read_from_its_log():
            "[gw1] [ 75%] FAILED tests/x.py::test_b[cuda]\n"
            "tests/x.py::test_c SKIPPED (no CUDA device here) [100%]\n")
     assert execute.reached(tests, log) == ({"tests/x.py::test_a", "tests/x.py::test_b[cuda]", "tests/x.py::test_c"},
-                                           ["tests/x.py::test_b[cuda]"])
+                                           ["tests/x.py::test_b[cuda]"], ["tests/x.py::test_c"])
     bench = plan.Part("b", "", 1, ("true",), configs=("none", "sync", "lowdiff+"))
     log = ("[1/3] none (repetition 1): 110.0 ms/step, stall 0.0 ms/step [9 s]\n"
            "[2/3] sync (repetition 1): FAILED: exited with code 1 [20 s]\n")
-    assert execute.reached(bench, log) == ({"none", "sync"}, ["sync"])
+    assert execute.reached(bench, log) == ({"none", "sync"}, ["sync"], [])
 
 
 def test_the_owed_and_the_passed_tests_are_told_apart_by_the_last_record(tmp_path, monkeypatch):
@@ -134,8 +134,8 @@ def test_the_owed_and_the_passed_tests_are_told_apart_by_the_last_record(tmp_pat
 def test_the_record_for_the_next_call_adds_what_passed_and_what_was_measured(tmp_path):
     tests = plan.Part("owed-cuda", "", 1, ("true",), tests=("tests/x.py",))
     bench = plan.Part("bench-every-1", "", 1, ("true",), configs=("none", "sync", "checkfreq"))
-    results = [execute.Result(tests, "failed (exit 1)", done=["t::a", "t::b"], failed=["t::b"]),
-               execute.Result(bench, "stopped at its budget", done=["none", "sync"], failed=["sync"])]
+    results = [execute.Result(tests, "failed (exit 1)", failed=["t::b"], passed=["t::a"]),
+               execute.Result(bench, "stopped at its budget", failed=["sync"], passed=["none"])]
     path = report.reached(tmp_path, {"passed": ["t::b", "t::c"], "bench": {10: ["none"]}}, results)
     doc = json.loads(path.read_text())
     assert doc["passed"] == ["t::a", "t::c"] and doc["bench"] == {"10": ["none"], "1": ["none"]}

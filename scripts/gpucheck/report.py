@@ -61,12 +61,11 @@ def reached(out: Path, last: dict, results: list[Result]) -> Path:
     passed = set(last["passed"])
     bench = {every: set(configs) for every, configs in last["bench"].items()}
     for r in results:
-        ok = [d for d in r.done if d not in r.failed]
         if r.part.tests:
-            passed = (passed - set(r.failed)) | set(ok)
+            passed = (passed - set(r.failed)) | set(r.passed)
         elif r.part.configs:
             every = int(r.part.name.rsplit("-", 1)[1])
-            bench[every] = bench.get(every, set()) | set(ok)
+            bench[every] = bench.get(every, set()) | set(r.passed)
     path = out / REACHED
     path.write_text(json.dumps({"run": f"with the check of {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
                                 "passed": sorted(passed),
