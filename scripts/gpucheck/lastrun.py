@@ -1,6 +1,7 @@
 """A pytest plugin for the check's test parts: of the tests selected, keep only those the last
 device runs did not pass (GPUCHECK_KEEP=owed: failed, not reached, or new) or only those they
-passed (GPUCHECK_KEEP=passed), by the list of passed tests in GPUCHECK_LAST (plan.py)."""
+passed (GPUCHECK_KEEP=passed), by the list of passed tests in GPUCHECK_LAST (plan.py); any
+other GPUCHECK_KEEP keeps them all."""
 from __future__ import annotations
 
 import json

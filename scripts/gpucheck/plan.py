@@ -169,31 +169,38 @@ def schedule(cpu: bool, out: Path, last: Path = LAST_RUN) -> Schedule:
                             "with --persist-every)", matrix, "owed"),
         *((every, c) for every in STEADY for c in rows(every, done["bench"].get(every, []))),
         tests("cuda-timed", "the CUDA test that reads the device's timeline (the copy overlapping compute), alone "
-                            "on the GPU, again", timed, "passed", xdist=False),
+                            "on the GPU (whatever the record says)", timed, "all", xdist=False),
         tests("cuda-tests", "the CUDA tests the last device runs passed, again", cuda_tests, "passed"),
         tests("crash-matrix", f"the crash matrix on {device} where the last device runs passed it, again", matrix,
               "passed")]
-    calls: list[list[Part]] = []
+    calls = []
     for call, room in enumerate(CALL_S, 1):
-        room -= sum(BUDGETS[p.name][0] for p in fixed)
-        parts: list[Part | int] = list(fixed)  # an int: where the bench at that --every goes
-        benches: dict[int, list[str]] = {}
-        while work:
-            item = work[0]
-            cost = BUDGETS[item.name][0] if isinstance(item, Part) else ROW_S * (1 + (item[0] not in benches))
-            if cost > room:
-                break
-            room -= cost
-            work.pop(0)
-            if isinstance(item, tuple) and item[0] not in benches:
-                parts.append(item[0])
-            if isinstance(item, tuple):
-                benches.setdefault(item[0], []).append(item[1])
-            else:
-                parts.append(item)
-        calls.append([bench(p, benches[p], call) if isinstance(p, int) else p for p in parts])
+        parts, benches = pack(work, room - sum(BUDGETS[p.name][0] for p in fixed))
+        calls.append([*fixed, *(bench(p, benches[p], call) if isinstance(p, int) else p for p in parts)])
     left = [item.name if isinstance(item, Part) else f"bench-every-{item[0]} {item[1]}" for item in work]
     return Schedule(calls, left)
+
+
+def pack(work: list[Part | tuple[int, str]], room: int) -> tuple[list[Part | int], dict[int, list[str]]]:
+    """Take from the front of `work` (test parts; bench rows as (every, configuration)) while its
+    device estimate fits `room` seconds: the parts in order, an int where the bench at that
+    --every goes (its first row pays for its `none`), and each bench's rows."""
+    parts: list[Part | int] = []
+    benches: dict[int, list[str]] = {}
+    while work:
+        item = work[0]
+        cost = BUDGETS[item.name][0] if isinstance(item, Part) else ROW_S * (1 + (item[0] not in benches))
+        if cost > room:
+            break
+        room -= cost
+        work.pop(0)
+        if isinstance(item, Part):
+            parts.append(item)
+            continue
+        if item[0] not in benches:
+            parts.append(item[0])
+        benches.setdefault(item[0], []).append(item[1])
+    return parts, benches
 
 
 def plan(cpu: bool, out: Path, parts: list[str], budgets: dict[str, int] | None = None, call: int = 1,
