@@ -32,6 +32,7 @@ from ..storage.layout import ALIGN, align
 from .metrics import WorkerMetrics
 
 STAGING = "staging slots"  # the budget's use by the shared staging slots (memory_budget.py)
+SAY_WAIT_S = 0.1  # a first checkpoint's wait for the slots' set-up that is said (every one is in the metrics)
 
 
 class SlotPool:
@@ -210,8 +211,8 @@ class Staging:
 
     def ready(self, trainer: bool = True) -> None:
         """Wait for the set-up thread (its error, if any, raised here); the first wait says so
-        once. `trainer`: waited on the training thread (stall, cause "setup", reported only in a
-        step that waited)."""
+        once, on rank 0, where it is long enough to notice. `trainer`: waited on the training
+        thread (stall, cause "setup", reported only in a step that waited)."""
         with self._ready_lock:
             jobs, self._jobs = self._jobs, []
             if not jobs:
@@ -223,7 +224,7 @@ class Staging:
             waited = time.perf_counter() - t0
         if trainer and waiting:
             self.metrics.add_stall("setup", waited)
-        if waiting:
+        if waiting and waited >= SAY_WAIT_S and self.rank == 0:
             how = "made, faulted in and page-locked" if self._pin else "made and faulted in"
             log.info(f"rank {self.rank}: the first checkpoint waited {waited:.2f} s for its staging slots ({how} "
                      "in the background since the optimizer was made)")
