@@ -73,15 +73,16 @@ class SlotPool:
             self.cond.notify_all()
             return old_free
 
-    def settle(self, slots: list[tuple[int, str, int]], pin: bool) -> None:
-        """Fault the mapped `slots` in and, with `pin` on a GPU, page-lock them: the seconds a
-        slot's first use would otherwise cost. Outside the lock (the engine-event thread gives
-        slots back meanwhile); a slot retired or dropped meanwhile is left alone or unlocked."""
+    def settle(self, slots: list[tuple[int, str, int]], pin: bool, fault_in: bool = True) -> None:
+        """Fault the mapped `slots` in (`fault_in`) and, with `pin` on a GPU, page-lock them: the
+        seconds a slot's first use would otherwise cost. Outside the lock (the engine-event thread
+        gives slots back meanwhile); a slot retired or dropped meanwhile is left alone or unlocked."""
         pin = pin and torch.cuda.is_available()
         with self.cond:
             todo = [(i, path, self.buffers[i]) for i, path, _ in slots if i in self.buffers and i not in self.retired]
         for index, path, buf in todo:
-            populate(buf.data_ptr(), buf.numel())
+            if fault_in:
+                populate(buf.data_ptr(), buf.numel())
             why = page_lock(buf.data_ptr(), buf.numel()) if pin else None
             with self.cond:
                 if pin and why is None and self.buffers.get(index) is buf:
@@ -264,8 +265,8 @@ class Staging:
         self._check()
         size = self._size(need)
         self.nslots = self._within_budget(size)
-        with self._on_device():
-            self.pool.settle(self._grow(size, self.nslots), self._pin)
+        with self._on_device():  # (faulted in by the copies, as they come: a slot may never be used)
+            self.pool.settle(self._grow(size, self.nslots), self._pin, fault_in=False)
         if trainer:
             self.metrics.stalled_since("setup", t0)
 
