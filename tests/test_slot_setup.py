@@ -162,3 +162,30 @@ def test_a_restarted_worker_re_attaches_to_the_kept_slots_off_the_training_threa
     assert engine.allocs == [], "a restarted worker allocated slots its engine kept"
     assert [m.slot for m, _ in engine.persisted] == [1]
     assert Path(kept[0][1]).read_bytes() == bytes([7]) * size, "the step held in memory was written"
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps), "nadam": lambda ps: torch.optim.NAdam(ps),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1), "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "rmsprop-centered": lambda ps: torch.optim.RMSprop(ps, momentum=0.9, centered=True),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps), "asgd": lambda ps: torch.optim.ASGD(ps)}
+
+
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_the_first_snapshot_is_sized_exactly_before_the_optimizer_steps(kind):
+    """Judged when the optimizer is made (its state mostly still to come), the first snapshot's
+    size is what it takes after the first step, to the byte."""
+    from ckptrun.storage.layout import Layout
+    from ckptrun.storage.tree import flatten
+    from ckptrun.worker.slot_size import first_snapshot_bytes
+    from ckptrun.worker.state import TrainingState
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.Linear(32, 1))
+    opt = OPTIMIZERS[kind](model.parameters())
+    state = TrainingState(0, 1, write_once=False)
+    state.add_optimizer(opt)
+    guess = first_snapshot_bytes(state, opt)
+    model(torch.randn(8, 64)).square().mean().backward()
+    opt.step()
+    assert guess == Layout.of(flatten(state.early_state())[1]).nbytes

@@ -11,25 +11,26 @@ from __future__ import annotations
 
 import torch
 
-from ..storage.layout import Layout, align
+from ..storage.layout import ALIGN, Layout, align
 from ..storage.tree import flatten
 from .state import TrainingState
 
-# Tensors shaped like a parameter that each optimizer's first step adds to its state, by class
-# name (torch.optim's); SGD's and RMSprop's depend on their group's settings (`per_param`). A
-# class named nowhere in its ancestry is taken as Adam-like (two moments): the common case.
-PER_PARAM = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adadelta": 2, "Rprop": 2,
-             "SparseAdam": 2, "Adagrad": 1, "ASGD": 1, "Adafactor": 0, "LBFGS": 0}
-ADAM_LIKE = 2
+# What each optimizer's first step adds to its state per parameter, by class name (torch.optim's):
+# (tensors shaped like the parameter, scalar tensors); SGD's and RMSprop's depend on their group's
+# settings (`per_param`). A class named nowhere in its ancestry is taken as Adam-like: the common case.
+PER_PARAM = {"Adam": (2, 1), "AdamW": (2, 1), "NAdam": (2, 2), "RAdam": (2, 1), "Adamax": (2, 1),
+             "Adadelta": (2, 1), "Rprop": (2, 1), "SparseAdam": (2, 1), "Adagrad": (1, 1), "ASGD": (1, 3),
+             "Adafactor": (0, 1), "LBFGS": (0, 0)}
+ADAM_LIKE = (2, 1)
 
 
-def per_param(opt: torch.optim.Optimizer, group: dict) -> int:
-    """How many parameter-sized tensors `opt` keeps per parameter of `group`."""
+def per_param(opt: torch.optim.Optimizer, group: dict) -> tuple[int, int]:
+    """(parameter-sized tensors, scalar tensors) `opt` keeps per parameter of `group`."""
     for cls in type(opt).__mro__:
         if cls.__name__ == "SGD":
-            return 1 if group.get("momentum") else 0
+            return (1 if group.get("momentum") else 0), 0
         if cls.__name__ == "RMSprop":
-            return 1 + bool(group.get("momentum")) + bool(group.get("centered"))
+            return 1 + bool(group.get("momentum")) + bool(group.get("centered")), 1
         if cls.__name__ in PER_PARAM:
             return PER_PARAM[cls.__name__]
     return ADAM_LIKE
@@ -43,10 +44,10 @@ def first_snapshot_bytes(state: TrainingState, opt: torch.optim.Optimizer) -> in
     written = {t.data_ptr() for t in tensors.values()}
     more = 0
     for group in opt.param_groups:
-        k = per_param(opt, group)
+        tensors_per, scalars_per = per_param(opt, group)
         for p in group["params"]:
-            if k and p.data_ptr() in written and not opt.state.get(p):
-                more += k * align(p.numel() * p.element_size())
+            if p.data_ptr() in written and not opt.state.get(p):
+                more += tensors_per * align(p.numel() * p.element_size()) + scalars_per * ALIGN
     return Layout.of(tensors).nbytes + more
 
 
