@@ -6,6 +6,7 @@ import contextlib
 import inspect
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,8 +34,11 @@ out = Console(highlight=False)
 Dir = Annotated[Path, typer.Option("--dir", help="Checkpoint directory.")]
 ReadDir = Annotated[str, typer.Option("--dir", help="Checkpoint directory, or a --durable tier (s3://BUCKET/PREFIX "
                                                     "or a path).")]
-Endpoint = Annotated[str, typer.Option(help="URL of an S3-compatible service for an s3:// --dir (default: the "
-                                            "client's standard chain, e.g. AWS_ENDPOINT_URL).")]
+# One name on every command, the name `run` had before accepted too (a recipe may use either).
+Endpoint = Annotated[str, typer.Option("--endpoint", "--durable-endpoint",
+                                       help="URL of the S3-compatible service behind s3:// URLs (--durable, or "
+                                            "an s3:// --dir) (default: the client's standard chain, e.g. "
+                                            "AWS_ENDPOINT_URL); --durable-endpoint is the same flag.")]
 OptimizerClass = Annotated[
     list[str] | None,
     typer.Option("--optimizer-class", help="Trust this optimizer class (pkg.module:Class; repeatable) for "
@@ -53,17 +57,21 @@ def _duration(flag: str, text: str) -> float:
 
 def _recipe_defaults(ctx: typer.Context, path: str) -> str:
     """--recipe (processed first): its values become the run command's defaults, so explicit
-    flags override them and click converts and checks them like the flags themselves."""
+    flags override them and click converts and checks them like the flags themselves. A key is
+    any of an option's long names (an alias too), with underscores for dashes."""
     if path:
         from .tuning.recipes import load_recipe
 
-        ctx.default_map = load_recipe(path, {p.name for p in ctx.command.params} - _NOT_IN_RECIPES)
+        keys = {key: p.name for p in ctx.command.params if p.name not in _NOT_IN_RECIPES
+                for key in (p.name, *(o.lstrip("-").replace("-", "_") for o in p.opts if o.startswith("--")))}
+        ctx.default_map = load_recipe(path, keys)
     return path
 
 
 _NOT_IN_RECIPES = {"script", "script_args", "recipe"}
 Script = Annotated[str, typer.Argument(help="The training script; everything after it is its own.")]
-ScriptArgs = Annotated[list[str] | None, typer.Argument(help="Arguments passed to the script.")]
+ScriptArgs = Annotated[list[str] | None, typer.Argument(help="Arguments passed to the script as given, never read "
+                                                                 "as ckptrun's or torchrun's.")]
 Mtbf = Annotated[str, typer.Option(help="Mean time between failures of every kind: 90s, 45m, 2h, 1.5d "
                                         "(default 1h). run: used by --every auto and the strategies' auto "
                                         "settings. The kinds not given by --mtbf-KIND share it: process 50%, "
@@ -90,8 +98,8 @@ def _rates(mtbf_s: float, kinds: dict[str, str], source: str = "",
     """The --mtbf-KIND flags given (seconds) and the failure rates they make with `mtbf_s` (0:
     --mtbf not given; `source`, `logged`: a failure log's); UsageError if they contradict each
     other."""
+    from .tuning.intervals import DEFAULT_MTBF_S
     from .tuning.levels import rates_for
-    from .worker.decisions import DEFAULT_MTBF_S
 
     given = {k: _duration(f"--mtbf-{k}", v) for k, v in kinds.items() if v}
     try:
@@ -130,6 +138,24 @@ EVERY_HELP = ("Optimizer steps between checkpoints, or auto: chosen and re-evalu
               "or the run is refused at start "
               "naming the flag in the way; left unset, each strategy checkpoints every step with its own auto "
               "settings. How each strategy maps N onto its intervals: the end of this help.")
+
+
+MAX_OVERHEAD_ENV = "CKPTRUN_MAX_OVERHEAD"
+MAX_OVERHEAD_HELP = ("What checkpointing may cost the training loop, in percent of the step without checkpointing "
+                     "(tune's --max-overhead): stall on the training thread plus the step's own slowdown, measured "
+                     "online (a fresh run's first 4 steps take no checkpoint to measure that step). Every setting "
+                     "left unset or auto is chosen within it: --every (every step when the budget allows), "
+                     "persist, full and batch intervals; a strategy that cannot keep within it says so once. An "
+                     "explicit --every N is kept, and its cost against the budget said once. off: no budget. "
+                     f"Default: ${MAX_OVERHEAD_ENV} if set (a recipe's or this flag's value wins), else 5.")
+
+
+def parse_budget(text: str) -> float:
+    """--max-overhead: a fraction, 0 for `off`; unset ("") is $CKPTRUN_MAX_OVERHEAD, else 5%."""
+    from .tuning.plan import parse_percent
+
+    text = str(text).strip() or os.environ.get(MAX_OVERHEAD_ENV, "").strip() or "5"
+    return 0.0 if text.lower() in ("off", "0", "0%") else parse_percent(text)
 
 
 def _intervals_epilog(width: int = 76) -> str:
@@ -178,6 +204,7 @@ def run(
     = DEFAULT,
     dir: Annotated[str, typer.Option("--dir", help="Checkpoint directory.")] = "ckpts",
     every: Annotated[str, typer.Option(help=EVERY_HELP)] = "1",
+    max_overhead: Annotated[str, typer.Option(help=MAX_OVERHEAD_HELP, show_default=False)] = "",
     mtbf: Mtbf = "",
     mtbf_process: MtbfProcess = "",
     mtbf_node: MtbfNode = "",
@@ -192,18 +219,22 @@ def run(
                                               "(s3://BUCKET/PREFIX with the s3 extra, or a path on a shared "
                                               "file system); a resume takes the newest step of --dir and it.")]
     = "",
-    durable_every: Annotated[str, typer.Option(help="Copy the newest committed step to --durable once it is this "
-                                                    "many steps past the last copied one; auto: the tiers' model "
-                                                    "(as `ckptrun tune` prints it): Daly's interval for the "
-                                                    "measured upload time against the failures that resume from "
-                                                    "--durable (job; node too with --node-local-dir and "
-                                                    "--replicas 1), never more often than the uploads drain.")]
+    durable_every: Annotated[str, typer.Option(help="N: copy the committed steps that are multiples of N to "
+                                                    "--durable, as --every N means for --dir (where the uploads "
+                                                    "fall behind, the newest multiple reached, older ones "
+                                                    "skipped, said once; where the strategy committed no record "
+                                                    "at a multiple, the first committed step after it). auto: "
+                                                    "the newest committed step once the interval of the tiers' "
+                                                    "model (as `ckptrun tune` prints it) is past the last copy: "
+                                                    "Daly's interval for the measured upload time against the "
+                                                    "failures that resume from --durable (job; node too with "
+                                                    "--node-local-dir and --replicas 1), never more often than "
+                                                    "the uploads drain. Either way the run's last committed "
+                                                    "step is copied at its end.")]
     = "auto",
     durable_keep: Annotated[int, typer.Option(help="Full checkpoints retained on --durable (0 keeps all); one "
                                                    "goes only after a newer one is committed there.")] = 2,
-    durable_endpoint: Annotated[str, typer.Option(help="URL of an S3-compatible service for --durable "
-                                                       "(default: the client's standard chain, e.g. "
-                                                       "AWS_ENDPOINT_URL).")] = "",
+    endpoint: Endpoint = "",
     replicas: Annotated[int, typer.Option(help="Copies of each committed step: 1 (--dir only) or K: also in "
                                                "the memory of K-1 partner ranks' engines on other nodes; a "
                                                "replaced node takes its ranks' parts back from them when its "
@@ -305,6 +336,9 @@ def run(
         raise UsageError(f"--durable-every must be a number of steps or auto (got {durable_every!r})")
     if io_engine not in ENGINES:
         raise UsageError(f"--io-engine must be one of {', '.join(ENGINES)} (got {io_engine!r})")
+    if endpoint and not durable:
+        raise UsageError("--endpoint names the service of an s3:// --durable; give --durable "
+                         "s3://BUCKET/PREFIX, or drop --endpoint")
     mtbf_s = _duration("--mtbf", mtbf) if mtbf else 0.0
     mtbf_kinds, rates = _rates(mtbf_s, {"process": mtbf_process, "node": mtbf_node, "job": mtbf_job})
     mtbf_s = mtbf_s or (1.0 / rates.total if mtbf_kinds else 0.0)  # the kinds alone give every failure's MTBF
@@ -315,19 +349,20 @@ def run(
         options = REGISTRY[strategy].honour_every(options, int(every))
     if strategy in REGISTRY and not _given(ctx, "max_inflight"):  # (an explicit one too small is refused)
         max_inflight = max(max_inflight, REGISTRY[strategy].least_inflight(options, replicas))
+    budget = parse_budget(max_overhead)
     node_bytes, node_source = node_budget(host_memory or None)
     cfg = RunConfig(host_memory_node=node_bytes, host_memory_source=node_source,
                     max_inflight_given=_given(ctx, "max_inflight"),
                     strategy=strategy, dir=dir, every=1 if every == "auto" else int(every), keep=keep,
                     resume=resume, on_save_error=on_save_error, max_inflight=max_inflight, writers=writers,
                     io_threads=io_threads, io_engine=io_engine, metrics_dir=metrics_dir, every_auto=every == "auto",
-                    mtbf=mtbf_s, mtbf_kinds=mtbf_kinds, max_steps=max_steps,
+                    mtbf=mtbf_s, mtbf_kinds=mtbf_kinds, max_steps=max_steps, max_overhead=budget,
                     on_restart=on_restart, dist_env=dist_env,
                     every_given=every_given, durable=durable, durable_keep=durable_keep,
                     durable_every=0 if durable_every == "auto" else int(durable_every),
-                    durable_endpoint=durable_endpoint, replicas=replicas, replica_jump=replica_jump,
+                    durable_endpoint=endpoint, replicas=replicas, replica_jump=replica_jump,
                     node_local_dir=node_local_dir,
-                    options={**options, **({"mtbf": mtbf_s} if mtbf_s else {}),
+                    options={**options, **({"mtbf": mtbf_s} if mtbf_s else {}), "max_overhead": budget,
                              "memory_lost_share": Layout(replicas, node_local_dir).memory_lost_share(rates)})
     opts = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf,
                          local_addr, master_addr, master_port, max_restarts, standalone,
@@ -376,7 +411,7 @@ def restore(
         return [m.name for m in plan.records] if plan else []
 
     with reading(dir, endpoint or None, records) as store:
-        plan = export(store.root, step, out_file, format, rank, optimizer_class)
+        plan = export(store, step, out_file, format, rank, optimizer_class)
     via = f" + {len(plan.diffs)} diff record(s) replayed" if plan.diffs else ""
     err.print(f"restored step {plan.step} (from {plan.base.name}{via}, rank {rank}) -> {out_file}")
 
@@ -390,8 +425,10 @@ def _time_or_none(value: object) -> float | None:
 @app.command("ls")
 def ls(dir: ReadDir = "ckpts",
        as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output, every field.")] = False,
-       wide: Annotated[bool, typer.Option("--wide", help="Every column, however narrow the terminal (by "
-                                                         "default the less important ones are left out "
+       wide: Annotated[bool, typer.Option("--wide", help="Every record (a diff chain's records one by one) and "
+                                                         "every column, however narrow the terminal (by "
+                                                         "default a chain's consecutive diff records are one "
+                                                         "row, and the less important columns are left out "
                                                          "where they do not fit).")] = False,
        endpoint: Endpoint = "",
        durable: Annotated[str, typer.Option("--durable", help="Also list this remote tier (s3://BUCKET/PREFIX "
@@ -401,7 +438,13 @@ def ls(dir: ReadDir = "ckpts",
     """List committed steps, and the step a live run's engines hold in memory (kind `memory`:
     survives a worker crash, not a machine loss; lowdiff+). A tiers column says where each step
     is, when not only in --dir: `remote` (--durable), `copy:R` (an engine on this host holds
-    rank R's part of it for its partner: --replicas)."""
+    rank R's part of it for its partner: --replicas).
+
+    Diff chains (lowdiff, lowdiff+): consecutive diff records on one full checkpoint are one row
+    (`N records`; --wide and --json list each), and a line per run of restorable steps says
+    which full checkpoints they restore from, how many are diffs, and what restoring the newest
+    takes: the bytes it reads (every rank's) and the steps it replays through the optimizer, the
+    two costs of a restore (no time is given: none is recorded to estimate one from)."""
     from .storage.tiers.mirror import reading
 
     with reading(dir, endpoint or None) as store, _remote_tier(dir, durable, endpoint) as remote:
@@ -434,9 +477,10 @@ def _remote_tier(dir: str, durable: str, endpoint: str) -> Iterator[Store | None
 
 
 def _ls(store: Store, as_json: bool, wide: bool, remote: Store | None = None) -> None:
+    from .restore.chain_listing import group_diffs, restorable_lines
     from .storage import memory_status
     from .storage.store import full_name
-    from .widthfit import Col, fit_table, left_out_line
+    from .widthfit import Col, fit_table, left_out_line, print_tables
 
     ms = store.manifests()
     tiers = {m.name: ["local"] for m in ms}
@@ -453,7 +497,8 @@ def _ls(store: Store, as_json: bool, wide: bool, remote: Store | None = None) ->
     step = min((h["step"] for h in held), default=None)
     copies = memory_status.live(store.root, of=memory_status.HELD_COPIES)  # of steps held in memory only
     listed = remote is not None or bool(copies) or any(len(t) > 1 for t in tiers.values())
-    here = {m.name: _ranks_here(store, m) for m in ms if "local" in tiers.get(m.name, [])}
+    # (a remote --dir is read through a copy of its manifests: which ranks' parts it holds is no question there)
+    here = {m.name: _ranks_here(store, m) for m in ms if "local" in tiers.get(m.name, []) and not store.copy_of}
     rows = [{"step": m.step, "kind": m.kind, "record": m.name, "bytes": m.bytes, "ranks": m.world_size,
              "ranks_here": here.get(m.name), "rank_bytes": m.rank_bytes or None,
              "depends_on": m.depends_on, "first_step": m.first_step, "layout": m.layout,
@@ -469,19 +514,22 @@ def _ls(store: Store, as_json: bool, wide: bool, remote: Store | None = None) ->
     if as_json:
         out.print_json(json.dumps(rows))
         return
+    shown = rows if wide else group_diffs(rows)
     columns = (Col("step", key=True), Col("kind", 1, justify="left"), Col("record", key=True, justify="left"),
                Col("bytes", 2), Col("ranks", 5), Col("bytes per rank", 4), Col("depends_on", 3, justify="left"),
                Col("layout", 6, justify="left"))
     cells = [[str(r["step"]) if r["first_step"] == r["step"] else f"{r['first_step']}-{r['step']}", r["kind"],
               r["record"], f"{r['bytes']:,}", str(r["ranks"]), _per_rank(r["rank_bytes"]),
-              ", ".join(r["depends_on"]) or "-", r["layout"]] for r in rows]
-    if all(r["ranks"] <= 1 for r in rows):  # bytes per rank would repeat bytes
+              ", ".join(r["depends_on"]) or "-", r["layout"]] for r in shown]
+    if all(r["ranks"] <= 1 for r in shown):  # bytes per rank would repeat bytes
         columns, cells = columns[:5] + columns[6:], [c[:5] + c[6:] for c in cells]
     if listed:
         columns += (Col("tiers", 1, justify="left"),)
-        cells = [[*c, "+".join(r.get("tiers", ["memory"]))] for c, r in zip(cells, rows, strict=True)]
+        cells = [[*c, "+".join(r.get("tiers", ["memory"]))] for c, r in zip(cells, shown, strict=True)]
     table, left_out = fit_table(columns, cells, None if wide else out.width)
-    out.print(table)
+    print_tables([table], out)
+    for line in restorable_lines(ms, out.width):
+        out.print(line, soft_wrap=True)
     partial = [r for r in rows if r.get("ranks_here") is not None and len(r["ranks_here"]) < r["ranks"]]
     if partial:
         held = sorted({r for row in partial for r in row["ranks_here"]})
@@ -555,16 +603,26 @@ def _verify(store: Store, dir: str, optimizer_class: list[str] | None) -> None:
 @app.command()
 def bench(
     model: Annotated[str, typer.Option(help="Example GPT size: tiny (seconds, for tests), small (CPU; ~55 MB "
-                                            "of state), medium (GPU; ~1.3 GB), large (GPU; ~4.3 GB).")] = "small",
+                                            "of state), wide (CPU; 1.7 GB of state, nearly all a wide "
+                                            "embedding, against a step of ~2 s: more state per second of "
+                                            "step than a disk writes), medium (GPU; ~1.3 GB), large (GPU; "
+                                            "~4.3 GB).")] = "small",
     strategies: Annotated[str, typer.Option(help="What to measure, comma-separated: references (torch.save, "
                                                  "dcp-thread, dcp-process), ckptrun strategies and their variants "
                                                  "(an unknown name lists them all). `default`: "
                                                  "torch.save, dcp-thread and each strategy once at its defaults "
-                                                 "(about 3 minutes on 2 cores with the other defaults); `all`: "
+                                                 "(about 3 minutes on 2 cores with the other defaults, and a "
+                                                 "short calibration run of none and each reference); `all`: "
                                                  "every reference, strategy and variant. `none` (no "
                                                  "checkpointing) always runs.")] = "default",
     every: Annotated[str, typer.Option(help="Checkpoint interval(s) in steps, comma-separated, e.g. 1,5,10,50; "
-                                            "each configuration runs at each.")] = "1",
+                                            "each configuration runs at each. `default` (shown as auto): "
+                                            "each strategy at its own defaults (no --every), and the "
+                                            "references (torch.save, DCP) every N steps, the fewest that "
+                                            "keep them within the overhead budget: N from each one's cost "
+                                            "per save, measured saving every step in a short calibration "
+                                            "run against none's (for DCP, whose save then also waits for "
+                                            "the previous one, an upper bound).")] = "default",
     steps: Annotated[int, typer.Option(help="Training steps per run (not with --failures: those runs last "
                                             "--duration).")] = 30,
     repeat: Annotated[int, typer.Option(help="Repetitions, interleaved; figures are their median, with their "
@@ -589,8 +647,9 @@ def bench(
                                                "same for every configuration): `worker` kills the training "
                                                "processes (the launcher restarts them), `node` the whole "
                                                "process tree (the bench starts it again).")] = "",
-    mtbf: Annotated[str, typer.Option(help="With --failures: mean time between failures, e.g. 30s; several, "
-                                           "comma-separated, give goodput against MTBF.")] = "30s",
+    mtbf: Annotated[str, typer.Option(help="Mean time between failures: of the predicted waste column "
+                                           "(default 1h); with --failures, of the kills (default 30s; "
+                                           "several, comma-separated, give goodput against MTBF).")] = "",
     duration: Annotated[str, typer.Option(help="With --failures: wall-clock budget of each run, e.g. "
                                                "2m.")] = "2m",
     seed: Annotated[int, typer.Option(help="With --failures: seed of the kill schedule (repetition r uses "
@@ -618,6 +677,11 @@ def bench(
                                                "same with --replicas K; against NAME+node-local): what the "
                                                "copies in the partner's memory add, and how much sooner a "
                                                "lost node is back.")] = 1,
+    max_overhead: Annotated[str, typer.Option(help="The overhead budget in percent of the no-checkpoint step "
+                                                   "(`off`: none), passed to every ckptrun run as "
+                                                   "--max-overhead when given (else the runs keep their "
+                                                   "default, 5%); the references' intervals at --every "
+                                                   "default keep it too.")] = "",
 ) -> None:
     """Measure every strategy against no checkpointing, torch.save and DCP async_save; with
     --failures, their goodput when failures really happen.
@@ -630,12 +694,20 @@ def bench(
     (user + system) per step of the training process (every thread of it), of the checkpoint
     engine (ckptrun's engine; DCP's checkpoint daemon for dcp-process; 0 where there is none)
     and of ckptrun's launcher (- for the references: no launcher).
+
+    A second table sets each configuration against the overhead budget: the overhead the run
+    measured itself (`run says`; a configuration marked * said its strategy cannot keep within
+    the budget), the stall by cause, the freshness of what is saved (steps from each timed step
+    back to the newest step in host memory and on disk, median/max) and the predicted waste at
+    --mtbf: the overhead plus each failure's lost work and recovery over the MTBF, by the tiers'
+    model fed with the measured figures.
     """
     from .bench import BenchOptions, run_bench
 
     raise typer.Exit(run_bench(BenchOptions(model, strategies, every, steps, repeat, device, trainer_threads,
                                             warmup, dir, json_file, plot, io_engine, failures, mtbf, duration,
-                                            seed, failure_log, traces, wide, durable, nodes, replicas), out,
+                                            seed, failure_log, traces, wide, durable, nodes, replicas,
+                                            max_overhead), out,
                                  err))
 
 

@@ -52,7 +52,10 @@ class RunConfig:
     # --every N given (command line or recipe), not left at its default: every multiple of N must be
     # restorable once the run ends; a strategy maps it onto its own intervals (Entry.explicit_every)
     every_given: bool = False
-    mtbf: float = 0.0  # seconds, --mtbf; 0: not given (--every auto then assumes decisions.DEFAULT_MTBF_S)
+    # --max-overhead: what checkpointing may cost the training loop, a fraction of the no-checkpoint step
+    # (ckptrun/worker/budget.py); 0: no budget (the CLI's default is 5%, a config made elsewhere has none)
+    max_overhead: float = 0.0
+    mtbf: float = 0.0  # seconds, --mtbf; 0: not given (--every auto then assumes tuning.intervals.DEFAULT_MTBF_S)
     # --mtbf-process/-node/-job (seconds; 0: not given): with --replicas and --node-local-dir, the
     # tiers' model (ckptrun/tuning/levels.py) behind --durable-every auto
     mtbf_kinds: dict = field(default_factory=dict)
@@ -75,6 +78,11 @@ class RunConfig:
     options: dict = field(default_factory=dict)  # strategy-specific settings
     dist_env: bool = True  # --no-dist-env: the script sees none of torchrun's variables (one process)
     launcher_env: dict = field(default_factory=dict)  # --no-dist-env: those variables as the launcher had them
+
+    @property
+    def interval_auto(self) -> bool:
+        """The interval is chosen online: --every auto, or --every left unset under a budget."""
+        return self.every_auto or (self.max_overhead > 0 and not self.every_given)
 
     def engine_address(self, local_rank: int) -> str:
         """The engine's Unix socket: in the run's private folder, or, where that path is longer

@@ -24,7 +24,7 @@ class _Stderr(logging.StreamHandler):
 
     def emit(self, record: logging.LogRecord) -> None:
         if self.fresh_lines:
-            from .launcher.console.worker_logs import at_line_start
+            from .ipc.stdio import at_line_start
 
             try:
                 if not at_line_start(self.stream):

@@ -17,6 +17,7 @@ from typing import Any
 from rich.console import Console, RenderableType
 from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
 _MEASURE = Console(file=io.StringIO(), width=100_000)
 
@@ -59,6 +60,16 @@ def fit_table(columns: Sequence[Col], rows: Sequence[Sequence[Any]], width: int 
         shown, table = sorted([*shown, i]), trial
         left_out.remove(i)
     return table, [columns[i].header for i in sorted(left_out)]
+
+
+def print_tables(parts: Sequence[RenderableType], console: Console) -> None:
+    """Print `parts` at their full width: tables fitted by `fit_table` fit the width asked
+    already, and one asked to take every column (None) is not squeezed to the console's."""
+    need = max((width_of(p) for p in parts if not isinstance(p, Text)), default=0)
+    if need > console.width:
+        console = Console(file=console.file, width=need, highlight=False, color_system=console.color_system)
+    for part in parts:
+        console.print(part)
 
 
 def left_out_line(headers: Sequence[str], hint: str) -> str:

@@ -17,7 +17,8 @@ and restarted run leaves both attempts): each iteration's wall time and the part
 was blocked by reference checkpointing (`step`: wall_s, stall_s, compute_s, its forward,
 backward and gradient clipping, the work before the optimizer step, and `t`, the wall clock when it
 ended, as `start` has, for `bench --failures`); each save's bytes and write time, hand-off to on
-disk (`save`); with `--ref-resume`, the recovery time: start of main() to the end of the first
+disk, and `done_t`, the wall clock when it was on disk (`save`: the bench's freshness on disk);
+with `--ref-resume`, the recovery time: start of main() to the end of the first
 resumed step, before that step's own save, less the daemon's start (`recovery`: recovery_s, and
 of it setup_s, main() to the optimizer's existence, and restore_s, the reference's own load).
 """
@@ -79,7 +80,7 @@ class TorchSave:
         s, path = self.state, self.root / f"step-{step:08d}.pt"
         torch.save({"model": s.model.state_dict(), "optimizer": s.opt.state_dict(),
                     "scheduler": s.sched.state_dict()}, path)
-        self.record(step=step, bytes=_size(path), write_s=time.perf_counter() - t0)
+        self.record(step=step, bytes=_size(path), write_s=time.perf_counter() - t0, done_t=time.time())
         for old in _newest(list(self.root.glob("step-*.pt")))[KEEP:]:
             _remove(old)
         return time.perf_counter() - t0
@@ -137,7 +138,9 @@ class DcpAsyncSave:
         self.pending = None
         getattr(resp, "upload_completion", resp).result()
         path = self.root / f"step-{step:08d}"
-        self.record(step=step, bytes=_size(path), write_s=(done[0] if done else time.perf_counter()) - issued)
+        end = done[0] if done else time.perf_counter()
+        done_t = time.time() - (time.perf_counter() - end)
+        self.record(step=step, bytes=_size(path), write_s=end - issued, done_t=done_t)
         for old in self._complete_saves()[KEEP:]:
             _remove(old)
 

@@ -5,6 +5,7 @@ configuration choice) without runs. Nothing here asserts speed."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import shutil
@@ -15,8 +16,8 @@ import pytest
 from conftest import EXAMPLE, FULL, assert_training_state, ckptrun, load, ok, python, run_in_process
 from rich.console import Console
 
-from ckptrun.bench import BenchOptions, figures, plan, report, stats
-from ckptrun.bench.figures import CAUSE_FIGURES, FIGURES, RunFigures
+from ckptrun.bench import BenchOptions, budget, figures, freshness, plan, report, stats, waste
+from ckptrun.bench.figures import FIGURES, RunFigures
 from ckptrun.bench.proccpu import CpuTrace
 from ckptrun.bench.progress import RunProgress
 from ckptrun.bench.runner import Outcome
@@ -28,8 +29,9 @@ MACHINE_KEYS = {"cpu_model", "logical_cores", "torch", "gpus", "dir_filesystem"}
 
 def test_tiny_bench_writes_every_figure_with_ratios_against_its_own_none(tmp_path):
     out, png, runs = tmp_path / "b.json", tmp_path / "b.png", tmp_path / "runs"
+    # (--every 1: a checkpoint every step, no budget thinning them: the figures below count them)
     proc = ok(ckptrun(tmp_path, "bench", "--model", "tiny", "--strategies", "sync", "--steps", 4, "--warmup", 1,
-                      "--repeat", 1, "--dir", runs, "--json", out, "--plot", png))
+                      "--every", 1, "--repeat", 1, "--dir", runs, "--json", out, "--plot", png))
     assert "overhead" in proc.stdout and "sync" in proc.stdout  # the terminal table
     doc = json.loads(out.read_text())
     assert doc["schema"] == report.SCHEMA and doc["command"].startswith("ckptrun bench --model tiny")
@@ -42,7 +44,8 @@ def test_tiny_bench_writes_every_figure_with_ratios_against_its_own_none(tmp_pat
         assert set(stats.KEYS) <= row.keys()
         assert set(row["min"]) == set(row["max"]) == set(stats.KEYS)
         assert row["repetitions"] == 1 and row["errors"] == []
-        assert set(row["runs"][0]) == {*FIGURES, "io_engine", "wall_s", "load_1m"}
+        assert set(row["runs"][0]) == {*FIGURES, "io_engine", "wall_s", "load_1m", "stall_by_cause", "budget_over",
+                                     "nothing_on_disk"}
         assert row["min"]["median_step_s"] <= row["median_step_s"] <= row["max"]["median_step_s"]
     none, sync = rows["none"], rows["sync"]
     assert none["overhead_ratio"] == 1.0
@@ -51,10 +54,6 @@ def test_tiny_bench_writes_every_figure_with_ratios_against_its_own_none(tmp_pat
     assert none["stall_ms_per_step"] == 0 and none["write_MBps"] is None
     assert sync["committed"] == 4 and sync["bytes_per_step"] > 0 and sync["write_MBps"] > 0
     assert sync["stall_ms_per_step"] > 0 and 0 < sync["restore_s"] < sync["recovery_s"] and sync["peak_rss_MB"] > 0
-    # The stall split by cause (a slow row says why): sync's write on the training path; none has no causes.
-    causes = {f: sync[f] for f in CAUSE_FIGURES.values() if sync[f] is not None}
-    assert causes["sync_write_ms_per_step"] > 0 and sum(causes.values()) == pytest.approx(sync["stall_ms_per_step"])
-    assert all(none[f] is None for f in CAUSE_FIGURES.values())
     # The recovery's parts: the restart until the optimizer exists, ckptrun's restore, the first step.
     assert sync["setup_s"] > 0 and sync["setup_s"] + sync["restore_s"] < sync["recovery_s"]
     # The staging slots are shared memory, counted once in the memory held (RSS counts them per process).
@@ -68,6 +67,16 @@ def test_tiny_bench_writes_every_figure_with_ratios_against_its_own_none(tmp_pat
     assert sync["trainer_cpu_ms_per_step"] > 0 and sync["engine_cpu_ms_per_step"] > 0
     assert sync["launcher_cpu_ms_per_step"] is not None
     assert "fwd+bwd ratio" in proc.stdout
+    # The budget table: sync every step, its stall by cause, freshness, waste at 1h
+    assert all(h in proc.stdout for h in ("stall by cause", "memory", "disk", "waste", "MTBF 1h")), proc.stdout
+    assert sync["every"] == 1 and doc["settings"]["every"] == "1" and doc["settings"]["budget"] == 0.05
+    assert set(sync["stall_by_cause"]) >= {"snapshot", "backpressure", "sync_write"}
+    assert sum(sync["stall_by_cause"].values()) == pytest.approx(sync["stall_ms_per_step"])
+    assert 0 <= sync["fresh_disk_median"] <= sync["fresh_disk_max"] <= 4 and sync["fresh_disk_mean"] is not None
+    assert sync["predicted_waste"]["1h"] > max(0.0, sync["overhead_ratio"] - 1) and none["predicted_waste"] == {
+        "1h": None}
+    assert sync["over_budget"] is False and sync["own_overhead"] is None  # no budget events from this run
+    assert none["fresh_disk_median"] is None and none["stall_by_cause"] is None
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list(runs.iterdir()) == []  # successful runs leave nothing behind
 
@@ -195,6 +204,8 @@ def test_reference_resumes_from_its_newest_save_like_an_uninterrupted_run(tmp_pa
     assert_training_state(load(tmp_path / "resumed.pt"), no_dropout_truth)
     first, resumed = figures.attempts(timing)
     assert [s["step"] for s in first.saves] == [2, 4, 6] and all(s["bytes"] > 0 for s in first.saves)
+    ended = {s["step"]: s["t"] for s in first.steps}  # a save is on disk after its step began, before the end
+    assert all(ended[s["step"] - 1] < s["done_t"] <= ended[6] + 1 for s in first.saves)
     assert [s["step"] for s in first.steps] == [1, 2, 3, 4, 5, 6]
     assert resumed.start_step == 4 and [s["step"] for s in resumed.steps] == [5, 6]
     assert resumed.saves == [] and resumed.recovery["recovery_s"] > 0
@@ -364,3 +375,154 @@ def test_two_node_bench_times_a_lost_node_back_from_its_partner(tmp_path):
     assert rows["checkfreq+replicas"]["shipped_per_step"] > 0
     for name in ("checkfreq", "checkfreq+node-local", "checkfreq+replicas"):
         assert rows[name]["recovery_s"] > rows[name]["restore_s"] > 0, rows[name]
+
+
+def test_every_default_runs_each_strategy_at_its_defaults_and_forwards_a_given_budget(tmp_path):
+    """`--every default` (the default): a strategy's run gets no --every (its own defaults, its
+    recovery still measured), a reference's interval is chosen before it runs; a numeric interval
+    works as before; --max-overhead reaches every ckptrun run only when given."""
+    assert BenchOptions().every == plan.DEFAULTS
+    configs = {c.name: c for c in plan.configurations("checkfreq,torch.save", "default")}
+    assert (configs["checkfreq"].every, configs["torch.save"].every) == (None, None)
+    work = plan.Workload(EXAMPLE, "tiny", "cpu", 1)
+    run = plan.launch(configs["checkfreq"], work, tmp_path / "r", 4)
+    assert "--every" not in run.argv and "--max-overhead" not in run.argv and run.crash_step == 5
+    with pytest.raises(CkptrunError, match="no interval yet"):
+        plan.launch(configs["torch.save"], work, tmp_path / "r", 4)
+    at_5 = plan.launch(plan.configurations("checkfreq", "5")[1], work, tmp_path / "r", 4).argv
+    assert at_5[at_5.index("--every") + 1] == "5"
+    assert [c.name for c in plan.configurations("sync", "default,5")] == ["none", "sync@auto", "sync@5"]
+    budgeted = {c.name: c for c in plan.configurations("checkfreq,torch.save", "default", max_overhead="3")}
+    argv = plan.launch(budgeted["checkfreq"], work, tmp_path / "r", 4).argv
+    assert argv[argv.index("--max-overhead") + 1] == "3" and "--max-overhead" not in budgeted["torch.save"].flags
+    for bad in ("sometimes", "0,default"):
+        with pytest.raises(UsageError, match="--every"):
+            BenchOptions(every=bad).validate()
+    with pytest.raises(UsageError, match="--max-overhead"):
+        BenchOptions(max_overhead="120").validate()
+    assert BenchOptions(max_overhead="off").budget() is None and BenchOptions().budget() == 0.05
+    assert BenchOptions().mtbf_s() == [3600.0] and BenchOptions(failures="worker").mtbf_s() == [30.0]
+
+
+def test_a_reference_runs_at_the_fewest_steps_between_saves_within_the_budget(tmp_path, monkeypatch):
+    """A save costing 0.5 s against a 2 s step keeps within 5% saved every 5 steps (0.5 / 10 s);
+    the cost is a calibration run's step time less none's (saving every step)."""
+    assert budget.reference_interval(0.5, 2.0, 0.05) == 5
+    assert budget.reference_interval(0.51, 2.0, 0.05) == 6
+    assert budget.reference_interval(0.0, 2.0, 0.05) == budget.reference_interval(-0.1, 2.0, 0.05) == 1
+    step_s = {"none": 2.0, "torch.save": 3.0, "dcp-thread": 2.2}
+    ran = []
+
+    def fake_run(cfg, work, run_dir, steps, warmup, timeout_s, *, recover=True):
+        ran.append((cfg.name, cfg.every, steps, recover))
+        lag = freshness.Freshness(disk_mean=0.0 if cfg.method == "torch.save" else 1.5)
+        return Outcome(_figures(step_s[cfg.method]).set_freshness(lag), None, 1.0)
+
+    monkeypatch.setattr(budget, "run_configuration", fake_run)
+    configs = plan.configurations("checkfreq,torch.save,dcp-thread", "default")
+    console = Console(file=io.StringIO(), width=200)
+    work = plan.Workload(EXAMPLE, "tiny", "cpu", 1)
+    chosen, cal = budget.calibrate(configs, work, tmp_path, 2, 0.05, 60.0, console)
+    assert ran == [("none", None, 7, False), ("torch.save@1", 1, 7, False), ("dcp-thread@1", 1, 7, False)]
+    every = {c.name: c.every for c in chosen}
+    assert every == {"none": None, "checkfreq": None, "torch.save": 10, "dcp-thread": 2}
+    assert cal.save_cost_s == pytest.approx({"torch.save": 1.0, "dcp-thread": 0.2})
+    assert {c.name: c.save_lag_steps for c in chosen if c.kind == "reference"} == {"torch.save": 0.0,
+                                                                                   "dcp-thread": 1.5}
+    assert "torch.save every 10 (1000 ms a save)" in cal.note() and "2000 ms step" in cal.note()
+    assert [c.every for c in budget.calibrate(configs, work, tmp_path, 2, None, 60.0, console)[0]][2:] == [1, 1]
+    assert len(ran) == 3  # no budget: every step, nothing calibrated
+
+
+def test_freshness_is_the_distance_back_to_the_newest_step_in_memory_and_on_disk():
+    """Per timed step, the newest step in host memory (snapshot done or held) and on disk; the
+    largest distance over ranks; a restarted worker's second record of a step is not timed."""
+    def rec(step, rank=0, snap=None, mem=None, durable=None):
+        return {"type": "step", "rank": rank, "step": step, "last_snapshot_done": snap,
+                "last_durable_step": durable, **({} if mem is None else {"last_memory_step": mem})}
+
+    records = [rec(2, snap=1), rec(3, snap=2), rec(3, rank=1, snap=3), rec(4, snap=3, durable=2),
+               rec(5, snap=4, mem=5, durable=2), rec(6, snap=6, durable=6), {"type": "commit", "step": 6},
+               rec(4, snap=4, durable=4)]  # (step 4 again, after a restart)
+    f = freshness.worker_freshness(records, 3, 6)
+    # memory distances 3:1 (rank 0 behind), 4:1, 5:0, 6:0; disk 3:3, 4:2, 5:3, 6:0; either: 3:1, 4:1, 5:0, 6:0
+    assert (f.memory_median, f.memory_max, f.disk_median, f.disk_max) == (0.5, 1, 2.5, 3)
+    assert (f.restorable_mean, f.disk_mean) == (0.5, 2.0)
+    no_memory = freshness.worker_freshness([rec(s, durable=s - 1 if s > 3 else None) for s in (3, 4, 5)], 3, 5)
+    assert (no_memory.memory_median, no_memory.disk_max, no_memory.restorable_mean) == (None, 3, 5 / 3)
+    # A script's own saves are on disk when `done_t` says: step 2's save lands during step 3
+    steps = [{"step": s, "t": 10.0 + s} for s in (2, 3, 4)]
+    saves = [{"step": 2, "done_t": 12.5}, {"step": 4, "done_t": 13.9}]
+    on_disk = freshness.saves_freshness(steps, saves)
+    assert (on_disk.memory_median, on_disk.disk_median, on_disk.disk_max, on_disk.disk_mean) == (None, 1, 2, 1.0)
+    assert not (f.nothing_on_disk or no_memory.nothing_on_disk or on_disk.nothing_on_disk)
+    # A run whose interval exceeds it: nothing on disk by its end, its distances only grow (said, a lower bound)
+    unsaved = freshness.saves_freshness(steps, [{"step": 4, "done_t": 15.0}])
+    assert (unsaved.disk_median, unsaved.disk_max, unsaved.nothing_on_disk) == (3, 4, True)
+
+
+def test_predicted_waste_is_overhead_plus_lost_work_and_recovery_per_mtbf():
+    """At 1h with the default split (half the failures process, half lose the memory): 3% overhead,
+    2 s steps, 1 step back to memory-or-disk, 5 to disk, 10 s recovery: (0.5*1 + 0.5*5 + 0.5
+    steps) * 2 s + 10 s = 17 s per hour on top of the overhead."""
+    assert waste.predicted_waste(0.03, 2.0, 1.0, 5.0, 10.0, 3600.0) == pytest.approx(0.03 + 17 / 3600)
+    assert waste.predicted_waste(-0.01, 2.0, 5.0, 5.0, None, 3600.0) == pytest.approx(11 / 3600)  # noise: 0
+    configs = plan.configurations("sync", "default")
+    figs = {"none": _figures(2.0, None), "sync": _figures(2.06, 10.0).set_freshness(
+        freshness.Freshness(0.0, 1, 4.0, 6, 1.0, 5.0))}
+    rows = {r["name"]: r for r in stats.summarize(configs, {n: [Outcome(f, None, 1.0)] for n, f in figs.items()},
+                                                   (3600.0, 60.0))}
+    assert rows["sync"]["predicted_waste"] == pytest.approx({"1h": 0.03 + (3.5 * 2.06 + 10) / 3600,
+                                                             "1m": 0.03 + (3.5 * 2.06 + 10) / 60})
+    assert rows["none"]["predicted_waste"] == {"1h": None, "1m": None}
+    # A reference at every 10 that saved nothing in the run: (10 - 1) / 2 steps + its 1.5 steps of lag
+    ref = next(c for c in plan.configurations("torch.save", "10") if c.kind == "reference")
+    ref = dataclasses.replace(ref, save_lag_steps=1.5)
+    unsaved = _figures(2.06, None).set_freshness(freshness.Freshness(None, None, 5.0, 9, 5.0, 5.0, True))
+    row = stats.summarize([configs[0], ref], {"none": [Outcome(figs["none"], None, 1.0)],
+                                              "torch.save": [Outcome(unsaved, None, 1.0)]})[1]
+    assert stats.interval_model(row) and row["predicted_waste"]["1h"] == pytest.approx(0.03 + 6.5 * 2.06 / 3600)
+
+
+def test_a_run_that_says_it_cannot_keep_within_the_budget_is_marked():
+    """The worker's `budget` event with verdict `over` marks the row; its last `overhead` event
+    before a restart is the run's own figure (`run says`); the budget table reads at 80 columns."""
+    events = [{"type": "overhead", "overhead": 0.09, "budget": 0.05, "t": 1},
+              {"type": "budget", "verdict": "over", "strategy": "lowdiff", "t": 2},
+              {"type": "overhead", "overhead": 0.081, "budget": 0.05, "t": 3}, {"type": "restart", "t": 4},
+              {"type": "overhead", "overhead": 0.5, "budget": 0.05, "t": 5}]
+    said = figures._budget(events)
+    assert said == {"budget_over": events[1], "own_overhead": 0.081, "own_budget": 0.05}
+    assert figures._budget([{"type": "budget", "verdict": "within"}])["budget_over"] is None
+    configs = plan.configurations("checkfreq,lowdiff", "default")
+    outcomes = {c.name: [Outcome(_figures(1.0 + 0.1 * i), None, 1.0)] for i, c in enumerate(configs)}
+    for f in (outcomes["lowdiff"][0].figures,):
+        f.budget_over, f.own_overhead, f.own_budget = events[1], 0.081, 0.05
+        f.stall_by_cause = {"snapshot": 1.25, "backpressure": 40.0, "sync_write": 0.0}
+        f.set_freshness(freshness.Freshness(0.0, 1, 3.0, 7, 0.5, 3.5))
+    rows = stats.summarize(configs, outcomes)
+    assert [r["over_budget"] for r in rows] == [False, False, True]
+    console = Console(record=True, width=80, file=io.StringIO())
+    report.print_tables(report.budget_tables(rows, 0.05, None, 80), console)
+    lines = console.export_text().splitlines()
+    assert all(len(line) <= 80 for line in lines), "\n".join(lines)
+    row = next(line for line in lines if "lowdiff*" in line)
+    assert all(cell in row for cell in ("8.1% of 5%", "bp 40 snap 1.2", "0/1", "3/7", "%")), row
+    assert any(line.startswith("* the run said its strategy cannot keep within the budget") for line in lines)
+    rows[1]["nothing_on_disk"], rows[1]["predicted_waste"] = True, {"1h": 0.2}  # (checkfreq saved nothing)
+    console = Console(record=True, width=80, file=io.StringIO())
+    report.print_tables(report.budget_tables(rows, 0.05, None, 80), console)
+    row = next(line for line in console.export_text().splitlines() if "checkfreq" in line)
+    assert " none " in row and " >20.0%" in row, row
+
+
+def test_a_strategy_at_its_defaults_may_have_committed_nothing_by_the_crash():
+    """At its defaults a strategy's budget may space its checkpoints beyond a short run: the
+    restarted worker starting over from 0 then leaves its recovery unmeasured; with a given
+    interval it is an error, as before."""
+    events = [{"type": "restart", "resume_step": 0, "recovery_s": 3.0}]
+    result = _figures(1.0, None)
+    figures.ckptrun_recovery(result, events, required=False)
+    assert result.recovery_s is None
+    with pytest.raises(CkptrunError, match="started over from step 0"):
+        figures.ckptrun_recovery(result, events)

@@ -34,6 +34,7 @@ from s3server import moto_server
 
 from ckptrun.engine import drain
 from ckptrun.engine.drain import Drain
+from ckptrun.engine.durable_due import Due, due
 from ckptrun.ipc.events import EventLog
 from ckptrun.launcher.console.metrics_feed import MetricsState
 from ckptrun.storage.fsutil import _no_fault
@@ -80,7 +81,7 @@ def test_drained_steps_restore_from_the_url(strategy, s3, example_truth, tmp_pat
     """Every strategy's steps reach the store; `restore`/`verify`/`ls` read the URL like a
     directory, and --durable-keep holds there."""
     url = f"s3://{s3.bucket()}/run"
-    ok(durable_run(tmp_path, strategy, url, "--durable-endpoint", s3.url, "--durable-keep", "1"))
+    ok(durable_run(tmp_path, strategy, url, "--endpoint", s3.url, "--durable-keep", "1"))
     ups = engine_events(tmp_path, "durable")
     assert ups and ups[-1]["step"] == STEPS and {"lag_steps", "lag_s", "upload_s", "bytes"} <= set(ups[-1])
     state, _ = restore(tmp_path, url, "latest")
@@ -92,17 +93,18 @@ def test_drained_steps_restore_from_the_url(strategy, s3, example_truth, tmp_pat
     feed = MetricsState()  # what the dashboard shows: the remote step, no lag once the run ended
     feed.apply_all(map(json.loads, (tmp_path / "metrics" / "engine-0.jsonl").read_text().splitlines()))
     assert feed.remote["step"] == STEPS and feed.remote_lag() == 0
-    listed = ok(ckptrun(tmp_path, "ls", "--dir", url, "--json"))
+    listed = ok(ckptrun(tmp_path, "ls", "--dir", url, "--json", "--durable-endpoint", s3.url))
     assert max(r["step"] for r in json.loads(listed.stdout)) == STEPS
 
 
 def test_killed_run_resumes_from_the_store_without_its_dir(s3, example_truth, tmp_path):
     """A run killed at step 7 (its whole --dir lost with the machine) resumes from the store."""
     url = f"s3://{s3.bucket()}/run"
-    killed = durable_run(tmp_path, "checkfreq", url, "--durable-every", "2", fault="kill:step=7")
+    killed = durable_run(tmp_path, "checkfreq", url, "--durable-every", "3", fault="kill:step=7")
     assert killed.returncode != 0
     remote = open_tier(url).committed()
     assert remote, "nothing reached the store before the kill"
+    assert all(int(name.split("-")[1]) % 3 == 0 for name in remote), f"--durable-every 3 copied {remote}"
     shutil.rmtree(tmp_path / "ckpts")
     again = ok(durable_run(tmp_path, "checkfreq", url))
     assert "resuming from" in again.stderr
@@ -204,6 +206,48 @@ def test_unusable_store_is_one_line_at_start(case, s3, tmp_path):
     assert {"credentials": "credentials refused", "bucket": "does not exist",
             "endpoint": "cannot reach"}[case] in line, line
     assert not (tmp_path / "metrics").exists()
+
+
+def test_one_endpoint_flag_on_every_command(tmp_path, monkeypatch):
+    """--endpoint is the name on every command, --durable-endpoint (run's old name) its alias,
+    both shown in help and taken by a recipe; on `run` it needs --durable (else ignored)."""
+    from ckptrun import cli as entry
+    from ckptrun.launcher import run as launcher
+
+    for command in ("run", "ls", "restore", "verify"):
+        assert "--endpoint, --durable-endpoint" in cli(tmp_path, command, "--help").stdout, command
+    seen = []
+    monkeypatch.setattr(launcher, "run", lambda cfg, *a, **kw: seen.append(cfg.durable_endpoint) or 0)
+    url, durable = "http://127.0.0.1:9", ["--durable", "s3://b/run"]
+    (tmp_path / "new.yaml").write_text(f"endpoint: {url}\n")
+    (tmp_path / "old.yaml").write_text(f"durable_endpoint: {url}\n")
+    (tmp_path / "both.yaml").write_text(f"endpoint: {url}\ndurable-endpoint: {url}\n")
+    for flags in (["--endpoint", url], ["--durable-endpoint", url], ["--recipe", str(tmp_path / "new.yaml")],
+                  ["--recipe", str(tmp_path / "old.yaml")]):
+        assert entry.main([*flags, *durable, str(EXAMPLE)]) == 0, flags
+    assert seen == [url] * 4
+    assert "durable-endpoint sets endpoint a second time" in error_line(cli(tmp_path, "--recipe", "both.yaml", EXAMPLE))
+    assert "give --durable" in error_line(cli(tmp_path, "--endpoint", url, EXAMPLE))
+
+
+def test_a_remote_dir_is_named_by_its_url_and_has_no_node_local_notes(s3, tmp_path):
+    """`ls`, `restore` and `verify` of an s3:// --dir read a private copy of it: what they say
+    names the URL given (not the copy's temporary folder), and a listing says nothing that
+    applies only to a node-local --dir (each record's parts are the store's, not a node's)."""
+    store = _local_steps(tmp_path / "ckpts", world_size=2)
+    url = f"s3://{s3.bucket()}/run"
+    tier = open_tier(url)
+    for m in store.manifests():
+        with record_parts(store, m) as (parts, manifest):
+            tier.publish_record(m.name, parts, manifest)
+    listed = cli(tmp_path, "ls", "--dir", url)
+    assert listed.returncode == 0 and "step-00000002" in listed.stdout, listed.stderr
+    assert "node-local" not in listed.stdout + listed.stderr and "note:" not in listed.stdout, listed.stdout
+    assert [r["ranks_here"] for r in json.loads(cli(tmp_path, "ls", "--dir", url, "--json").stdout)] == [None, None]
+    missing = error_line(cli(tmp_path, "restore", "--dir", url, "--step", "10", "--out", tmp_path / "o.pt"))
+    assert f"step 10 is not committed in {url}; available steps: 1-2" in missing, missing
+    no_bucket = error_line(cli(tmp_path, "verify", "--dir", "s3://no-such-bucket/run"))
+    assert no_bucket.endswith("s3://no-such-bucket/run: bucket no-such-bucket does not exist"), no_bucket
 
 
 def test_crafted_listings_are_refused(s3, tmp_path):
@@ -448,6 +492,43 @@ def test_ls_shows_each_steps_tiers(tmp_path, monkeypatch):
         assert proc.returncode == 0 and said in line and f"listing {ckpts} alone" in line, proc.stderr
         assert "step-00000002" in proc.stdout and "tiers" not in proc.stdout
     assert error_line(cli(tmp_path, "ls", "--dir", ckpts, "--durable", str(remote))).startswith("ckptrun")
+
+
+@pytest.mark.parametrize(("steps", "last", "every", "expected"), [
+    ([2, 4, 6], -1, 10, None),  # no multiple reached: nothing, not the first step (it was)
+    (list(range(1, 13)), -1, 10, Due(10, ())),
+    (list(range(1, 13)), 10, 10, None),  # the next is 20
+    (list(range(1, 36)), 10, 10, Due(30, (20,))),  # behind: the newest multiple, 20 skipped
+    ([3, 6, 9, 12, 15, 18, 21, 24], -1, 10, Due(21, ())),  # no record at 20: the first after it
+    ([3, 6, 9, 12, 15, 18, 21, 24], 21, 10, None),  # (21 stood for 20)
+    ([30, 40], 37, 10, Due(40, ())),  # a resumed run's tier ends at the last run's final step
+])
+def test_durable_every_copies_the_multiples(steps, last, every, expected):
+    """--durable-every N means what --every N means: the committed multiples of N (before: the
+    newest step once N past the last copy: 2, 12, 25, 35 for N = 10)."""
+    assert due(steps, last, every) == expected
+
+
+def test_a_drain_behind_copies_the_newest_multiple_and_says_so_once(tmp_path):
+    """A drain that finds two multiples of --durable-every committed copies the newer, says the
+    skip once (a warning and a `durable_skip` event), and the run's final step at close."""
+    store = _local_steps(tmp_path / "ckpts", steps=(1, 2, 3, 4, 5, 6, 7))
+    metrics = tmp_path / "metrics"
+    d = _drain(store, str(tmp_path / "remote"), 0, metrics)
+    d.every = 3
+    d.round()
+    assert d.tier.committed() == [full_name(6)]
+    _local_steps(store.root, steps=(8, 9, 10, 11, 12, 13))
+    d.round()
+    d.round()  # nothing due
+    assert d.tier.committed() == [full_name(6), full_name(12)]
+    _local_steps(store.root, steps=(14,))
+    d.round(final=True)  # what close() runs once the thread has stopped
+    assert d.tier.committed() == [full_name(6), full_name(12), full_name(14)]
+    d.log.flush()
+    said = [e for e in map(json.loads, (metrics / "engine-0.jsonl").read_text().splitlines())
+            if e["type"] == "durable_skip"]
+    assert [(e["step"], e["skipped"]) for e in said] == [(6, [3])], said
 
 
 def test_auto_interval_follows_bandwidth_and_failure_rate(tmp_path):

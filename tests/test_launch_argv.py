@@ -4,9 +4,15 @@ from torch 2.11's torchrun (the GPU image's) as from 2.13's: both found on an H2
 import argparse
 
 import pytest
+from conftest import EXAMPLE, TINY, ckptrun, ok
 from torch.distributed import run as torchrun
 
-from ckptrun.launcher.run import LaunchOptions, shutdown_timeout_flag
+from ckptrun.launcher.run import LaunchOptions, shutdown_timeout_flag, torchrun_namespace
+
+# A script's own words that torchrun's parser took for its flags (an abbreviation, an exact flag,
+# its -m) or that look like ckptrun's.
+SCRIPT_WORDS = ["--log", "out.txt", "--n", "3", "-m", "x", "--nproc", "2", "--nnodes", "2", "--every", "5",
+                "--dir", "d", "--help", "--", "-h"]
 
 
 def argv(opts: LaunchOptions) -> list[str]:
@@ -42,3 +48,18 @@ def test_a_torchrun_without_shutdown_timeout_is_not_given_one(monkeypatch):
 
     monkeypatch.setattr(torchrun, "get_args_parser", older)
     assert shutdown_timeout_flag(7) == []
+
+
+def test_the_scripts_arguments_reach_the_worker_unparsed():
+    """Whatever follows SCRIPT is handed to the worker as it was given: torchrun's parser saw
+    it and stopped the run at `--log` (ambiguous: --log-dir, --logs-specs, ...)."""
+    args = torchrun_namespace([*LaunchOptions().torchrun_argv(), "--log-dir", "logs"], "train.py", SCRIPT_WORDS)
+    assert (args.module, args.training_script) == (True, "ckptrun.worker.bootstrap")
+    assert args.training_script_args == ["train.py", *SCRIPT_WORDS]
+    assert args.log_dir == "logs" and args.nnodes == "1"
+
+
+def test_a_script_flag_that_abbreviates_torchruns_runs(tmp_path):
+    """End to end: the example's `--log 1` (its own --log-every, abbreviated) reaches it."""
+    proc = ok(ckptrun(tmp_path, "--dir", "ckpts", "--no-dashboard", EXAMPLE, *TINY, "--steps", "2", "--log", "1"))
+    assert "step 2 loss" in proc.stdout, proc.stdout

@@ -6,6 +6,9 @@ level, inside a function, under `if TYPE_CHECKING:`; each is a dependency the la
 importing `a.b.c` depends on `a.b.c` alone (Python runs the parents' `__init__` first, but
 nothing is taken from them). `LAZY` holds the only exemptions, each with its reason.
 
+(c) The process boundary: nothing under engine/, storage/ or ipc/ imports worker/ or launcher/,
+directly or through other modules (`crossings`); what both sides share lives below them.
+
 (b) No strategy named outside ckptrun/strategies/ and ckptrun/bench/: a registered name, or the
 name of the module its entry points into, may not be a word of an identifier (snake_case and
 CamelCase words: `lowdiff_plan`, `LowDiffPlan`, `plan.lowdiff`), of an imported module's path,
@@ -191,6 +194,57 @@ def test_the_cycle_check_sees_function_level_and_type_checking_imports(tmp_path)
     assert edges["pkg.e"] == {"pkg.c": 1, "pkg.a.server": 2}
     assert describe(cycles(edges)[1], edges, known, tmp_path) == (
         "import cycle: pkg.b (pkg/b.py:2) -> pkg.c (pkg/c.py:1) -> pkg.d (pkg/d.py:1) -> pkg.b")
+
+
+# ---- (c) the process boundary in the imports ----------------------------------------------------
+
+# Code the engine process (and `ls`, `verify`, `restore`) runs: it loads nothing of the trainer's
+# side or the launcher's, directly or through another module; what both sides share lives below.
+ENGINE_SIDE = ("engine", "storage", "ipc")
+OTHER_SIDES = ("worker", "launcher")
+
+
+def crossings(edges: dict[str, dict[str, int]], root: str) -> list[list[str]]:
+    """For each module of `root`'s ENGINE_SIDE folders that reaches a module of OTHER_SIDES, the
+    shortest import path to the first such module (breadth first over the graph)."""
+    def folder(module: str) -> str:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 else ""
+
+    found = []
+    for start in sorted(m for m in edges if folder(m) in ENGINE_SIDE):
+        paths, todo = {start: [start]}, [start]
+        while todo:
+            v = todo.pop(0)
+            hit = next((w for w in sorted(edges[v]) if folder(w) in OTHER_SIDES), None)
+            if hit is not None:
+                found.append([*paths[v], hit])
+                break
+            for w in sorted(edges[v]):
+                if w not in paths:
+                    paths[w] = [*paths[v], w]
+                    todo.append(w)
+    return found
+
+
+def test_nothing_the_engine_runs_imports_the_worker_or_the_launcher():
+    found = crossings(graph(modules(PACKAGE)), "ckptrun")
+    assert not found, "\n".join(" -> ".join(path) for path in found)
+
+
+def test_the_boundary_check_follows_imports_through_other_modules(tmp_path):
+    known = write_package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/log.py": "def f():\n    from .launcher.console import x\n",
+        "pkg/engine/__init__.py": "",
+        "pkg/engine/server.py": "from ..log import f\n",
+        "pkg/storage/__init__.py": "",
+        "pkg/storage/store.py": "from ..tuning import y\n",
+        "pkg/tuning.py": "",
+        "pkg/launcher/__init__.py": "",
+        "pkg/launcher/console.py": "",
+    })
+    assert crossings(graph(known), "pkg") == [["pkg.engine.server", "pkg.log", "pkg.launcher.console"]]
 
 
 # ---- (b) strategy names -------------------------------------------------------------------------

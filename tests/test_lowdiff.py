@@ -37,6 +37,7 @@ from conftest import (
 )
 
 from ckptrun.errors import CkptrunError, CorruptCheckpoint
+from ckptrun.restore.chain_listing import group_diffs
 from ckptrun.restore.export import export
 from ckptrun.restore.recovery import READ_AHEAD_RECORDS, diff_states, find, load_state
 from ckptrun.storage.store import Store, diff_name, full_name, rank_files
@@ -192,6 +193,43 @@ def test_ls_json_shows_full_checkpoints_and_diff_ranges(gpt_run, tmp_path):
     assert [(r["kind"], r["first_step"], r["step"], r["depends_on"]) for r in rows] == RECORDS
     assert [r["record"] for r in rows] == [full_name(s) if k == "full" else diff_name(f, s)
                                            for k, f, s, _ in RECORDS]
+
+
+def test_ls_groups_each_chain_and_says_what_is_restorable(gpt_run, tmp_path):
+    """`ls` shows each run of diff records on one base as one row (before: a row per record,
+    51 for a 60-step run) and a line saying which steps restore from which full checkpoints and
+    what restoring the newest takes, within 80 columns; --wide lists every record, as --json."""
+    ckpt = gpt_run("adamw")
+    newest = sum(m.bytes for m in Store(ckpt).manifests() if m.name in (full_name(10), diff_name(11, 13),
+                                                                         diff_name(14, 14)))
+    listed = ok(cli(tmp_path, "ls", "--dir", ckpt)).stdout
+    rows = [[c.strip() for c in line.split("│")[1:4]] for line in listed.splitlines() if line.startswith("│")]
+    assert rows == [["0", "full", full_name(0)], ["1-5", "diff", "2 records"], ["5", "full", full_name(5)],
+                    ["6-10", "diff", "2 records"], ["10", "full", full_name(10)], ["11-14", "diff", "2 records"]]
+    assert (f"\n0-14 restorable: full at 0, 5, 10; 12 diffs; newest reads {newest / 1e6:.1f} MB, replays 4 steps\n"
+            in listed.replace("\n  ", " ")), listed  # (wrapped at 80 columns)
+    assert max(map(len, listed.splitlines())) <= 80, listed
+    wide = ok(cli(tmp_path, "ls", "--dir", ckpt, "--wide")).stdout
+    assert all(full_name(s) if k == "full" else diff_name(f, s) in wide for k, f, s, _ in RECORDS), wide
+    assert f"{full_name(10)}, {diff_name(11, 13)}" in wide and "…" not in wide, wide  # never squeezed to 80
+
+
+def test_ls_groups_only_alike_consecutive_records():
+    """A run of diff records is one row only where nothing tells them apart: a gap, another
+    base, or another tier (one of them also remote) starts a new row."""
+    def row(kind, first, step, depends_on=(), tiers=("local",)):
+        return {"kind": kind, "first_step": first, "step": step, "depends_on": list(depends_on), "bytes": 10,
+                "ranks": 1, "rank_bytes": [10], "layout": "records", "tiers": list(tiers),
+                "record": full_name(step) if kind == "full" else diff_name(first, step)}
+
+    f0 = full_name(0)
+    rows = [row("full", 0, 0), row("diff", 1, 3, [f0]), row("diff", 4, 5, [f0, diff_name(1, 3)]),
+            row("diff", 6, 6, [f0, diff_name(4, 5)], tiers=("local", "remote")), row("diff", 8, 8, [f0]),
+            row("full", 9, 9), row("diff", 9, 9, [f0, diff_name(8, 8)]), row("diff", 10, 10, [full_name(9)])]
+    grouped = group_diffs(rows)
+    assert [(r["first_step"], r["step"], r["record"], r["bytes"], r["depends_on"]) for r in grouped] == [
+        (0, 0, f0, 10, []), (1, 5, "2 records", 20, [f0]), (6, 6, diff_name(6, 6), 10, [f0]),
+        (8, 9, "2 records", 20, [f0]), (9, 9, full_name(9), 10, []), (10, 10, diff_name(10, 10), 10, [full_name(9)])]
 
 
 def test_corrupt_diff_record_is_reported_and_skipped(gpt_run, gpt_truth, tmp_path):

@@ -76,7 +76,8 @@ def test_tune_tiny_example_within_a_minute_writes_a_recipe_that_runs(tmp_path):
     assert not (tmp_path / "ck").exists()  # the scratch folder is gone (and --dir, which tune created)
 
     recipe = yaml.safe_load((tmp_path / "tuned.yaml").read_text())
-    assert recipe == {"strategy": best["strategy"], **best["settings"], "mtbf": "2h", "dir": "ck"}
+    assert recipe == {"strategy": best["strategy"], **best["settings"], "max_overhead": "5", "mtbf": "2h",
+                      "dir": "ck"}
     ok(ckptrun(tmp_path, "--recipe", "tuned.yaml", EXAMPLE, *SMALL, "--steps", "4"))
     assert committed(tmp_path / "ck")[-1] == 4
 
@@ -339,7 +340,8 @@ def test_a_policys_changes_reach_the_log_once_a_minute_and_the_metrics_every_tim
 
     emitted: list[dict] = []
     rt = SimpleNamespace(rank=0, world_size=1, metrics=SimpleNamespace(emit=lambda **kw: emitted.append(kw)),
-                         cfg=SimpleNamespace(mtbf=0.0, every_auto=True, every=1))
+                         cfg=SimpleNamespace(mtbf=0.0, every_auto=True, every=1, every_given=False,
+                                             max_overhead=0.0, strategy="checkfreq"))
     retuner, interval = decisions.for_runtime(rt)
     now = [1000.0]
     monkeypatch.setattr(decisions.time, "monotonic", lambda: now[0])

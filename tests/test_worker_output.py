@@ -21,9 +21,9 @@ from conftest import REPO, SCRIPTS, ckptrun, clean_env, kill_tree, ok
 from rich.console import Console
 from rich.text import Text
 
-from ckptrun.ipc.stdio import MERGE_ENV
+from ckptrun.ipc.stdio import MERGE_ENV, at_line_start
 from ckptrun.launcher.console.dashboard import Dashboard
-from ckptrun.launcher.console.worker_logs import WorkerLogTailer, at_line_start, last_state
+from ckptrun.launcher.console.worker_logs import WorkerLogTailer, last_state
 from ckptrun.log import _Stderr
 
 

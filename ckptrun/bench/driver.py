@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.console import Console
 
 from ..storage import iowriter
-from . import machine, netns, plan, report, stats
+from . import budget, machine, netns, plan, report, stats
 from .failure_driver import run_failure_bench
 from .nodes import PORT, run_on_nodes
 from .options import BenchOptions
@@ -31,7 +31,8 @@ def run_bench(o: BenchOptions, console: Console | None = None, progress: Console
     o.validate()
     if o.failures:
         return run_failure_bench(o, console, progress)
-    configs = plan.configurations(o.strategies, o.every, o.io_engine, o.durable, nodes=o.nodes, replicas=o.replicas)
+    configs = plan.configurations(o.strategies, o.every, o.io_engine, o.durable, nodes=o.nodes, replicas=o.replicas,
+                                  max_overhead=o.max_overhead)
     if o.plot:
         report.require_matplotlib()
     work = plan.Workload(plan.example_script(), o.model, o.device, o.trainer_threads)
@@ -50,17 +51,21 @@ def run_bench(o: BenchOptions, console: Console | None = None, progress: Console
                        f"memory allocated, first touched, page-locked) count in the figures; --warmup {n} "
                        "leaves them out")
     t0 = time.perf_counter()
+    configs, calibration = budget.calibrate(configs, work, root, o.warmup, o.budget(), o.run_timeout_s(), progress)
     with netns.node_pair() if o.nodes > 1 else contextlib.nullcontext() as pair:
         outcomes = _interleaved(o, configs, work, root, progress, pair)
     wall = time.perf_counter() - t0
     desc["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    rows = stats.summarize(configs, outcomes)
+    rows = stats.summarize(configs, outcomes, tuple(o.mtbf_s()))
     runs = f"median of {o.repeat}" if o.repeat > 1 else "1 run each (--repeat 3 for medians and ranges)"
     title = (f"ckptrun bench: model {o.model}{on}, {o.steps} steps (first {o.warmup} untimed), {runs}, {o.device}, "
              f"{o.trainer_threads} trainer thread(s), dir on {fs}, writer {o.io_engine} ({desc['io_engine']})")
-    report.print_tables(report.tables(rows, title, report.report_width(console, o.wide)), console)
+    width = report.report_width(console, o.wide)
+    report.print_tables([*report.tables(rows, title, width),
+                         *report.budget_tables(rows, o.budget(), calibration, width)], console)
     params = next((out.params for runs in outcomes.values() for out in runs if out.params), None)
-    settings = {**asdict(o), "model_args": plan.MODELS[o.model], "params": params, "dir": str(root)}
+    settings = {**asdict(o), "model_args": plan.MODELS[o.model], "params": params, "dir": str(root),
+                "budget": o.budget(), "calibration": calibration.to_json() if calibration else None}
     if o.json:
         report.write_json(report.document(settings, desc, rows, o.command(), wall), Path(o.json))
     if o.plot:

@@ -24,7 +24,7 @@ from rich.text import Text
 from ..errors import CkptrunError
 from ..tuning.durations import format_duration, parse_duration
 from ..widthfit import Col, fit_table, left_out_line
-from . import machine, plan, report
+from . import budget, machine, plan, report
 from .failure_runner import run_under_failures
 from .failures import Schedule
 from .goodput import Goodput, goodput
@@ -47,7 +47,7 @@ def schedules(o: BenchOptions) -> dict[str, list[Schedule]]:
 
 def run_failure_bench(o: BenchOptions, console: Console, progress: Console) -> int:
     """Run the goodput bench described by BenchOptions `o`; returns the exit code."""
-    configs = plan.configurations(o.strategies, o.every, o.io_engine, o.durable)
+    configs = plan.configurations(o.strategies, o.every, o.io_engine, o.durable, max_overhead=o.max_overhead)
     baselines = [c for c in configs if c.kind == "baseline"]
     plans = schedules(o)
     if o.plot:
@@ -55,6 +55,7 @@ def run_failure_bench(o: BenchOptions, console: Console, progress: Console) -> i
     work = plan.Workload(plan.example_script(), o.model, o.device, o.trainer_threads)
     root = Path(o.dir) if o.dir else machine.default_dir()
     root.mkdir(parents=True, exist_ok=True)
+    configs, _ = budget.calibrate(configs, work, root, o.warmup, o.budget(), o.run_timeout_s(), progress)
     if o.traces:
         _write_traces(plans, Path(o.traces))
     for label, ss in plans.items():
@@ -174,9 +175,9 @@ def table(rows: list[dict[str, Any]], title: str, width: int | None) -> list[Ren
     for r in rows:
         if not r["repetitions"]:
             failed.append(f"{r['name']} ({r['failures']}) failed: {r['errors'][0].splitlines()[0]}")
-            cells.append([r["failures"], r["name"], _num(r["every"], "d"), "failed", *["-"] * 7])
+            cells.append([r["failures"], r["name"], report.every_cell(r), "failed", *["-"] * 7])
             continue
-        cells.append([r["failures"], r["name"], _num(r["every"], "d"), _num(r["goodput"], ".2f"),
+        cells.append([r["failures"], r["name"], report.every_cell(r), _num(r["goodput"], ".2f"),
                       _num(r["ratio"], ".1%"), r["against"], _num(r["useful_steps"], ".0f"), _num(r["kills"], ".0f"),
                       _num(r["lost_steps_per_failure"], ".1f"), _num(r["recovery_s_per_failure"], ".2f"),
                       _num(r["restore_s_per_failure"], ".2f")])

@@ -7,6 +7,9 @@ the first checkpoint are left out of every configuration alike, where the warm-u
 first checkpoint: at --every N, N steps or more). Bytes and write bandwidth count the
 checkpoints of those same steps, and so does the CPU time per process role (`proccpu`): the
 trainer's, the engine's, the launcher's, from the first timed step's start to the last one's end.
+The freshness of the timed steps is bench/freshness.py's; a ckptrun run's own word on its
+overhead budget is its worker's `budget` events (verdict `over`: its strategy cannot keep within
+the budget) and its last `overhead` event before a restart (the overhead it measured).
 """
 
 from __future__ import annotations
@@ -19,18 +22,16 @@ from typing import Any
 
 from ..errors import CkptrunError
 from ..launcher.console.metrics_feed import MetricsTailer
+from .freshness import Freshness, saves_freshness, worker_freshness
 from .proccpu import CpuTrace
 from .procmem import Memory
 
 # Per-run figures, in report order (the summary's `median_step_s` is the median of `step_s`).
-# The stall's causes (the worker's `stall_s`), each a figure of its own: what a slow row waits on.
-CAUSE_FIGURES = {"snapshot": "snapshot_ms_per_step", "backpressure": "backpressure_ms_per_step",
-                 "setup": "setup_ms_per_step", "sync_write": "sync_write_ms_per_step",
-                 "layer_wait": "layer_wait_ms_per_step"}
-FIGURES = ("step_s", "compute_s", "stall_ms_per_step", *CAUSE_FIGURES.values(), "trainer_cpu_ms_per_step",
+FIGURES = ("step_s", "compute_s", "stall_ms_per_step", "layer_wait_ms_per_step", "trainer_cpu_ms_per_step",
            "engine_cpu_ms_per_step", "launcher_cpu_ms_per_step", "bytes_per_step", "shipped_per_step", "write_MBps",
            "effective_MBps", "peak_rss_MB", "peak_MB", "staging_MB", "page_cache_MB", "committed", "recovery_s",
-           "setup_s", "restore_s")
+           "setup_s", "restore_s", "own_overhead", "own_budget", "fresh_memory_median", "fresh_memory_max",
+           "fresh_disk_median", "fresh_disk_max", "fresh_restorable_mean", "fresh_disk_mean")
 
 
 @dataclass
@@ -49,15 +50,7 @@ class RunFigures:
     # own load for the references). The rest is the first resumed step.
     setup_s: float | None = None
     restore_s: float | None = None
-    # The stall by cause (ckptrun runs; None: a reference, or no step of the run had the cause): the
-    # snapshot (state built and copied, sends), back-pressure (every slot in flight), the staging
-    # slots' set-up (allocated, faulted in, page-locked: a first checkpoint before it was done, or
-    # a state that outgrew them), the write on the training path (sync), and an update waiting
-    # for its own layer's copy (lightcheck)
-    snapshot_ms_per_step: float | None = None
-    backpressure_ms_per_step: float | None = None
-    setup_ms_per_step: float | None = None
-    sync_write_ms_per_step: float | None = None
+    # The part of the stall that updates waited for their own layer's copy (lightcheck); None: no such cause
     layer_wait_ms_per_step: float | None = None
     page_cache_MB: float | None = None  # the machine's page-cache growth during the run (bench/procmem.py)
     io_engine: str | None = None  # the engine's file writer that ran (native, python); None: not a ckptrun run
@@ -75,6 +68,21 @@ class RunFigures:
     # Effective checkpoint throughput (DataStates-LLM's headline): checkpoint bytes written per second the
     # trainer was blocked for them; None: nothing written, or no measurable blocking
     effective_MBps: float | None = field(init=False, default=None)
+    # Stall per timed step by cause (ms; ckptrun's worker's causes, `save` for a script's own saves)
+    stall_by_cause: dict[str, float] | None = None
+    # The run's own overhead (fraction of its no-checkpoint step) and budget from its last `overhead` event
+    own_overhead: float | None = None
+    own_budget: float | None = None
+    budget_over: dict | None = None  # the run's first `budget` event with verdict `over`, if any
+    # bench/freshness.py: steps from each timed step to the newest in memory / on disk (median, max), and the
+    # means a failure loses resuming from memory or disk / from disk alone; None: no such tier, or no run
+    fresh_memory_median: float | None = None
+    fresh_memory_max: int | None = None
+    fresh_disk_median: float | None = None
+    fresh_disk_max: int | None = None
+    fresh_restorable_mean: float | None = None
+    fresh_disk_mean: float | None = None
+    nothing_on_disk: bool = False  # no step reached the disk by the last timed step: freshness and waste understated
 
     def __post_init__(self) -> None:
         if self.bytes_per_step > 0 and self.stall_ms_per_step > 1e-3:
@@ -82,6 +90,13 @@ class RunFigures:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def set_freshness(self, f: Freshness) -> RunFigures:
+        self.fresh_memory_median, self.fresh_memory_max = f.memory_median, f.memory_max
+        self.fresh_disk_median, self.fresh_disk_max = f.disk_median, f.disk_max
+        self.fresh_restorable_mean, self.fresh_disk_mean = f.restorable_mean, f.disk_mean
+        self.nothing_on_disk = f.nothing_on_disk
+        return self
 
 
 @dataclass
@@ -131,13 +146,6 @@ def _io(writes: list[tuple[int, int, float]], first: int, last: int) -> tuple[in
     return nbytes, (nbytes / seconds / 1e6 if seconds > 0 else None)
 
 
-def _by_cause(steps: dict[int, dict[str, float]], timed: list[int]) -> dict[str, float | None]:
-    """Each cause's stall, ms per timed step; None for a cause no step of the run reported."""
-    seen = {c for causes in steps.values() for c in causes}
-    return {figure: 1e3 * fmean(steps[s].get(cause, 0.0) for s in timed) if cause in seen else None
-            for cause, figure in CAUSE_FIGURES.items()}
-
-
 def _memory(mem: Memory) -> dict[str, float]:
     return {"peak_rss_MB": mem.peak_rss_MB, "peak_MB": mem.peak_MB, "staging_MB": mem.staging_MB,
             "page_cache_MB": mem.page_cache_MB}
@@ -152,48 +160,74 @@ def _compute_and_cpu(timed: list[dict], trainer_pid: int | None, cpu: CpuTrace) 
                for role in ("trainer", "engine", "launcher")}}
 
 
-def reference_figures(timing: Attempt, warmup: int, mem: Memory, cpu: CpuTrace) -> RunFigures:
-    """`none` and the references: everything is in the script's timing file."""
+def reference_figures(timing: Attempt, warmup: int, mem: Memory, cpu: CpuTrace, *, saving: bool = False
+                      ) -> RunFigures:
+    """`none` and the references (`saving`): everything is in the script's timing file."""
     timed, first, last = timing.window(warmup)
     nbytes, mbps = _io([(s["step"], s["bytes"], s["write_s"]) for s in timing.saves], first, last)
-    return RunFigures(step_s=fmean(s["wall_s"] for s in timed),
-                      stall_ms_per_step=1e3 * fmean(s["stall_s"] for s in timed),
-                      bytes_per_step=nbytes / len(timed), write_MBps=mbps, committed=len(timing.saves),
-                      **_memory(mem), **_compute_and_cpu(timed, timing.pid, cpu))
+    stall = 1e3 * fmean(s["stall_s"] for s in timed)
+    result = RunFigures(step_s=fmean(s["wall_s"] for s in timed), stall_ms_per_step=stall,
+                        bytes_per_step=nbytes / len(timed), write_MBps=mbps, committed=len(timing.saves),
+                        **_memory(mem), **_compute_and_cpu(timed, timing.pid, cpu),
+                        stall_by_cause={"save": stall} if saving else None)
+    return result.set_freshness(saves_freshness(timed, timing.saves)) if saving else result
 
 
 def ckptrun_figures(timing: Attempt, metrics_dir: Path, warmup: int, mem: Memory, cpu: CpuTrace) -> RunFigures:
-    """ckptrun runs: step time from the script, stall from the worker (per cause, summed), bytes
-    and write time from the engine's `write` events, commits from its `commit` events (up to the
-    last timed step: the restarted worker's own are not counted), the writer from `io_engine`."""
+    """ckptrun runs: step time from the script, stall from the worker (per cause, and summed),
+    bytes and write time from the engine's `write` events, commits from its `commit` events (up
+    to the last timed step: the restarted worker's own are not counted), the writer from
+    `io_engine`, freshness and the run's word on its budget from the worker (module docstring).
+    A step redone by the restarted worker keeps its first record."""
     timed, first, last = timing.window(warmup)
     events = MetricsTailer(metrics_dir).poll()
-    steps = {e["step"]: e["stall_s"] for e in events if e.get("type") == "step"}
-    stall = {step: sum(causes.values()) for step, causes in steps.items()}
-    missing = [s["step"] for s in timed if s["step"] not in stall]
+    steps: dict[int, dict[str, float]] = {}
+    for e in events:
+        if e.get("type") == "step":
+            steps.setdefault(e["step"], e["stall_s"])
+    missing = [s["step"] for s in timed if s["step"] not in steps]
     if missing:
         raise CkptrunError(f"ckptrun's worker metrics in {metrics_dir} lack steps {missing[:5]}")
+    causes = {c: 1e3 * fmean(steps[s["step"]].get(c, 0.0) for s in timed) for c in
+              dict.fromkeys(c for s in timed for c in steps[s["step"]])}
     nbytes, mbps = _io([(e["step"], e["bytes"], e["write_s"]) for e in events if e.get("type") == "write"],
                        first, last)
-    return RunFigures(step_s=fmean(s["wall_s"] for s in timed),
-                      stall_ms_per_step=1e3 * fmean(stall[s["step"]] for s in timed),
-                      bytes_per_step=nbytes / len(timed), write_MBps=mbps, **_memory(mem),
-                      **_compute_and_cpu(timed, timing.pid, cpu),
-                      io_engine=next((str(e["engine"]) for e in events if e.get("type") == "io_engine"), None),
-                      committed=sum(1 for e in events if e.get("type") == "commit" and e["step"] <= last),
-                      **_by_cause(steps, [s["step"] for s in timed]))
+    result = RunFigures(step_s=fmean(s["wall_s"] for s in timed), stall_ms_per_step=sum(causes.values()),
+                        bytes_per_step=nbytes / len(timed), write_MBps=mbps, **_memory(mem),
+                        **_compute_and_cpu(timed, timing.pid, cpu),
+                        io_engine=next((str(e["engine"]) for e in events if e.get("type") == "io_engine"), None),
+                        committed=sum(1 for e in events if e.get("type") == "commit" and e["step"] <= last),
+                        layer_wait_ms_per_step=causes.get("layer_wait"), stall_by_cause=causes,
+                        **_budget(events))
+    return result.set_freshness(worker_freshness(events, first, last))
 
 
-def ckptrun_recovery(result: RunFigures, events: list[dict]) -> dict:
+def _budget(events: list[dict]) -> dict[str, Any]:
+    """The run's first `budget` event with verdict `over`, and its last `overhead` event's
+    overhead and budget before the first restart (the restarted worker's own are not timed)."""
+    restart = next((i for i, e in enumerate(events) if e.get("type") == "restart"), len(events))
+    said = [e for e in events[:restart] if e.get("type") == "overhead" and e.get("overhead") is not None]
+    last = said[-1] if said else {}
+    return {"budget_over": next((e for e in events if e.get("type") == "budget" and e.get("verdict") == "over"),
+                                None),
+            "own_overhead": last.get("overhead"), "own_budget": last.get("budget")}
+
+
+def ckptrun_recovery(result: RunFigures, events: list[dict], *, required: bool = True) -> dict:
     """Set `result`'s recovery figures from the restarted worker's `restart` event among its
     metrics `events`: its start to the end of its first resumed step, and of it the restart (its
-    set-up until the first optimizer exists) and the state restore. Returns the event."""
+    set-up until the first optimizer exists) and the state restore. Returns the event. A worker
+    that started over from step 0 is an error when a step to resume from was `required`; else
+    (a strategy at its defaults, whose budget may space its checkpoints beyond a short run) the
+    recovery is left unmeasured (None)."""
     restarts = [e for e in events if e.get("type") == "restart"]
     if not restarts:
         raise CkptrunError("the crashed worker was not restarted and resumed (no restart event in its metrics)")
-    if not restarts[0]["resume_step"]:
-        raise CkptrunError("the restarted worker found no committed step and started over from step 0")
     first = restarts[0]
+    if not first["resume_step"]:
+        if not required:
+            return first
+        raise CkptrunError("the restarted worker found no committed step and started over from step 0")
     setup = first.get("setup_s")
     result.recovery_s, result.setup_s = float(first["recovery_s"]), None if setup is None else float(setup)
     result.restore_s = float(first.get("restore_s") or 0.0)

@@ -7,15 +7,18 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 from ..tuning.durations import parse_duration
-from . import plan
+from . import budget, plan
 from .failure_runner import MODES
+from .waste import DEFAULT_MTBF_S
+
+FAILURES_MTBF = "30s"  # --mtbf under --failures unless given
 
 
 @dataclass
 class BenchOptions:
     model: str = "small"
     strategies: str = "default"
-    every: str = "1"
+    every: str = plan.DEFAULTS
     steps: int = 30
     repeat: int = 1
     device: str = "cpu"
@@ -27,7 +30,7 @@ class BenchOptions:
     io_engine: str = "auto"  # the strategies' file writer(s), comma-separated (plan.configurations)
     # Goodput under failures (failure_driver): "" (off), "worker" or "node"
     failures: str = ""
-    mtbf: str = "30s"  # comma-separated durations
+    mtbf: str = ""  # comma-separated durations; "": FAILURES_MTBF under --failures, else waste.DEFAULT_MTBF_S
     duration: str = "2m"  # wall-clock budget of each run
     seed: int = 0
     failure_log: str = ""  # replay this failure trace instead of drawing kills
@@ -36,6 +39,7 @@ class BenchOptions:
     durable: str = ""  # a --durable URL: each strategy also runs draining to it (plan.configurations)
     nodes: int = 1  # 2: every run on two namespace nodes (bench/nodes.py)
     replicas: int = 1  # K > 1 (with nodes 2): each strategy also runs as NAME+replicas (plan.configurations)
+    max_overhead: str = ""  # given: passed to every ckptrun run; the references' budget (bench/budget.py)
 
     def validate(self) -> None:
         if self.model not in plan.MODELS:
@@ -47,11 +51,13 @@ class BenchOptions:
         if self.steps <= self.warmup:
             raise UsageError(f"--steps ({self.steps}) must exceed --warmup ({self.warmup}): "
                              "the figures come from the steps after the warm-up")
+        plan.parse_every(self.every)
+        self.budget()
+        self.mtbf_s()
         if self.failures not in ("", *MODES):
             raise UsageError(f"--failures must be {' or '.join(MODES)} (got {self.failures!r})")
         if self.failures:
             self.duration_s()
-            self.mtbf_s()
         elif self.failure_log or self.traces:
             raise UsageError("--failure-log and --traces belong to the goodput mode: add --failures worker|node")
         if self.nodes not in (1, 2):
@@ -75,13 +81,20 @@ class BenchOptions:
         """The --every intervals N whose first checkpoint (step N) falls in the timed steps: its
         one-time costs (the staging slots' allocation and first touch, page-locking on a GPU)
         then count in the figures, once in a short run."""
-        return [n for n in plan.parse_every(self.every) if self.warmup < n <= self.steps]
+        return [n for n in plan.parse_every(self.every) if n is not None and self.warmup < n <= self.steps]
 
     def duration_s(self) -> float:
         return _durations("--duration", self.duration)[0]
 
     def mtbf_s(self) -> list[float]:
+        """Under --failures the MTBFs the kills are drawn at, else those of the predicted waste."""
+        if not self.mtbf:
+            return _durations("--mtbf", FAILURES_MTBF) if self.failures else [DEFAULT_MTBF_S]
         return _durations("--mtbf", self.mtbf)
+
+    def budget(self) -> float | None:
+        """The overhead budget the references keep (None: `--max-overhead off`)."""
+        return budget.parse_budget(self.max_overhead)
 
     def command(self) -> str:
         """The invocation that reproduces this bench (paths as given)."""
@@ -91,11 +104,13 @@ class BenchOptions:
                 "--io-engine", self.io_engine]
         if self.failures:
             argv += ["--failures", self.failures, "--duration", self.duration, "--seed", str(self.seed)]
-            argv += ["--failure-log", self.failure_log] if self.failure_log else ["--mtbf", self.mtbf]
+            argv += ["--failure-log", self.failure_log] if self.failure_log else ["--mtbf", self.mtbf or FAILURES_MTBF]
+        elif self.mtbf:
+            argv += ["--mtbf", self.mtbf]
         argv += ["--nodes", str(self.nodes)] if self.nodes > 1 else []
         argv += ["--replicas", str(self.replicas)] if self.replicas > 1 else []
-        for flag, value in (("--durable", self.durable), ("--dir", self.dir), ("--json", self.json),
-                            ("--plot", self.plot), ("--traces", self.traces)):
+        for flag, value in (("--max-overhead", self.max_overhead), ("--durable", self.durable), ("--dir", self.dir),
+                            ("--json", self.json), ("--plot", self.plot), ("--traces", self.traces)):
             argv += [flag, value] if value else []
         return " ".join(argv)
 

@@ -31,12 +31,17 @@ DEFAULT_REFERENCES = ("torch.save", "dcp-thread")
 # Example-script flags per size. tiny: seconds, for tests; small (CPU default): ~4.2M parameters,
 # ~55 MB of model + AdamW state, so checkpoint costs show next to a ~0.1 s step on one core;
 # medium: ~110M parameters (~1.3 GB of state), for GPUs; large: ~362M parameters (4.3 GB of
-# model + AdamW state, fp32), a step of ~0.2 s on an H100 (8.9 TFLOP): the GPU check's bench.
+# model + AdamW state, fp32), a step of ~0.2 s on an H100 (8.9 TFLOP): the GPU check's bench;
+# wide (CPU): ~141M parameters, nearly all in a 262144 x 512 embedding (tied with the head): 1.7 GB
+# of model + AdamW state against a step of ~2-2.5 s on one core (64 tokens: ~17 GFLOP forward through
+# the head, twice that backward, then AdamW over 141M values), ~0.7 GB of state per second of step,
+# above the ~570 MB/s this machine's disk writes: the regime where the state outruns the disk.
 MODELS: dict[str, dict[str, int]] = {
     "tiny": {"layers": 2, "d-model": 64, "heads": 4, "vocab": 256, "seq": 32, "batch": 8},
     "small": {"layers": 4, "d-model": 256, "heads": 4, "vocab": 4096, "seq": 64, "batch": 4},
     "medium": {"layers": 12, "d-model": 768, "heads": 12, "vocab": 32768, "seq": 256, "batch": 8},
     "large": {"layers": 26, "d-model": 1024, "heads": 16, "vocab": 32768, "seq": 512, "batch": 8},
+    "wide": {"layers": 2, "d-model": 512, "heads": 8, "vocab": 262144, "seq": 32, "batch": 2},
 }
 
 
@@ -47,10 +52,14 @@ class Configuration:
     name: str
     method: str  # "none", a REFERENCES key, or a strategy name
     kind: str  # "baseline", "reference" or "ckptrun"
-    every: int | None
+    every: int | None  # None: the strategy's defaults (no --every); a reference's: not chosen yet
     flags: tuple[str, ...] = ()  # a strategy's own run options (VARIANTS); a baseline's script flags
     reference: str = BASELINE  # the configuration its overhead ratio is measured against
     durable: str = ""  # `bench --durable`: the tier its runs drain to, each under a prefix of its own
+    # A reference's interval chosen within the budget (bench/budget.py): the cost of one save that chose it,
+    # and the steps from a save's step until it was on disk, both measured in its calibration run
+    save_cost_s: float | None = None
+    save_lag_steps: float | None = None
 
 
 @dataclass(frozen=True)
@@ -77,14 +86,25 @@ def example_script() -> Path:
     return path
 
 
-def parse_every(text: str) -> list[int]:
+DEFAULTS = "default"  # `--every default`: each strategy at its own defaults, the references within the budget
+
+
+def parse_every(text: str) -> list[int | None]:
+    """The intervals of `--every`: step counts, and None for `default` (no --every: each
+    strategy's own cadence; the references at the interval the budget allows, bench/budget.py)."""
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [None if v.strip() == DEFAULTS else int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise UsageError(f"--every takes step counts separated by commas, e.g. 1,5,10 (got {text!r})") from None
-    if not values or min(values) < 1:
+        raise UsageError(f"--every takes `{DEFAULTS}` or step counts separated by commas, e.g. 1,5,10 "
+                         f"(got {text!r})") from None
+    if not values or min((v for v in values if v is not None), default=1) < 1:
         raise UsageError(f"--every values must be at least 1 (got {text!r})")
     return list(dict.fromkeys(values))
+
+
+def every_label(every: int | None) -> str:
+    """An interval as names and tables show it: `auto` for the defaults."""
+    return "auto" if every is None else str(every)
 
 
 # Strategy settings worth a bar of their own: name -> (strategy, its run options).
@@ -110,7 +130,7 @@ def parse_io_engines(text: str) -> list[str]:
 
 
 def configurations(methods: str, every: str, io_engines: str = "auto", durable: str = "", *,
-                   nodes: int = 1, replicas: int = 1) -> list[Configuration]:
+                   nodes: int = 1, replicas: int = 1, max_overhead: str = "") -> list[Configuration]:
     """`none` first, then each chosen reference and strategy at each interval (and each writer,
     strategies only), in that order. `default` stands for DEFAULT_REFERENCES and every registered
     strategy at its defaults (what each strategy costs against what one would use otherwise);
@@ -121,7 +141,9 @@ def configurations(methods: str, every: str, io_engines: str = "auto", durable: 
     and NAME+replicas (the same with --replicas K, against NAME+node-local: what the copies in
     partners' memory add). On `nodes` > 1 the
     references (the script's own saves, one process) are not run: `default` and `all` leave
-    them out, and one named is refused."""
+    them out, and one named is refused. An interval None (`default`) is a reference's to be
+    chosen within the budget (bench/budget.py) before it runs. `max_overhead`, when given, is
+    passed to every ckptrun run as --max-overhead."""
     from ..strategies import REGISTRY
 
     refs = REFERENCES if nodes == 1 else {}
@@ -140,11 +162,12 @@ def configurations(methods: str, every: str, io_engines: str = "auto", durable: 
     configs = []
     for method in dict.fromkeys(m for m in wanted if m != BASELINE):
         for e in intervals:
-            name = method if len(intervals) == 1 else f"{method}@{e}"
+            name = method if len(intervals) == 1 else f"{method}@{every_label(e)}"
             if method in REFERENCES:
                 configs.append(Configuration(name, method, "reference", e))
                 continue
             base, flags = VARIANTS.get(method, (method, ()))
+            flags = (*flags, "--max-overhead", max_overhead) if max_overhead else flags
             reference = matching_baseline(base, flags)
             baselines.setdefault(reference.name, reference)
             for io in engines:
@@ -192,7 +215,8 @@ def launch(cfg: Configuration, work: Workload, run_dir: Path, steps: int, *, rec
     """
     env = run_env()
     if cfg.kind == "ckptrun":
-        crash = steps + 1 if cfg.every <= steps else None  # nothing to recover from otherwise
+        # nothing to recover from when the interval exceeds the run (at the defaults: there is something)
+        crash = steps + 1 if cfg.every is None or cfg.every <= steps else None
         if crash:
             env[FAULT_ENV] = f"kill:step={crash}"
         return Launch(_ckptrun_argv(cfg, work, run_dir, crash or steps, 1 if crash else 0), env, crash)
@@ -225,10 +249,14 @@ def _ckptrun_argv(cfg: Configuration, work: Workload, run_dir: Path, steps: int,
 
 def ckptrun_flags(cfg: Configuration, ckpt_dir: Path, metrics_dir: Path, run_name: str) -> list[str]:
     """`ckptrun run`'s flags for `cfg`: strategy, its options, --dir, --every, --metrics-dir."""
-    # Interval 1 leaves --every unset: each strategy's own cadence (its own intervals auto, or as a
-    # variant sets them). A given --every N is honoured as given (every multiple of N restorable),
-    # which pins those intervals to N, or refuses a variant that cannot honour it.
-    every = ["--every", str(cfg.every)] if cfg.every != 1 else []
+    # The defaults (None) and interval 1 leave --every unset: each strategy's own cadence (its own
+    # intervals auto, or as a variant sets them). A given --every N is honoured as given (every
+    # multiple of N restorable), which pins those intervals to N, or refuses a variant that cannot.
+    every = ["--every", str(cfg.every)] if cfg.every not in (None, 1) else []
+    # A numeric interval is measured as asked: no overhead budget thins it (unless --max-overhead
+    # was given to bench); `default` (None) runs each strategy at its defaults, the budget included.
+    if cfg.every is not None and "--max-overhead" not in cfg.flags:
+        every += ["--max-overhead", "off"]
     # A prefix of its own per run: a run never resumes from, or is refused over, another's steps.
     durable = ["--durable", f"{cfg.durable.rstrip('/')}/{run_name}-{uuid.uuid4().hex[:8]}"] if cfg.durable else []
     return ["--strategy", cfg.method, *cfg.flags, *durable, "--dir", str(ckpt_dir), *every,
@@ -240,5 +268,7 @@ def _script_argv(cfg: Configuration, work: Workload, run_dir: Path, steps: int, 
     argv = [sys.executable, str(work.script), *work.script_args(steps, run_dir / "timing.jsonl")]
     if cfg.kind == "baseline":
         return [*argv, *cfg.flags]
+    if every is None:
+        raise CkptrunError(f"{cfg.name} has no interval yet: the bench chooses it within the budget first")
     argv += ["--ref-save", REFERENCES[cfg.method], "--ref-every", str(every), "--ref-dir", str(run_dir / "ckpt")]
     return [*argv, "--ref-resume"] if resume else argv

@@ -95,18 +95,18 @@ def _ckptrun_run(cfg: Configuration, work: Workload, run_dir: Path, steps: int, 
     first = figures.attempts(run_dir / "timing.jsonl")[0]
     result = figures.ckptrun_figures(first, run_dir / "metrics", warmup, mem, cpu)
     if spec.crash_step is not None:
-        figures.ckptrun_recovery(result, MetricsTailer(run_dir / "metrics").poll())
+        figures.ckptrun_recovery(result, MetricsTailer(run_dir / "metrics").poll(), required=cfg.every is not None)
     return result, first.params
 
 
 def _script_run(cfg: Configuration, work: Workload, run_dir: Path, steps: int, warmup: int,
-                timeout_s: float) -> tuple[RunFigures, int]:
+                timeout_s: float, recover: bool = True) -> tuple[RunFigures, int]:
     mem, cpu = _execute(launch(cfg, work, run_dir, steps), run_dir / "log.txt", run_dir, timeout_s,
                         include_root=True)
     first = figures.attempts(run_dir / "timing.jsonl")[0]
-    result = figures.reference_figures(first, warmup, mem, cpu)
+    result = figures.reference_figures(first, warmup, mem, cpu, saving=cfg.kind == "reference")
     last = max((s["step"] for s in first.saves), default=None)
-    if last is not None:
+    if last is not None and recover:
         _execute(launch(cfg, work, run_dir, last + 1, recovery=True), run_dir / "log-recovery.txt", run_dir,
                  timeout_s, include_root=True)
         recovery = figures.attempts(run_dir / "timing.jsonl")[-1].recovery
@@ -118,14 +118,16 @@ def _script_run(cfg: Configuration, work: Workload, run_dir: Path, steps: int, w
 
 
 def run_configuration(cfg: Configuration, work: Workload, run_dir: Path, steps: int, warmup: int,
-                      timeout_s: float) -> Outcome:
-    """Train `steps` steps under `cfg` and time its recovery; the run's files are removed
-    afterwards unless it failed (its logs stay for reading)."""
+                      timeout_s: float, *, recover: bool = True) -> Outcome:
+    """Train `steps` steps under `cfg` and time its recovery (a script's: not unless `recover`);
+    the run's files are removed afterwards unless it failed (its logs stay for reading)."""
     t0 = time.perf_counter()
     run_dir.mkdir(parents=True)
     try:
-        run = _ckptrun_run if cfg.kind == "ckptrun" else _script_run
-        result, params = run(cfg, work, run_dir, steps, warmup, timeout_s)
+        if cfg.kind == "ckptrun":
+            result, params = _ckptrun_run(cfg, work, run_dir, steps, warmup, timeout_s)
+        else:
+            result, params = _script_run(cfg, work, run_dir, steps, warmup, timeout_s, recover)
     except CkptrunError as e:
         return Outcome(None, str(e), time.perf_counter() - t0, load_1m=load_1m())
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -3,9 +3,11 @@
 Every rank's engine runs one, in a thread (the trainer never waits on it), and uploads its own
 rank's part of a step only: the files its node holds, so no engine reads another node's files
 and the upload bandwidth grows with the nodes. Global rank 0's engine leads. Each round it takes
-the newest committed step once it is `--durable-every` steps past the newest remote one (auto,
-when unset: the tiers' interval model on the measured upload bandwidth, step time and failure
-rate, see `auto_every`) with every record it depends on that the tier lacks, and for each,
+a committed step, with every record it depends on that the tier lacks: given `--durable-every N`,
+the newest multiple of N past the newest remote step (`durable_due`: as --every N for --dir;
+where the uploads fall behind, older multiples are skipped, said once); auto, the newest step
+once it is the interval past the newest remote one (the tiers' interval model on the measured
+upload bandwidth, step time and failure rate, see `auto_every`); at close, the newest. For each,
 oldest first, uploads its own part; the other engines see rank 0's part of a record without a
 commit object in the tier's listing and upload theirs. Once the listing shows every rank's
 part, the leader uploads the commit object, last: a kill at any moment leaves the previous
@@ -42,8 +44,9 @@ from ..storage.store import Store, retained
 from ..storage.tiers import Tier, open_tier
 from ..storage.tiers.base import MANIFEST, UploadFault
 from ..storage.tiers.parts import Part, record_parts
+from ..tuning.intervals import DEFAULT_MTBF_S
 from ..tuning.levels import FailureRates, Layout, durable_every, rates_for
-from ..worker.decisions import DEFAULT_MTBF_S
+from .durable_due import Due, due, next_multiple
 
 if TYPE_CHECKING:
     from .nodecommit import Board
@@ -81,6 +84,7 @@ class Drain:
         self._adopted = False  # the tier's earlier records read, its dead uploads swept
         self.busy: frozenset[str] = frozenset()  # the records of the round under way: local retention keeps them
         self._held: frozenset[str] = frozenset()  # what the last `retain_local` said it held
+        self._said_behind = False  # a round that skipped older multiples of --durable-every was said
         # --node-local-dir: the round's commit keys (set by the server at each round), where the
         # leader says which step it takes next (`_say_next`)
         self.board: Board | None = None
@@ -140,6 +144,12 @@ class Drain:
                 if start is None or newest is not None:
                     self._say_next(board, ms[-1].step, last, every)
                 return
+        elif self.every and not final:
+            pick = due([m.step for m in ms], last, self.every)
+            if pick is None:
+                return
+            newest = [m for m in ms if m.step == pick.step][-1]
+            self._say_skipped(pick)
         elif newest.step <= last or (not final and last >= 0 and (every is None or newest.step < last + every)):
             return
         local = {m.name: m for m in ms}
@@ -172,14 +182,27 @@ class Drain:
                       lag_s=time.time() - (newest.committed_at or t0))
         self._tidy()
 
-    @staticmethod
-    def _say_next(board: Board, newest: int, last: int, every: int | None) -> None:
+    def _say_skipped(self, pick: Due) -> None:
+        """Once a run: the uploads fell behind --durable-every N, and older multiples were
+        skipped for the newest one (a `durable_skip` event and a warning)."""
+        if not pick.skipped or self._said_behind:
+            return
+        self._said_behind = True
+        skipped = ", ".join(map(str, pick.skipped))
+        self.log.emit(type="durable_skip", step=pick.step, skipped=list(pick.skipped), every=self.every)
+        log.warning(f"--durable-every {self.every}: the uploads to {self.tier.url} fall behind the commits; "
+                    f"copying step {pick.step}, the newest multiple, and skipping step(s) {skipped} (said once)")
+
+    def _say_next(self, board: Board, newest: int, last: int, every: int | None) -> None:
         """--node-local-dir: say on the board the first step the next round takes (past every step
-        committed now, and --durable-every past the newest remote one). A node commits a step only
-        after rank 0's engine, so none has committed it yet: each keeps its record of the first
-        step committed from there (`retain_local`), and has its part when the round comes; a
-        step taken only once it is committed could be gone from a node that pruned it first."""
-        if every is not None:
+        committed now: the next multiple of --durable-every N, or, auto, the interval past the
+        newest remote one). A node commits a step only after rank 0's engine, so none has
+        committed it yet: each keeps its record of the first step committed from there
+        (`retain_local`), and has its part when the round comes; a step taken only once it is
+        committed could be gone from a node that pruned it first."""
+        if self.every:
+            board.take_from(next_multiple(max(newest, last), self.every))
+        elif every is not None:
             board.take_from(max(newest + 1, last + every if last >= 0 else 0))
 
     def _awaited(self, ms: list[Manifest]) -> frozenset[str]:

@@ -3,6 +3,7 @@ elastic agent (rendezvous, restarts), and report failures as one line."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import multiprocessing as mp
 import os
@@ -74,6 +75,17 @@ def shutdown_timeout_flag(seconds: int) -> list[str]:
 
     flag = "--shutdown-timeout"
     return [flag, str(seconds)] if flag in get_args_parser().format_help() else []
+
+
+def torchrun_namespace(argv: list[str], script: str, script_args: list[str]) -> argparse.Namespace:
+    """torchrun's parsed arguments for the launcher's `argv`, the worker's entry and its SCRIPT
+    ARGS. The script's part is set after parsing, never parsed: torchrun's parser abbreviates and
+    reads every word, so a script's own `--log out.txt` stopped the run as an ambiguous --log-dir."""
+    from torch.distributed.run import parse_args
+
+    args = parse_args([*argv, "-m", "ckptrun.worker.bootstrap"])
+    args.training_script_args = [script, *script_args]
+    return args
 
 
 def engine_imports(cfg: RunConfig) -> tuple[str, ...]:
@@ -279,7 +291,7 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
     stopped_by: int | None = None
     try:
         # torchrun's own entry: it picks a free local port on one node, as `torchrun` does.
-        torchrun.run(torchrun.parse_args([*argv, "-m", "ckptrun.worker.bootstrap", script, *script_args]))
+        torchrun.run(torchrun_namespace(argv, script, script_args))
         return 0
     except SignalException as e:
         stopped_by = int(e.sigval)

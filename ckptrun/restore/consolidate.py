@@ -47,11 +47,11 @@ def resharded(store: Store, plan: Plan, rank: int, world_size: int) -> dict:
     saved = plan.base.world_size
     fix = f"launch {saved} ranks, or export it with `ckptrun restore`"
     if plan.diffs:
-        raise CheckpointMismatch(f"{store.root} step {plan.step} is a replay chain written by {saved} ranks, this run "
+        raise CheckpointMismatch(f"{store.where} step {plan.step} is a replay chain written by {saved} ranks, this run "
                                  f"has {world_size}: its gradients replay on {saved} ranks' shards only; {fix}")
     state = read_state(store, plan.base, rank % saved)
     if not find(state) and not replicated(store, plan.base):
-        raise CheckpointMismatch(f"{store.root} step {plan.step} was written by {saved} ranks, this run has "
+        raise CheckpointMismatch(f"{store.where} step {plan.step} was written by {saved} ranks, this run has "
                                  f"{world_size}, and it holds no sharded (DTensor) or DDP-replicated state to "
                                  f"reshard; {fix}")
     if rank == 0:

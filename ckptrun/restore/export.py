@@ -62,11 +62,12 @@ def as_torch_dict(state: dict, step: int) -> dict[str, Any]:
             "rng": _weights_only_safe(state.get("rng", {})), "extra": extra}
 
 
-def export(directory: Path, step: int | str, out: Path, fmt: str, rank: int = 0,
+def export(directory: Path | Store, step: int | str, out: Path, fmt: str, rank: int = 0,
            trusted_optimizers: list[str] | None = None) -> Plan:
-    """Write one committed step of one rank to `out`; `trusted_optimizers` (pkg.mod:Class) may
-    be constructed for offline replay besides torch.optim's classes."""
-    store = Store.existing(directory)
+    """Write one committed step of one rank of `directory` (a path, or the Store a reading
+    command opened) to `out`; `trusted_optimizers` (pkg.mod:Class) may be constructed for
+    offline replay besides torch.optim's classes."""
+    store = directory if isinstance(directory, Store) else Store.existing(directory)
     classes = optimizer_classes(trusted_optimizers or [])
     newest = plans(store).get(max(plans(store), default=-1) if step == "latest" else int(step))
     if newest is not None and not 0 <= rank < newest.base.world_size:

@@ -49,7 +49,11 @@ class Plan:
 
 def chains(store: Store) -> list[tuple[Manifest, list[Manifest]]]:
     """Each full checkpoint with the gap-free run of diff records based on it."""
-    ms = store.manifests()
+    return chains_of(store.manifests())
+
+
+def chains_of(ms: list[Manifest]) -> list[tuple[Manifest, list[Manifest]]]:
+    """`chains` of the committed records `ms` (a listing's, which may span tiers)."""
     out = []
     for base in (m for m in ms if m.kind == "full"):
         run, nxt = [], base.step + 1
@@ -65,8 +69,13 @@ def chains(store: Store) -> list[tuple[Manifest, list[Manifest]]]:
 
 def plans(store: Store) -> dict[int, Plan]:
     """Every restorable step and its cheapest plan (the nearest base wins)."""
+    return plans_of(store.manifests())
+
+
+def plans_of(ms: list[Manifest]) -> dict[int, Plan]:
+    """`plans` of the committed records `ms`."""
     out: dict[int, Plan] = {}
-    for base, run in chains(store):
+    for base, run in chains_of(ms):
         out[base.step] = Plan(base.step, base)
         for i, d in enumerate(run):
             for s in range(d.first_step, d.step + 1):
@@ -338,11 +347,11 @@ def find(store: Store, step: int | str, classes: dict[str, type] | None = None, 
             newest = max(plans(store).items(), default=(0, None))[1]
             partial = newest and ranks and missing_part(store, newest, ranks)
             raise StepNotAvailable(f"rank {rank}: {partial}" if partial else
-                                   f"no restorable step in {store.root}" + _available(store))
+                                   f"no restorable step in {store.where}" + _available(store))
         return plan
     plan = plans(store).get(int(step))
     if plan is None:
-        raise StepNotAvailable(f"step {step} is not committed in {store.root}" + _available(store))
+        raise StepNotAvailable(f"step {step} is not committed in {store.where}" + _available(store))
     if ranks and (partial := missing_part(store, plan, ranks)):
         raise StepNotAvailable(f"rank {rank}: {partial}")
     problems = sum(_problems(store, plan, classes, ranks=_checked_ranks(store, plan, ranks)), [])
@@ -364,12 +373,18 @@ def _available(store: Store) -> str:
 
 
 def _ranges(steps: list[int]) -> str:
-    out, start = [], steps[0]
-    for a, b in zip(steps, [*steps[1:], None], strict=True):
-        if b != a + 1:
-            out.append(str(start) if start == a else f"{start}-{a}")
-            start = b
-    return ", ".join(out)
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs_of(steps))
+
+
+def runs_of(steps: list[int]) -> list[tuple[int, int]]:
+    """The runs of consecutive steps in `steps` (ascending), as (first, last)."""
+    out: list[tuple[int, int]] = []
+    for s in steps:
+        if out and s == out[-1][1] + 1:
+            out[-1] = (out[-1][0], s)
+        else:
+            out.append((s, s))
+    return out
 
 
 def read_state(store: Store, m: Manifest, rank: int, *, private: bool = True, into: ReadBuffer | None = None

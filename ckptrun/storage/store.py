@@ -88,13 +88,21 @@ class WrittenPart(NamedTuple):
 class Store:
     """One run's checkpoint directory."""
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike, copy_of: str | None = None) -> None:
         self.root = Path(root)
+        # The remote tier (its URL) that `root` is a private, read-only copy of (`tiers.mirror`):
+        # messages name the URL the user gave, and nothing of a node-local disk applies.
+        self.copy_of = copy_of
         self.regions = Regions(self.root)
         self._ranks_ok: set[tuple[str, int]] = set()  # committed records whose rank files match world_size
         # record -> (its manifest file's stat identity, the manifest parsed from it): the engine
         # lists --dir at every commit, a lowdiff chain holds hundreds of records (`_scan`).
         self._parsed: dict[str, tuple[tuple[int, ...], Manifest]] = {}
+
+    @property
+    def where(self) -> str:
+        """What messages call this directory: the URL of the tier it copies, else its path."""
+        return self.copy_of or str(self.root)
 
     @classmethod
     def existing(cls, root: str | os.PathLike) -> Store:
@@ -310,7 +318,8 @@ class Store:
             raise CorruptCheckpoint(f"{name}: the committed manifest names {m.name}")
         for r in ranks:
             if m.index_checksums.get(str(r)) != self.part_summary(name, r, m.layout)[0]:
-                raise CorruptCheckpoint(f"{name}: the committed manifest pins another rank {r} part than {self.root}'s")
+                raise CorruptCheckpoint(f"{name}: the committed manifest pins another rank {r} part than "
+                                        f"{self.where}'s")
         if not self.is_committed(name):
             publish_json(self.root / name / MANIFEST, m.to_json(), name="manifest")
         return m
@@ -456,9 +465,10 @@ class Store:
 
     def partial(self, m: Manifest, held: list[int]) -> str:
         """One line: record `m` holds only the ranks `held` here, and where the others would be."""
+        hint = "" if self.copy_of else (" (node-local --dir: see the other nodes' --dir, --durable or partners' "
+                                        "memory)")
         return (f"{m.name}: holds the part(s) of rank(s) {_ranks_text(held)} of {m.world_size}; the others' "
-                f"are not in {self.root} (node-local --dir: see the other nodes' --dir, --durable or "
-                "partners' memory)")
+                f"are not in {self.where}{hint}")
 
     def open_rank(self, m: Manifest, rank: int) -> tuple[dict, int, int]:
         """(index, open data file, offset of the data in it) of one rank of committed record `m`

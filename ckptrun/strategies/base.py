@@ -46,6 +46,10 @@ class Strategy:
     # Staging slots it may hold at once itself (e.g. a full snapshot and a diff): the fewest the
     # host-memory budget may leave it (memory_budget.py); with fewer, its capture would wait forever.
     min_slots: ClassVar[int] = 1
+    # Its mechanism works every step whatever the interval (a diff or a replica update per step):
+    # the run's --every does not thin it, so under --max-overhead what it costs per step is its own
+    # (ckptrun/worker/budget.py says so when that is over the budget).
+    every_step: ClassVar[bool] = False
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx

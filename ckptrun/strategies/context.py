@@ -83,7 +83,8 @@ class StrategyContext(ABC):
     @abstractmethod
     def options(self) -> dict[str, Any]:
         """This strategy's option values as given (strings or None; ckptrun/strategies/options.py),
-        plus `mtbf` in seconds when --mtbf was given and `memory_lost_share`, the share of
+        plus `mtbf` in seconds when --mtbf was given, `max_overhead` (--max-overhead, a fraction;
+        0: off) and `memory_lost_share`, the share of
         failures that no engine's memory survives (`Layout.memory_lost_share`, tuning/levels.py)."""
 
     @property
@@ -150,7 +151,8 @@ class StrategyContext(ABC):
     @property
     @abstractmethod
     def every_auto(self) -> bool:
-        ...
+        """The interval is the strategy's to choose online: --every auto, or --every left unset
+        under --max-overhead (its `use_interval` rule is then kept within the budget)."""
 
     @property
     @abstractmethod

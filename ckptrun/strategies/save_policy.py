@@ -31,6 +31,13 @@ class Measured:
     persist_s: float | None = None  # time to persist one checkpoint's bytes
     write_bw: float | None = None  # bytes per second of recent writes
     sizes: dict[str, int] = field(default_factory=dict)  # bytes of the last snapshot of each kind
+    # --max-overhead (ckptrun/worker/budget.py): the budget (a fraction; None: off), the step without
+    # checkpointing, what one checkpoint costs the loop (stall but back-pressure, plus the step's
+    # slowdown) and the window's overhead (a fraction of the no-checkpoint step)
+    budget: float | None = None
+    base_step_s: float | None = None
+    cost_s: float | None = None
+    overhead: float | None = None
 
     @property
     def mtbf_text(self) -> str:

@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import math
 
+# The MTBF every auto interval assumes without --mtbf (the run's re-tuner, the engine's drain to
+# --durable, tune): here, below the worker and the engine both (docs/tuning.md).
+DEFAULT_MTBF_S = 3600.0
+
 __all__ = [
+    "DEFAULT_MTBF_S",
     "check_positive",
     "young_interval",
     "daly_interval",

@@ -186,8 +186,9 @@ def _launch(strategy: str, max_steps: int, script: str, args: list[str], scratch
     ckpt_dir, metrics_dir = base / "ckpts", base / "metrics"
     base.mkdir(parents=True)
     # --every left unset: each strategy's own cadence (every step, its own intervals auto), which an
-    # explicit --every 1 would pin to every step (Entry.explicit_every).
-    flags = ["--strategy", strategy, "--max-steps", str(max_steps)]
+    # explicit --every 1 would pin to every step (Entry.explicit_every). No overhead budget: the
+    # profile measures what a checkpoint every step costs; the plan keeps within --max-overhead.
+    flags = ["--strategy", strategy, "--max-overhead", "off", "--max-steps", str(max_steps)]
     cmd = [sys.executable, "-m", "ckptrun", "run", *flags, "--no-resume", "--dir", str(ckpt_dir),
            "--metrics-dir", str(metrics_dir), script, *args]
     with open(base / "output.log", "wb") as log:

@@ -14,7 +14,7 @@ defaults, click's `default_map`), so a recipe value means exactly what the same 
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
@@ -24,8 +24,9 @@ from ..errors import UsageError
 __all__ = ["load_recipe"]
 
 
-def load_recipe(path: str | os.PathLike[str], allowed: Collection[str]) -> dict[str, Any]:
-    """The recipe's options as {option name: value}; UsageError naming the file and key otherwise."""
+def load_recipe(path: str | os.PathLike[str], allowed: Mapping[str, str]) -> dict[str, Any]:
+    """The recipe's options as {option name: value} (`allowed`: each valid key, an option's name
+    or an alias of it, to the option's name); UsageError naming the file and key otherwise."""
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
@@ -49,5 +50,8 @@ def load_recipe(path: str | os.PathLike[str], allowed: Collection[str]) -> dict[
         if isinstance(value, (dict, list)):
             raise UsageError(f"recipe {os.fspath(path)}: {key} must be a single value, as on the command line "
                              f"(got a {type(value).__name__})")
-        options[name] = value
+        if allowed[name] in options:
+            raise UsageError(f"recipe {os.fspath(path)}: {key} sets {allowed[name]} a second time (it has "
+                             "two names); keep one")
+        options[allowed[name]] = value
     return options

@@ -163,6 +163,7 @@ def write_recipe(path: Path, result: TuneResult) -> None:
         header.append(f"# Tiers planned with --replicas {result.tiers.layout.replicas}: give the run the same.")
     if result.tiers.layout.node_local_dir:
         header.append("# Tiers planned with --node-local-dir: give the run the same.")
-    body = {"strategy": best.name, **best.settings, "mtbf": format_duration(plan.mtbf_s),
+    body = {"strategy": best.name, **best.settings, "max_overhead": f"{plan.max_overhead * 100:g}",
+            "mtbf": format_duration(plan.mtbf_s),
             **_rate_options(plan.rates, plan.mtbf_s), "dir": prof.dir}
     path.write_text("\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False))

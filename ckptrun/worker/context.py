@@ -95,7 +95,7 @@ class WorkerContext(StrategyContext):
 
     @property
     def every_auto(self) -> bool:
-        return self._cfg.every_auto
+        return self._cfg.interval_auto
 
     @property
     def every_given(self) -> bool:

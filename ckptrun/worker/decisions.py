@@ -28,6 +28,7 @@ Estimates, over the last few checkpoints (at least `MIN_WINDOW` steps):
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -36,11 +37,12 @@ from typing import Any, Protocol
 
 from ..config import RunConfig
 from ..log import log
+from ..strategies import DEFAULT, REGISTRY
 from ..strategies.save_policy import Decision, IntervalPolicy, Measured, SavePolicy
 from ..tuning.durations import format_duration
-from ..tuning.intervals import checkfreq_min_interval_steps, daly_interval
+from ..tuning.intervals import DEFAULT_MTBF_S, checkfreq_min_interval_steps, daly_interval
+from .budget import Baseline, Watch, interval_within, percent, within
 
-DEFAULT_MTBF_S = 3600.0  # --every auto without --mtbf (documented in docs/tuning.md)
 FIRST_EVAL = 3  # the first estimate is made this many steps after (re)start
 EVAL_EVERY = 25  # later re-evaluations: at steps that are multiples of this
 WINDOW_CKPTS = 4  # the estimate covers about this many checkpoints...
@@ -48,8 +50,10 @@ MIN_WINDOW = 20  # ...and at least this many steps
 WRITES_KEPT = 8
 LOG_CHANGES_EVERY_S = 60.0  # a policy's changes reach the log at most this often (all go to the metrics file)
 MIN_DELTA_S = 1e-9  # a checkpoint that measured no stall at all still costs something
+RECHECK = 6  # after a change, the next evaluation comes this many steps (or 3 intervals) later
 
-__all__ = ["DEFAULT_MTBF_S", "DalyInterval", "FixedInterval", "PersistBound", "Retuner", "for_runtime"]
+__all__ = ["DEFAULT_MTBF_S", "DalyInterval", "EveryStep", "FixedInterval", "PersistBound", "Retuner", "WithinBudget",
+           "for_runtime"]
 
 
 class FixedInterval(IntervalPolicy):
@@ -77,6 +81,7 @@ class PersistBound(IntervalPolicy):
     def __init__(self, inner: IntervalPolicy) -> None:
         super().__init__(inner.every)
         self.inner = inner
+        self.label = inner.label
 
     def target(self, m: Measured) -> tuple[int, str, int] | None:
         wanted = self.inner.target(m)
@@ -92,29 +97,79 @@ class PersistBound(IntervalPolicy):
         return steps, why, floor
 
 
+class EveryStep(IntervalPolicy):
+    """--every left unset with the budget on: every step is the target; `WithinBudget` and
+    `PersistBound` make it coarser where the measured costs call for it."""
+
+    label = "--every (unset: within --max-overhead)"
+
+    def target(self, m: Measured) -> tuple[int, str, int] | None:
+        return 1, "every step (--every unset)", 1
+
+
+class WithinBudget(IntervalPolicy):
+    """The overhead budget over another interval policy: never checkpoint so often that one
+    checkpoint's measured cost (stall but back-pressure, plus the step's slowdown: budget.py)
+    exceeds --max-overhead of the steps between two. At an interval already within budget the
+    bound never lowers it unless the overhead is under half the budget (a cost measured at a
+    sparse interval is lower than at a dense one: no see-saw)."""
+
+    def __init__(self, inner: IntervalPolicy) -> None:
+        super().__init__(inner.every)
+        self.inner = inner
+        self.label = inner.label
+
+    def target(self, m: Measured) -> tuple[int, str, int] | None:
+        wanted = self.inner.target(m)
+        if m.budget is None or m.base_step_s is None or m.overhead is None:
+            return wanted
+        steps, why, floor = wanted or (self.every, f"every {self.every} steps", 1)
+        if m.cost_s is None:  # no checkpoint since the last change: nothing says a finer one fits
+            return max(steps, self.every), why, max(floor, self.every)
+        bound = interval_within(m.cost_s, m.base_step_s, m.budget)
+        if within(m.overhead, m.budget) and m.overhead > m.budget / 2:
+            bound = max(bound, self.every)
+        if bound > steps:
+            why += (f", raised to {bound} steps by --max-overhead {percent(m.budget)}: one checkpoint costs "
+                    f"{format_duration(m.cost_s)} of stall and slowdown against a "
+                    f"{format_duration(m.base_step_s)} step without checkpointing (overhead now "
+                    f"{percent(m.overhead)})")
+        return max(steps, bound), why, max(floor, bound)
+
+
 Share = Callable[[int, list[Decision | None]], list[Decision | None]]
 
 
 class Retuner:
     """Measures once for every policy of a worker and re-decides them together at fixed steps.
     `share(step, decisions)` makes all ranks agree (every rank must checkpoint the same steps, so
-    rank 0 decides); `on_change(step, policy, decision)` reports an adopted change."""
+    rank 0 decides); `on_change(step, policy, decision)` reports an adopted change; `watch`, with
+    --max-overhead, measures the no-checkpoint step and the overhead and says its verdicts."""
 
     def __init__(self, mtbf_s: float, *, mtbf_given: bool = True, share: Share | None = None,
-                 on_change: Callable[[int, SavePolicy, Decision], None] | None = None) -> None:
+                 on_change: Callable[[int, SavePolicy, Decision], None] | None = None,
+                 watch: Watch | None = None) -> None:
         self.mtbf_s, self.mtbf_given = mtbf_s, mtbf_given
         self.policies: list[SavePolicy] = []
+        self.watch = watch
         self._share = share or (lambda step, decisions: decisions)
         self._on_change = on_change or (lambda step, policy, decision: None)
-        self._steps: deque[tuple[float, float, bool, float]] = deque()  # (step_s, stall_s, checkpointed, optim_s)
+        # (step_s, stall_s, checkpointed, optim_s, backpressure_s)
+        self._steps: deque[tuple[float, float, bool, float, float]] = deque()
         self._writes: deque[tuple[int, float]] = deque(maxlen=WRITES_KEPT)
         self._sizes: dict[str, int] = {}
         self._replay_step_s: float | None = None
         self._start: int | None = None
+        self._recheck: int | None = None  # an evaluation step sooner than the next multiple of EVAL_EVERY
 
     def add(self, policy: SavePolicy) -> SavePolicy:
         self.policies.append(policy)
         return policy
+
+    @property
+    def probe_until(self) -> int:
+        """The last step of a fresh run's probe of the no-checkpoint step (0: none)."""
+        return self.watch.probe_until if self.watch else 0
 
     # ---- measurements ------------------------------------------------------------------
     def observe_snapshot(self, kind: str, nbytes: int) -> None:
@@ -130,46 +185,69 @@ class Retuner:
         if write_s > 0:
             self._writes.append((nbytes, write_s))
 
-    def observe_step(self, step_s: float, stall_s: float, checkpointed: bool, optim_s: float = 0.0) -> None:
-        self._steps.append((step_s, stall_s, checkpointed, optim_s))
+    def observe_step(self, step_s: float, stall_s: float, checkpointed: bool, optim_s: float = 0.0,
+                     backpressure_s: float = 0.0) -> None:
+        self._steps.append((step_s, stall_s, checkpointed, optim_s, backpressure_s))
         every = max((p.settings.get("every", 1) for p in self.policies), default=1)
         while len(self._steps) > max(MIN_WINDOW, WINDOW_CKPTS * every):
             self._steps.popleft()
 
     def measured(self) -> Measured:
-        records = list(self._steps)[1:]  # the first record may hold the script's setup
-        ckpts = sum(c for _, _, c, _ in list(self._steps)[:-1])
+        steps = list(self._steps)
+        records = steps[1:]  # the first record may hold the script's setup
+        ckpts = sum(r[2] for r in steps[:-1])
         writes = list(self._writes)  # appended to by the engine-event thread
+        base = self.watch.base_step_s(records) if self.watch else None
+        cost = overhead = None
+        if base and records:
+            overhead = sum(r[0] for r in records) / len(records) / base - 1
+            if ckpts:
+                cost = max(0.0, sum(r[0] - base - r[4] for r in records) / ckpts)
         return Measured(
             self.mtbf_s, self.mtbf_given,
-            step_s=max(MIN_DELTA_S, median(s - st for s, st, _, _ in records)) if records else None,
-            iter_s=median(s for s, _, _, _ in records) if records else None,
-            optim_s=median(o for *_, o in records) if records and any(o for *_, o in records) else None,
-            delta_s=max(MIN_DELTA_S, sum(st for _, st, _, _ in records) / ckpts) if ckpts and records else None,
+            step_s=max(MIN_DELTA_S, median(r[0] - r[1] for r in records)) if records else None,
+            iter_s=median(r[0] for r in records) if records else None,
+            optim_s=median(r[3] for r in records) if records and any(r[3] for r in records) else None,
+            delta_s=max(MIN_DELTA_S, sum(r[1] for r in records) / ckpts) if ckpts and records else None,
             persist_s=median(w for _, w in writes) if writes else None,
             write_bw=median(n / w for n, w in writes) if writes else None,
-            sizes=dict(self._sizes), replay_step_s=self._replay_step_s)
+            sizes=dict(self._sizes), replay_step_s=self._replay_step_s,
+            budget=self.watch.budget if self.watch else None, base_step_s=base, cost_s=cost, overhead=overhead)
 
     # ---- decisions ---------------------------------------------------------------------
     def after_step(self, step: int, record: dict[str, Any]) -> None:
         """Fold in the step's metrics record; at evaluation steps, re-decide (all ranks together)."""
         if self._start is None:
             self._start = step - 1
-        stall = sum((record.get("stall_s") or {}).values())
-        self.observe_step(record["step_s"], stall, record.get("last_snapshot_step") == step,
-                          record.get("optim_s") or 0.0)
+        stalls = record.get("stall_s") or {}
+        checkpointed = record.get("last_snapshot_step") == step
+        if self.watch is not None and self.watch.observe(step, record, checkpointed):
+            if step == self.probe_until:  # the probe is over: measure from here
+                self._start, self._steps = step, deque()
+            return
+        self.observe_step(record["step_s"], sum(stalls.values()), checkpointed, record.get("optim_s") or 0.0,
+                          stalls.get("backpressure") or 0.0)
         first = self._start + FIRST_EVAL
-        if step != first and (step < first or step % EVAL_EVERY):
+        if step != first and step != self._recheck and (step < first or step % EVAL_EVERY):
             return
         live = [p for p in self.policies if p.adjustable]
-        if not live:
+        if not live and self.watch is None:
             return
         m = self.measured()
-        decisions = self._share(step, [p.propose(m, step) for p in live])
-        for policy, decision in zip(live, decisions, strict=True):
-            if decision is not None and decision.settings != policy.settings:
-                policy.adopt(decision)
-                self._on_change(step, policy, decision)
+        changed = False
+        if live:
+            decisions = self._share(step, [p.propose(m, step) for p in live])
+            for policy, decision in zip(live, decisions, strict=True):
+                if decision is not None and decision.settings != policy.settings:
+                    policy.adopt(decision)
+                    self._on_change(step, policy, decision)
+                    changed = True
+        if changed:  # what was measured at the old settings does not describe the new ones
+            every = max((p.settings.get("every", 1) for p in self.policies), default=1)
+            self._recheck = step + max(RECHECK, 3 * every)
+            self._steps.clear()
+        if self.watch is not None:
+            self.watch.evaluate(step, m, changed)
 
 
 class Worker(Protocol):
@@ -214,8 +292,33 @@ def for_runtime(rt: Worker) -> tuple[Retuner, IntervalPolicy]:
             said[id(policy)] = now
         (log.debug if quiet else log.info)(f"{policy.label}: {decision.reason}" if policy.label else decision.reason)
 
-    retuner = Retuner(rt.cfg.mtbf or DEFAULT_MTBF_S, mtbf_given=bool(rt.cfg.mtbf),
-                      share=_store_share(rt) if rt.world_size > 1 else None, on_change=on_change)
-    interval = PersistBound(DalyInterval()) if rt.cfg.every_auto else FixedInterval(rt.cfg.every)
-    retuner.add(interval)
-    return retuner, interval
+    cfg = rt.cfg
+    watch = _watch(rt) if cfg.max_overhead > 0 else None
+    retuner = Retuner(cfg.mtbf or DEFAULT_MTBF_S, mtbf_given=bool(cfg.mtbf),
+                      share=_store_share(rt) if rt.world_size > 1 else None, on_change=on_change, watch=watch)
+    every_step = REGISTRY[cfg.strategy].load().every_step  # (the run's interval does not thin it)
+    if cfg.every_auto:
+        interval: IntervalPolicy = PersistBound(DalyInterval())
+    elif watch is not None and not cfg.every_given and not every_step:
+        interval = PersistBound(EveryStep())
+    else:
+        interval = FixedInterval(cfg.every)
+    retuner.add(within_budget(rt, interval))
+    return retuner, retuner.policies[-1]
+
+
+def within_budget(rt: Worker, policy: IntervalPolicy) -> IntervalPolicy:
+    """An adjustable interval policy, kept within --max-overhead when the budget is on."""
+    return WithinBudget(policy) if rt.cfg.max_overhead > 0 and policy.adjustable else policy
+
+
+def _watch(rt: Worker) -> Watch:
+    """The budget's watch: rank 0 says its verdicts; every rank records them."""
+    cfg = rt.cfg
+    kept = os.path.join(cfg.engine_dir, f"baseline-{rt.rank}.json") if cfg.engine_dir else ""
+    return Watch(cfg.max_overhead, Baseline(kept), strategy=cfg.strategy, instead=DEFAULT,
+                 every_step=REGISTRY[cfg.strategy].load().every_step,
+                 explicit_every=cfg.every if cfg.every_given else None,
+                 say=(lambda line, warn: (log.warning if warn else log.info)(line)) if rt.rank == 0
+                 else (lambda line, warn: None),
+                 emit=rt.metrics.emit)

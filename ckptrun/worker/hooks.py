@@ -20,14 +20,16 @@ from ..config import RunConfig
 from ..errors import CkptrunError
 from ..faults import Fault
 from ..log import log
+from ..restore import replay
 from ..strategies import checkpoints_every_optimizer, names_where
 from ..strategies.base import Strategy
 from ..strategies.save_policy import IntervalPolicy
 from .capture import Capture
-from .decisions import Retuner
+from .decisions import Retuner, within_budget
 from .handoff import Handoff
 from .loading import Loader
 from .metrics import WorkerMetrics
+from .slot_size import cuda_device, first_snapshot_bytes
 from .slots import Staging
 from .state import TrainingState
 
@@ -75,6 +77,8 @@ class StepHooks:
         self._optim_t0 = 0.0
         self.update_s = 0.0  # this step's update time a strategy hook spent (split updates)
         self.unhooked: list = []  # optimized parameters not requiring grad yet (`hook_grads`)
+        self.strategy_started = False  # its `on_ready` ran (`start_strategy`)
+        self._skipped_at: int | None = None  # the step whose due snapshot was skipped last (`_disk_behind`)
 
     def pre_step_hook(self, optimizer, args, kwargs) -> tuple[tuple, dict] | None:
         """Before the primary optimizer's step. With `step(closure)` (Lightning, LBFGS), forward
@@ -128,7 +132,8 @@ class StepHooks:
 
     def _gradients_final(self, step: int) -> None:
         """The gradients optimizer step `step` consumes are final: the strategy may take them."""
-        self._timed(self.strategy.before_step, step)
+        if step > self.retuner.probe_until:
+            self._timed(self.strategy.before_step, step)
         if self.fault and self.fault.target == "kill" and self.fault.phase == "compute" \
                 and self.fault.step == step:
             self.metrics.flush()
@@ -166,7 +171,7 @@ class StepHooks:
             self._stopping = ("--max-steps", None)
         elif self.stop_signal is not None and self._stop_here():
             self._stopping = (signal.Signals(self.stop_signal).name, self.stop_signal)
-        self._timed(self.strategy.after_step, self.step)
+        self._strategy_after(self.step)
         if self.recovery_started is not None:
             resume = self.loading.resume
             self.metrics.emit(type="restart", restart_count=self.restart_count,
@@ -177,6 +182,39 @@ class StepHooks:
         self.staging.report(self.step)
         record = self.metrics.end_step(self.step)
         self.retuner.after_step(self.step, record)
+
+    def _strategy_after(self, step: int) -> None:
+        """The strategy's `after_step`; during a fresh run's probe of the no-checkpoint step
+        (worker/budget.py) nothing, and at its last step (or a stop during it) the strategy
+        starts, as if the run began at this step."""
+        probe = self.retuner.probe_until
+        if step > probe:
+            self._timed(self.strategy.after_step, step)
+        elif step == probe or self._stopping is not None:
+            self.retuner.watch.end_probe(step)
+            self._timed(lambda _step: self.start_strategy(), step)
+
+    def on_grad_ready(self, param) -> None:
+        """A parameter's gradient is final (backward): the strategy's, once it has started."""
+        if self.step >= self.retuner.probe_until:
+            self.strategy.on_grad_ready(param)
+
+    def on_grad_scale(self, params: list, coefficient, scale: Callable[[], None]) -> None:
+        """The script clips or unscales gradients: through the strategy, once it has started."""
+        if self.step >= self.retuner.probe_until:
+            self.strategy.on_grad_scale(params, coefficient, scale)
+        else:
+            scale()
+
+    def start_strategy(self) -> None:
+        """The strategy's `on_ready` at the step training (re)starts from, once; and its staging
+        slots set up in the background from then (after a probe's steps, which it would slow)."""
+        if not self.strategy_started:
+            self.strategy_started = True
+            self.strategy.on_ready(self.step)
+            opt = self.state.primary  # (its slots, made on the set-up thread before its first checkpoint)
+            self.staging.prepare(self.strategy.staged_bytes(first_snapshot_bytes(self.state, opt)),
+                                 cuda_device(replay.optimizer_params(opt)))
 
     def _stop_here(self) -> bool:
         """After SIGTERM/SIGINT: is the step just finished the one every rank stops after?
@@ -202,12 +240,27 @@ class StepHooks:
         """Is a checkpoint of `step` due? Always for the step the run stops after."""
         if self._stopping is not None:
             return True
-        return self.interval.due(step)
+        return self.interval.due(step) and not self._disk_behind(step)
+
+    def _disk_behind(self, step: int) -> bool:
+        """Under --max-overhead, with the interval the run's to choose (never an explicit --every)
+        and one rank (ranks must checkpoint the same steps): a snapshot due at the step just taken
+        that finds every staging slot still on its way to disk is skipped, not waited for; the
+        next due step's is the newest (DESIGN §6: the disk is paced, never waited on)."""
+        cfg, pool = self.cfg, self.staging.pool
+        if not (cfg.max_overhead > 0 and cfg.interval_auto and self.world_size == 1 and step == self.step):
+            return False
+        with pool.cond:
+            behind = bool(pool.buffers) and not pool.free
+        if behind and self._skipped_at != step:
+            self._skipped_at = step
+            self.metrics.emit(type="skipped", step=step, reason="every staging slot still being written")
+        return behind
 
     def use_interval(self, policy: IntervalPolicy) -> None:
         """A strategy's own `--every auto` rule replaces the run's (Daly's)."""
         self.retuner.policies.remove(self.interval)
-        self.interval = self.retuner.add(policy)
+        self.interval = self.retuner.add(within_budget(self, policy))
 
     def _timed(self, hook: Callable[[int], None], step: int) -> None:
         """Run a strategy hook; all the time it blocks training is stall. Whatever the inner timers

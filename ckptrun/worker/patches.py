@@ -207,5 +207,5 @@ def install(rt: Any) -> None:
     _patch_family(torch.amp.GradScaler, rt.on_scaler)
     _watch_skipped_steps(rt)
     _patch_family(torch.nn.parallel.DistributedDataParallel, rt.on_ddp)
-    _route_clipping(rt.strategy)
+    _route_clipping(rt)  # (its on_grad_scale: the strategy's, once it has started)
     integrations.install(rt)

@@ -41,7 +41,6 @@ from .handoff import Handoff
 from .hooks import StepHooks
 from .loading import Loader, ResumeState
 from .metrics import WorkerMetrics
-from .slot_size import cuda_device, first_snapshot_bytes
 from .slots import Staging
 from .state import TrainingState, skipped_steps
 
@@ -153,9 +152,20 @@ class Runtime(StepHooks):
             self.setup_s = time.time() - self.recovery_started - self.loading.restore_s
         if self.loading.resume is not None:
             self.loading.optimizer(opt, idx)
-        if idx == 0:
-            self.strategy.on_ready(self.step)
-            self.staging.prepare(self.strategy.staged_bytes(first_snapshot_bytes(self.state, opt)), cuda_device(params))
+        if idx == 0 and not self._probe():
+            self.start_strategy()
+
+    def _probe(self) -> bool:
+        """A fresh run under --max-overhead, with the interval its to choose and nothing set that
+        changes what training computes: its first steps take no checkpoint, so that the step
+        without checkpointing is measured (worker/budget.py). A resumed run never probes (a chain
+        of records cannot skip steps); a script that ends or stops before it is over starts the
+        strategy then."""
+        watch, cfg = self.retuner.watch, self.cfg
+        trains = any(opt.trains and cfg.options.get(opt.name) for opt in REGISTRY[cfg.strategy].options)
+        if watch is None or self.loading.resume is not None or cfg.every_given or trains:
+            return False
+        return watch.start_probe(self.step)
 
     def on_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """A DDP wrapper was created: the parameters it synchronises (and the optimizer state over
@@ -174,7 +184,7 @@ class Runtime(StepHooks):
         frozen = []
         for p in params:
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self.strategy.on_grad_ready)
+                p.register_post_accumulate_grad_hook(self.on_grad_ready)
             else:
                 frozen.append(p)
         return frozen
@@ -195,6 +205,7 @@ class Runtime(StepHooks):
     def finish(self) -> None:
         if not self.state.optimizers:
             raise no_optimizer("the script never created a torch.optim optimizer")
+        self.start_strategy()  # (a script that ended during the probe: the final checkpoint all the same)
         self.strategy.finish()
         self.handoff.drain()
         if self.cfg.node_local_dir and self.world_size > 1 and not self.handoff.lost.is_set():

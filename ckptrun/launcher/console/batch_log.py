@@ -10,7 +10,7 @@ import logging
 import time
 from typing import Any
 
-from ckptrun.launcher.console.fmt import fmt_duration, ms, num, opt, risk, summary_rows
+from ckptrun.launcher.console.fmt import budget_text, fmt_duration, ms, num, opt, risk, summary_rows
 from ckptrun.launcher.console.metrics_feed import MetricsState, RunSummary
 
 
@@ -29,6 +29,8 @@ def log_line(state: MetricsState, now: float | None = None) -> str:
     at_risk = _worst_risk(state)
     if at_risk is not None:
         parts.append(f"at risk {at_risk}")
+    if ov.overhead is not None:
+        parts.append(f"overhead {budget_text(ov.overhead)}")
     parts += [f"stall {ms(ov.stall_mean_s)} ms/step (p99 {ms(ov.stall_p99_s)})",
               f"{num(ov.bw_mbps, '{:.0f}')} MB/s", f"restarts {ov.restarts}"]
     if ov.save_errors:

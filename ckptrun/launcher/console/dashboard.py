@@ -27,6 +27,7 @@ from rich.text import Text
 from ckptrun.launcher.console.batch_log import event_log_line, log_line, summary_line
 from ckptrun.launcher.console.fmt import (
     CAUSE_LABELS,
+    budget_text,
     fmt_bytes,
     fmt_duration,
     ms,
@@ -79,6 +80,9 @@ def render_header(state: MetricsState, now: float, *, wide: bool = True) -> Rend
             *((("  written ", "dim"), (fmt_bytes(state.bytes_written), "")) if wide else ()),
         )
     settings = ", ".join(f"{k}={v}" for k, v in state.settings.items()) or "-"
+    budgeted = state.budgeted()
+    if budgeted is not None:
+        settings += f"  overhead {budget_text(budgeted)}"
     remote = state.remote  # --durable: the newest step there, and how far behind the commits it is
     remote_line = [] if remote is None else [Text.assemble(
         ("remote ", "dim"), (f"step {remote['step']}", "bold green"),

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ckptrun.launcher.console.hostmetrics import NA
-from ckptrun.launcher.console.metrics_feed import RunSummary, Series
+from ckptrun.launcher.console.metrics_feed import Budgeted, RunSummary, Series
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 CAUSE_LABELS = {"snapshot": "snapshot", "layer_wait": "layer wait", "backpressure": "backpressure",
@@ -95,4 +95,13 @@ def summary_rows(summary: RunSummary) -> list[tuple[str, str]]:
         ("recovery times", recoveries),
         ("save errors", str(summary.save_errors)),
     ]
+    if summary.overhead is not None:
+        rows.insert(4, ("overhead", budget_text(summary.overhead)))
     return rows
+
+
+def budget_text(b: Budgeted) -> str:
+    """`2.8% of 5%`: what checkpointing costs the loop against --max-overhead."""
+    skipped = f", {b.skipped} skipped: disk behind" if b.skipped else ""
+    over = " (over: see the warning)" if b.over else ""
+    return f"{max(0.0, b.overhead):.1%} of {b.budget * 100:g}%{skipped}{over}"

@@ -209,6 +209,12 @@ class RankStats:
     recent_step_s: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW_STEPS))
     stall: dict[str, Series] = field(default_factory=lambda: {c: Series() for c in STALL_CAUSES})
     stall_total: Series = field(default_factory=Series)
+    # --max-overhead: the rank's latest measured overhead and its budget (fractions), and whether it
+    # said its strategy cannot keep within it
+    overhead: float | None = None
+    budget: float | None = None
+    over_budget: bool = False
+    skipped: int = 0  # due snapshots skipped while the disk was behind (worker/hooks.py `_disk_behind`)
     ckpt_bytes_last: int | None = None
     ckpt_bytes_total: int = 0
     ckpts_taken: int = 0
@@ -271,6 +277,17 @@ class Overview:
     bw_mbps: float | None  # sum of each rank's latest write bandwidth (ranks write concurrently)
     restarts: int
     save_errors: int
+    overhead: Budgeted | None = None  # --max-overhead: the worst rank's latest measure
+
+
+@dataclass(frozen=True)
+class Budgeted:
+    """What checkpointing costs the loop against --max-overhead (fractions)."""
+
+    overhead: float
+    budget: float
+    over: bool  # a rank said its strategy cannot keep within it
+    skipped: int = 0  # due snapshots skipped while the disk was behind (the most of any rank)
 
 
 @dataclass(frozen=True)
@@ -295,6 +312,7 @@ class RunSummary:
     save_errors: int
     last_durable_step: int | None
     last_memory_step: int | None = None  # lowest over ranks of the step their engines hold in memory
+    overhead: Budgeted | None = None  # --max-overhead: the worst rank's latest measure
 
 
 class MetricsState:
@@ -510,8 +528,32 @@ class MetricsState:
         skip = {"type", "t", "rank", "step", "reason", "strategy"}
         self.settings.update({k: v for k, v in e.items() if k not in skip})
 
+    def _on_overhead(self, e: dict[str, Any], t: float) -> None:
+        rs = self._rank(e["rank"])
+        rs.overhead, rs.budget = float(e["overhead"]), float(e["budget"])
+
+    def _on_skipped(self, e: dict[str, Any], t: float) -> None:
+        self._rank(e["rank"]).skipped += 1
+
+    def _on_budget(self, e: dict[str, Any], t: float) -> None:
+        if e.get("verdict") == "over":
+            self._rank(e["rank"]).over_budget = True
+
+    def budgeted(self) -> Budgeted | None:
+        """The worst rank's latest overhead against its budget; None before one was measured."""
+        measured = [rs for rs in self.ranks.values() if rs.overhead is not None and rs.budget]
+        if not measured:
+            return None
+        worst = max(measured, key=lambda rs: rs.overhead)
+        ranks = self.ranks.values()
+        return Budgeted(worst.overhead, worst.budget, any(rs.over_budget for rs in ranks),
+                        max(rs.skipped for rs in ranks))
+
     _handlers = {
         "interval": _on_interval,
+        "overhead": _on_overhead,
+        "budget": _on_budget,
+        "skipped": _on_skipped,
         "run": _on_run,
         "step": _on_step,
         "restart": _on_restart,
@@ -614,6 +656,7 @@ class MetricsState:
             bw_mbps=sum(bws) if bws else None,
             restarts=self.restarts,
             save_errors=sum(rs.save_errors for rs in self.ranks.values()),
+            overhead=self.budgeted(),
         )
 
     def summary(self) -> RunSummary:
@@ -649,6 +692,7 @@ class MetricsState:
             save_errors=sum(rs.save_errors for rs in stats),
             last_durable_step=self.committed_step,
             last_memory_step=min((rs.memory_step for rs in stats if rs.memory_step is not None), default=None),
+            overhead=self.budgeted(),
         )
 
 

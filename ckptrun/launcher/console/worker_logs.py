@@ -12,7 +12,7 @@ carriage return. When its newline comes, that last state is echoed once. Lines t
 returns leave blank are dropped.
 
 Piped mode (not a terminal): workers write straight to the inherited stdout/stderr, and ckptrun
-never sees their output; :func:`at_line_start` tells the dashboard whether stdout is known to be
+never sees their output; `ckptrun.ipc.stdio.at_line_start` tells the log whether stdout is known to be
 at the start of a line, so that its own lines never continue a worker's unfinished one.
 """
 
@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import codecs
 import os
-import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ...ipc.stdio import MERGE_ENV
 
@@ -46,25 +45,6 @@ def last_state(line: str) -> str:
     """What a terminal shows of a line redrawn with carriage returns: the text after the last one. A
     carriage return right before the newline (CRLF) ends the line rather than clearing it."""
     return line.rstrip("\r").rpartition("\r")[2]
-
-
-def at_line_start(file: IO[str] | Any) -> bool:
-    """Whether the next character written to `file` starts a line, as far as can be known: only a
-    regular file can be read back (its last byte); a pipe or a terminal shared with the workers
-    might be in the middle of their progress bar, so the answer there is no."""
-    try:
-        fd = file.fileno()
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        # Reopened for reading (stdout is often opened write-only); Linux only, elsewhere: no.
-        with open(f"/proc/self/fd/{fd}", "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            if size == 0:
-                return True
-            f.seek(size - 1)
-            return f.read(1) == b"\n"
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 @dataclass

@@ -125,7 +125,7 @@ def reading(url: str, endpoint: str | None = None,
     tier = open_tier(url, endpoint)
     tier.probe(write=False)
     with tempfile.TemporaryDirectory(prefix="ckptrun-remote-") as tmp:
-        store = Store(tmp)
+        store = Store(tmp, copy_of=url)
         mirror(tier, store.root, data=False, durable=False)
         if select is not None:
             picked = select(store)

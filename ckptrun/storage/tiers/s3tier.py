@@ -64,7 +64,7 @@ class S3Tier(Tier):
         timeout and one retry."""
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
-        where = f"--durable {self.url}" + (f" (endpoint {self.endpoint})" if self.endpoint else "")
+        where = self.url + (f" (endpoint {self.endpoint})" if self.endpoint else "")  # (run's --durable, or a --dir)
         client = self._client(connect_timeout=2, read_timeout=5, attempts=2)
         key = f"{self._base}.probe-ckptrun"
         try:

@@ -57,6 +57,7 @@ class LowDiff(Strategy):
     name = "lowdiff"
     single_optimizer = True
     min_slots = 2  # a full snapshot and a step's diff are held together
+    every_step = True
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)

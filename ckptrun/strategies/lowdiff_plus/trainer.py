@@ -48,6 +48,7 @@ class LowDiffPlus(Strategy):
     name = "lowdiff+"
     single_optimizer = True
     wants_grad_hooks = True
+    every_step = True
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)

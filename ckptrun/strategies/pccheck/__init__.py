@@ -15,5 +15,6 @@ CHUNK_MB = Option("chunk_mb", "auto", "pipeline chunk in MB (the paper's b): per
 OPTIONS = (
     CKPT_WRITERS,
     CHUNK_MB,
-    Option("max_slowdown", "1.05", "with --every auto: the slowdown q the interval f* = ceil(T_w/(N*q*t)) allows."),
+    Option("max_slowdown", None, "with --every auto or unset: the slowdown q the interval f* = ceil(T_w/(N*q*t)) "
+                                 "allows; unset: 1 + --max-overhead (1.05)."),
 )

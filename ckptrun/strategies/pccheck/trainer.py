@@ -28,8 +28,8 @@ class PCcheck(SnapshotStrategy):
         self.writers = CKPT_WRITERS.integer(ctx.options) or 2  # (auto: the default)
         chunk_mb = CHUNK_MB.integer(ctx.options)
         self.chunk = chunk_mb << 20 if chunk_mb else None
-        try:
-            q = float(ctx.options.get("max_slowdown") or "1.05")
+        try:  # (unset: the run's --max-overhead, whose default is PCcheck's 5% too)
+            q = float(ctx.options.get("max_slowdown") or 1 + (ctx.options.get("max_overhead") or 0.05))
         except ValueError:
             q = 0.0
         if not q >= 1.0:

@@ -1,0 +1,33 @@
+"""Which committed step the drain copies to the durable tier under `--durable-every N`: what
+`--every N` means for --dir, the steps that are multiples of N. A drain that falls behind copies
+the newest multiple reached, not the oldest one pending: a copy of an older step would only
+delay the newer one, and the newest is what a resume wants. A multiple the strategy committed no
+record at (its records end elsewhere) is stood for by the first committed step after it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Due:
+    step: int  # the committed step to copy now
+    skipped: tuple[int, ...]  # older multiples committed past the tier's newest step, left uncopied
+
+
+def due(steps: Sequence[int], last: int, every: int) -> Due | None:
+    """The step to copy now (None: none is due). `steps`: the committed steps, ascending;
+    `last`: the tier's newest step (-1: none); `every`: N >= 1."""
+    if not steps:
+        return None
+    target = steps[-1] // every * every  # the newest multiple reached
+    if target <= max(last, 0):
+        return None
+    step = next(s for s in steps if s >= target)
+    return Due(step, tuple(sorted({s for s in steps if last < s < target and s % every == 0})))
+
+
+def next_multiple(after: int, every: int) -> int:
+    """The first multiple of `every` past step `after`."""
+    return (max(after, 0) // every + 1) * every

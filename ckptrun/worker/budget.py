@@ -1,0 +1,199 @@
+"""The run's overhead budget (`--max-overhead`, DESIGN §6): what checkpointing costs the training
+loop, measured against the no-checkpoint step, in one figure that every save decision keeps.
+
+The cost counts both ways a checkpoint slows training: stall on the training thread (the hooks'
+waits, measured per cause) and the slowdown of the step itself (copies and the engine's writes
+competing for the cores and memory bandwidth the step uses). Both are in a step's wall time, so
+the overhead over a window of steps is `mean(step wall time) / no-checkpoint step - 1`.
+
+The no-checkpoint step (`Baseline`) is measured, as `ckptrun tune` measures it, by running steps
+without checkpointing: the first `PROBE_STEPS` optimizer steps of a fresh run take no checkpoint
+at all (the strategy starts after them, as if the run began there); the fastest of them but the
+first (which holds the script's warm-up) is the baseline. Later, steps with nothing of a
+checkpoint in flight (no snapshot begun, every snapshot durable, no stall) are no-checkpoint steps
+too; when their median drifts from the baseline by more than `DRIFT`, the newer of them become it
+(a strategy that works every step has none: its baseline is the probe's). A restarted worker reads the
+baseline its predecessor kept in the run's private folder (the launcher's, node-local), so a
+recovery does not probe again (a resumed chain cannot skip steps).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import deque
+from collections.abc import Callable
+from statistics import median
+from typing import Any
+
+from ..strategies.save_policy import Measured
+from ..tuning.durations import format_duration
+from ..tuning.intervals import checkfreq_min_interval_steps
+
+PROBE_STEPS = 4  # a fresh run's first steps, taken without checkpointing (the first is left out)
+QUIET_KEPT = 6  # no-checkpoint steps seen later: the drift check's median covers this many
+DRIFT = 0.15  # relative change of that median that replaces the baseline
+TOLERANCE = 0.2  # measured overhead within budget * (1 + this) counts as within (the noise of a step)
+
+
+class Baseline:
+    """The no-checkpoint step time of this rank (seconds), or None until measured."""
+
+    def __init__(self, path: str = "") -> None:
+        self.path = path  # where it is kept across worker restarts ("" nowhere)
+        self.step_s: float | None = self._read()
+        self._probe: list[float] = []
+        self._quiet: deque[float] = deque(maxlen=QUIET_KEPT)
+
+    def probed(self, step_s: float, last: bool) -> None:
+        """A probe step took `step_s`; at the `last` one the baseline is their median (the first left out)."""
+        self._probe.append(step_s)
+        if last:  # the fastest: interference only ever slows a step (the first holds the warm-up)
+            self._set(min(self._probe[1:] or self._probe))
+
+    def quiet(self, step_s: float) -> bool:
+        """A later step with nothing of a checkpoint in flight: True when it moved the baseline."""
+        self._quiet.append(step_s)
+        if len(self._quiet) < QUIET_KEPT:
+            return False
+        if self.step_s is not None and abs(median(self._quiet) - self.step_s) <= DRIFT * self.step_s:
+            return False
+        self._set(median(list(self._quiet)[QUIET_KEPT // 2:]))  # the newer half: past the change
+        self._quiet.clear()
+        return True
+
+    def _set(self, step_s: float) -> None:
+        self.step_s = step_s
+        if self.path:
+            tmp = f"{self.path}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({"step_s": step_s}, f)
+            os.replace(tmp, self.path)
+
+    def _read(self) -> float | None:
+        """The kept baseline, if there is a sound one (a file of the run's own private folder,
+        checked all the same: a positive finite number)."""
+        try:
+            with open(self.path) as f:
+                value = json.load(f).get("step_s") if self.path else None
+        except (OSError, ValueError, AttributeError):
+            return None
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) and value > 0 else None
+
+
+class Watch:
+    """The budget as a worker keeps it: the no-checkpoint step (`Baseline`, probed at a fresh
+    run's start), the overhead at each of the re-tuner's evaluations (a metrics event
+    `{"type": "overhead"}` the dashboard shows), and two verdicts, each said once:
+
+    - an explicit `--every N` (never changed): what it costs against the budget, and the
+      interval that would keep within it;
+    - a strategy still over budget at an evaluation that changed nothing (its mechanism works
+      every step: nothing is left to thin): said with the strategy that would keep within it
+      (metrics event `{"type": "budget", "verdict": "over"}`).
+    """
+
+    def __init__(self, budget: float, baseline: Baseline, *, strategy: str, instead: str, every_step: bool = False,
+                 explicit_every: int | None = None, say: Callable[[str, bool], None] = lambda line, warn: None,
+                 emit: Callable[..., None] = lambda **event: None) -> None:
+        self.budget, self.baseline = budget, baseline
+        self.strategy, self.instead, self.explicit_every = strategy, instead, explicit_every
+        self.every_step = every_step  # the strategy's mechanism works every step (`Strategy.every_step`)
+        self.probe_until = 0
+        self._say, self._emit = say, emit
+        self.said: set[str] = set()
+        self._over_before = False  # the last evaluation found it over budget, and changed nothing
+
+    def base_step_s(self, records: list[tuple]) -> float | None:
+        """The no-checkpoint step for the window `records` ((step_s, stall_s, ...) each): the
+        baseline, or, before one was measured under an explicit --every (no probe: its steps are
+        due), the window's median step less its stall (the step's own slowdown then uncounted)."""
+        if self.baseline.step_s is not None or self.explicit_every is None or not records:
+            return self.baseline.step_s
+        return median(r[0] - r[1] for r in records)
+
+    def start_probe(self, step: int) -> bool:
+        """A fresh run at `step`: probe the no-checkpoint step unless it is known already."""
+        if self.baseline.step_s is not None:
+            return False
+        self.probe_until = step + PROBE_STEPS
+        return True
+
+    def end_probe(self, step: int) -> None:
+        """The run stops during the probe: it ends at `step` (measured or not)."""
+        self.probe_until = min(self.probe_until, step)
+
+    def observe(self, step: int, record: dict[str, Any], checkpointed: bool) -> bool:
+        """Fold in a step's metrics record; True for a probe step (not part of any cost window)."""
+        if step <= self.probe_until:
+            self.baseline.probed(record["step_s"], last=step == self.probe_until)
+            return True
+        stalled = any((record.get("stall_s") or {}).values())
+        if not checkpointed and not stalled and not record.get("inflight"):
+            self.baseline.quiet(record["step_s"])
+        return False
+
+    def evaluate(self, step: int, m: Measured, changed: bool) -> None:
+        """At a re-tuner evaluation: record the overhead; say a verdict due."""
+        if m.overhead is None or m.base_step_s is None:
+            return
+        self._emit(type="overhead", step=step, overhead=m.overhead, budget=self.budget, base_s=m.base_step_s)
+        if m.cost_s is None and not self.every_step:  # no checkpoint in the window
+            return
+        if self.explicit_every is not None:
+            self._explicit(step, m) if m.cost_s is not None else None
+            return
+        over = not changed and not within(m.overhead, self.budget)
+        if over and (self.every_step or self._over_before):  # (an interval gets a second look)
+            self._over(step, m)
+        self._over_before = over
+
+    def _explicit(self, step: int, m: Measured) -> None:
+        if "explicit" in self.said:
+            return
+        self.said.add("explicit")
+        every = self.explicit_every
+        fits = interval_within(m.cost_s, m.base_step_s, self.budget)
+        if m.persist_s:
+            fits = max(fits, checkfreq_min_interval_steps(m.persist_s, m.base_step_s))
+        what = "stall only: no step ran without checkpointing" if self.baseline.step_s is None else \
+            "stall and slowdown"
+        cost = (f"--every {every} costs {percent(m.overhead)} of the step against --max-overhead "
+                f"{percent(self.budget)} (measured by step {step}, {what}: a checkpoint costs "
+                f"{format_duration(m.cost_s)} against a {format_duration(m.base_step_s)} step)")
+        if within(m.overhead, self.budget):
+            self._say(f"{cost}: within budget", False)
+        else:
+            self._say(f"warning: {cost}; kept as given: --every {fits} would keep within it", True)
+        self._emit(type="budget", verdict="explicit", step=step, every=every, fits=fits, overhead=m.overhead,
+                   budget=self.budget)
+
+    def _over(self, step: int, m: Measured) -> None:
+        if "over" in self.said:
+            return
+        self.said.add("over")
+        if self.every_step:
+            why, fix = "its mechanism works every step", f"--strategy {self.instead} keeps within it (its " \
+                "interval follows the budget)"
+        else:
+            why, fix = "after re-tuning its settings", "give --every N or a larger --max-overhead"
+        self._say(f"warning: --strategy {self.strategy} costs {percent(m.overhead)} of the step here, "
+                  f"over --max-overhead {percent(self.budget)} ({why}; measured by step {step} against a "
+                  f"{format_duration(m.base_step_s)} step without checkpointing); {fix}", True)
+        self._emit(type="budget", verdict="over", step=step, strategy=self.strategy, instead=self.instead,
+                   overhead=m.overhead, budget=self.budget)
+
+
+def interval_within(cost_s: float, base_s: float, budget: float) -> int:
+    """The fewest steps between checkpoints that keep a checkpoint costing `cost_s` (stall and
+    slowdown together) within `budget` of a `base_s` step: ceil(cost / (budget * step))."""
+    return max(1, math.ceil(cost_s / (budget * base_s) - 1e-9))
+
+
+def within(overhead: float, budget: float) -> bool:
+    return overhead <= budget * (1 + TOLERANCE)
+
+
+def percent(fraction: float) -> str:
+    return f"{fraction:.1%}"

@@ -1,0 +1,233 @@
+"""The overhead budget (`--max-overhead`, ckptrun/worker/budget.py): the controller on simulated
+cost sequences (deterministic: no timing), the verdicts said once, the baseline kept across
+restarts, and end to end: the default run thins its checkpoints, an explicit --every is kept, and
+a fresh run's probe of the no-checkpoint step resumes bit-exact."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import EXAMPLE, STEPS, TINY, assert_training_state, ckptrun, load, ok, resumed_beside_plain
+
+from ckptrun.cli import parse_budget
+from ckptrun.errors import UsageError
+from ckptrun.launcher.console.fmt import summary_rows
+from ckptrun.launcher.console.metrics_feed import MetricsState
+from ckptrun.storage.store import Store
+from ckptrun.strategies.save_policy import Measured
+from ckptrun.worker.budget import PROBE_STEPS, Baseline, Watch
+from ckptrun.worker.decisions import EveryStep, FixedInterval, PersistBound, Retuner, WithinBudget
+from ckptrun.worker.hooks import StepHooks
+
+BUDGET = 0.05
+
+
+class Machine:
+    """A run on a simulated machine: a step of `base` seconds; a checkpoint costs the step after it
+    `cost` seconds of stall; each write takes `persist` seconds (reported as durable at once)."""
+
+    def __init__(self, policy, *, base=0.1, cost=0.02, persist=0.05, explicit=None, every_step=False,
+                 strategy="checkfreq"):
+        self.base, self.cost, self.persist = base, cost, persist
+        self.said: list[tuple[str, bool]] = []
+        self.events: list[dict] = []
+        self.watch = Watch(BUDGET, Baseline(), strategy=strategy, instead="checkfreq", every_step=every_step,
+                           explicit_every=explicit, say=lambda line, warn: self.said.append((line, warn)),
+                           emit=lambda **e: self.events.append(e))
+        self.retuner = Retuner(3600.0, watch=self.watch)
+        self.policy = self.retuner.add(policy)
+        assert self.watch.start_probe(0)
+        self.step, self.owed = 0, 0.0
+
+    def run(self, steps: int) -> Machine:
+        for _ in range(steps):
+            self.step += 1
+            s = self.step
+            probing = s <= self.watch.probe_until
+            ckpt = not probing and (self.watch.every_step or self.policy.due(s))
+            stall, self.owed = self.owed, (self.cost if ckpt else 0.0)
+            if self.watch.every_step:
+                stall, self.owed = (0.0 if probing else self.cost), 0.0
+            if ckpt:
+                self.retuner.observe_write(10**8, self.persist)
+            self.retuner.after_step(s, {"step_s": self.base + stall, "stall_s": {"snapshot": stall},
+                                        "last_snapshot_step": s if ckpt else None, "inflight": int(ckpt)})
+        return self
+
+    def overheads(self) -> list[float]:
+        return [e["overhead"] for e in self.events if e["type"] == "overhead"]
+
+
+def test_the_interval_is_the_finest_that_keeps_within_the_budget():
+    """A 20 ms checkpoint against a 100 ms step is 20% every step: every 4 steps is 5%."""
+    m = Machine(WithinBudget(PersistBound(EveryStep()))).run(PROBE_STEPS + 80)
+    assert m.watch.baseline.step_s == pytest.approx(0.1)
+    assert m.policy.every == 4
+    assert m.overheads()[0] > BUDGET and m.overheads()[-1] == pytest.approx(BUDGET, rel=0.1)
+    assert m.said == []
+
+
+def test_a_disk_that_slows_mid_run_makes_the_interval_coarser():
+    m = Machine(WithinBudget(PersistBound(EveryStep())), cost=0.002).run(PROBE_STEPS + 40)
+    assert m.policy.every == 1  # 2% of the step: every step fits
+    m.persist = 1.2  # the disk slows: one write spans 12 steps
+    m.run(100)
+    assert m.policy.every >= 12, "never checkpoint faster than the disk drains"
+    m.persist, m.cost = 0.05, 0.02
+    m.run(150)
+    assert 4 <= m.policy.every < 12 and m.overheads()[-1] <= BUDGET
+
+
+def test_a_step_that_speeds_up_is_measured_again_and_the_interval_follows():
+    m = Machine(WithinBudget(PersistBound(EveryStep()))).run(PROBE_STEPS + 80)
+    assert m.policy.every == 4
+    m.base = 0.05  # quiet steps show it; the same checkpoint is now a larger share of the step
+    m.run(200)
+    assert m.watch.baseline.step_s == pytest.approx(0.05)
+    assert m.policy.every == 8
+
+
+def test_within_budget_does_not_see_saw_at_an_interval_that_keeps_it():
+    """A sparse interval measures a cheaper checkpoint (no writes overlap): at an overhead within
+    budget, and above half of it, the bound keeps the interval it has."""
+    policy = WithinBudget(PersistBound(EveryStep()))
+    policy.every = 10
+    m = Measured(3600.0, True, step_s=0.1, budget=BUDGET, base_step_s=0.1, cost_s=0.03, overhead=0.04)
+    assert policy.propose(m, 50) is None
+    low = Measured(3600.0, True, step_s=0.1, budget=BUDGET, base_step_s=0.1, cost_s=0.01, overhead=0.01)
+    assert policy.propose(low, 50).settings == {"every": 2}
+
+
+def test_an_interval_is_not_lowered_before_a_checkpoint_at_it_was_measured():
+    policy = WithinBudget(PersistBound(EveryStep()))
+    policy.every = 74
+    m = Measured(3600.0, True, step_s=1.0, persist_s=4.0, budget=BUDGET, base_step_s=1.0, overhead=0.0)
+    assert policy.propose(m, 25) is None
+
+
+def test_an_explicit_every_is_kept_and_its_cost_said_once_with_the_interval_that_fits():
+    m = Machine(FixedInterval(1), explicit=1).run(PROBE_STEPS + 80)
+    assert m.policy.every == 1
+    assert len(m.said) == 1
+    line, warn = m.said[0]
+    assert warn and "--every 1 costs" in line and "--every 4 would keep within it" in line
+    assert [e["verdict"] for e in m.events if e["type"] == "budget"] == ["explicit"]
+
+
+def test_a_strategy_working_every_step_says_once_that_it_is_over_budget_naming_one_that_keeps_within():
+    m = Machine(FixedInterval(1), every_step=True, strategy="lowdiff").run(PROBE_STEPS + 80)
+    assert len(m.said) == 1
+    line, warn = m.said[0]
+    assert warn and "--strategy lowdiff costs 20.0%" in line and "--strategy checkfreq keeps within it" in line
+    assert [e["verdict"] for e in m.events if e["type"] == "budget"] == ["over"]
+
+
+def test_a_cheap_strategy_working_every_step_says_nothing():
+    m = Machine(FixedInterval(1), every_step=True, strategy="lowdiff", cost=0.003).run(PROBE_STEPS + 80)
+    assert m.said == [] and m.overheads()[-1] == pytest.approx(0.03)
+
+
+def test_the_baseline_is_kept_for_a_restarted_worker_and_a_damaged_one_ignored(tmp_path):
+    kept = tmp_path / "baseline-0.json"
+    first = Baseline(str(kept))
+    for i, s in enumerate([0.5, 0.12, 0.1, 0.11]):
+        first.probed(s, last=i == 3)
+    assert Baseline(str(kept)).step_s == pytest.approx(0.1)
+    assert not Watch(BUDGET, Baseline(str(kept)), strategy="x", instead="y").start_probe(0), "probed again"
+    for bad in ("{", '{"step_s": -1}', '{"step_s": "1"}', "[1]", '{"step_s": NaN}'):
+        kept.write_text(bad)
+        assert Baseline(str(kept)).step_s is None, bad
+
+
+def test_the_summary_shows_the_overhead_against_the_budget():
+    state = MetricsState()
+    state.apply({"type": "overhead", "rank": 0, "t": 1.0, "step": 7, "overhead": 0.028, "budget": 0.05})
+    assert ("overhead", "2.8% of 5%") in summary_rows(state.summary())
+    state.apply({"type": "budget", "rank": 0, "t": 2.0, "verdict": "over", "overhead": 0.09, "budget": 0.05})
+    state.apply({"type": "overhead", "rank": 0, "t": 3.0, "step": 25, "overhead": 0.09, "budget": 0.05})
+    assert ("overhead", "9.0% of 5% (over: see the warning)") in summary_rows(state.summary())
+    state.apply({"type": "skipped", "rank": 0, "t": 4.0, "step": 30})
+    assert ("overhead", "9.0% of 5%, 1 skipped: disk behind (over: see the warning)") in summary_rows(state.summary())
+
+
+@pytest.mark.parametrize("text, fraction", [("5", 0.05), ("2.5%", 0.025), ("off", 0.0), ("0", 0.0)])
+def test_max_overhead_values(text, fraction):
+    assert parse_budget(text) == pytest.approx(fraction)
+
+
+def test_a_bad_max_overhead_is_refused_in_one_line(tmp_path):
+    with pytest.raises(UsageError, match="--max-overhead must be"):
+        parse_budget("lots")
+    proc = ckptrun(tmp_path, "--max-overhead", "150", EXAMPLE, *TINY)
+    assert proc.returncode == 2 and "--max-overhead must be above 0 and below 100" in proc.stderr
+    assert not (tmp_path / "ckpts").exists()
+
+
+# ---- end to end ----------------------------------------------------------------------------
+
+
+def _events(metrics: Path, kind: str) -> list[dict]:
+    lines = (metrics / "worker-0.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e.get("type") == kind]
+
+
+def test_by_default_a_run_thins_checkpoints_that_cost_more_than_the_budget(tmp_path):
+    """The tiny example's checkpoint costs most of its 3 ms step: the run probes the step without
+    checkpointing, raises the interval and says why; the summary shows the overhead."""
+    proc = ok(ckptrun(tmp_path, "--max-overhead", "5", "--keep", "0", "--no-dashboard", "--metrics-dir", "metrics",
+                      EXAMPLE, *TINY))
+    assert "raised to" in proc.stderr and "by --max-overhead 5.0%" in proc.stderr, proc.stderr[-2000:]
+    assert "overhead" in proc.stderr.split("summary:")[-1]
+    steps = [m.step for m in Store(tmp_path / "ckpts").manifests()]
+    assert steps[-1] == STEPS and len(steps) < STEPS - PROBE_STEPS, steps
+    assert min(steps) > PROBE_STEPS, "a probe step was checkpointed"
+    assert _events(tmp_path / "metrics", "overhead")
+
+
+def test_an_explicit_every_1_checkpoints_every_step_and_says_what_it_costs(tmp_path):
+    proc = ok(ckptrun(tmp_path, "--max-overhead", "5", "--every", "1", "--keep", "0", "--no-dashboard",
+                      EXAMPLE, *TINY))
+    assert [m.step for m in Store(tmp_path / "ckpts").manifests()] == list(range(1, STEPS + 1))
+    assert "--every 1 costs" in proc.stderr and "of the step against --max-overhead 5.0%" in proc.stderr
+    assert "stall only: no step ran without checkpointing" in proc.stderr
+
+
+@pytest.mark.parametrize("strategy", ["checkfreq", "lowdiff"])
+def test_a_run_that_probed_its_first_steps_resumes_bit_exact(strategy, tmp_path):
+    """The strategy starts after the probe, as if the run began there (lowdiff: its chain's full
+    checkpoint at the probe's last step); a worker killed at step 9 resumes to the same state."""
+    args = [*TINY, "--save-at", STEPS, "--save-path"]
+    flags = ["--strategy", strategy, "--max-overhead", "5", "--keep", "0", "--dir", "ckpts"]
+    plain, managed = resumed_beside_plain(tmp_path, EXAMPLE, args, flags, "kill:step=9")
+    assert_training_state(load(managed / "resumed.pt"), load(plain / "truth.pt"))
+    assert min(m.step for m in Store(managed / "ckpts").manifests()) >= PROBE_STEPS
+
+
+def test_the_env_sets_the_default_budget_and_a_recipe_or_the_flag_wins(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTRUN_MAX_OVERHEAD", "off")
+    assert parse_budget("") == 0.0 and parse_budget("3") == pytest.approx(0.03)
+    monkeypatch.delenv("CKPTRUN_MAX_OVERHEAD")
+    assert parse_budget("") == pytest.approx(0.05)
+
+
+def _hooks(*, free: list[int], auto: bool = True, world_size: int = 1) -> SimpleNamespace:
+    """The little of a worker's StepHooks that `_disk_behind` reads: a run at step 8."""
+    pool = SimpleNamespace(cond=threading.Condition(), buffers={0: None, 1: None}, free=free)
+    events: list[dict] = []
+    return SimpleNamespace(cfg=SimpleNamespace(max_overhead=BUDGET, interval_auto=auto), staging=SimpleNamespace(
+        pool=pool), world_size=world_size, step=8, _skipped_at=None, events=events,
+        metrics=SimpleNamespace(emit=lambda **e: events.append(e)))
+
+
+def test_a_due_snapshot_that_finds_every_slot_still_being_written_is_skipped_not_waited_for():
+    behind = _hooks(free=[])
+    assert StepHooks._disk_behind(behind, 8) and StepHooks._disk_behind(behind, 8)
+    assert [e["type"] for e in behind.events] == ["skipped"], "said once per step"
+    assert not StepHooks._disk_behind(behind, 9), "a look-ahead (gockpt's) is never skipped"
+    assert not StepHooks._disk_behind(_hooks(free=[1]), 8)
+    assert not StepHooks._disk_behind(_hooks(free=[], auto=False), 8), "an explicit --every is honoured"
+    assert not StepHooks._disk_behind(_hooks(free=[], world_size=2), 8), "ranks must checkpoint the same steps"
