@@ -34,6 +34,7 @@ from ..tuning.intervals import checkfreq_min_interval_steps
 PROBE_STEPS = 4  # a fresh run's first steps, taken without checkpointing (the first is left out)
 QUIET_KEPT = 6  # no-checkpoint steps seen later: the drift check's median covers this many
 DRIFT = 0.15  # relative change of that median that replaces the baseline
+REPORT_EVERY = 10  # steps between the run's overhead reports (and one at the end)
 TOLERANCE = 0.2  # measured overhead within budget * (1 + this) counts as within (the noise of a step)
 
 
@@ -84,9 +85,11 @@ class Baseline:
 
 class Watch:
     """The budget as a worker keeps it: the no-checkpoint step (`Baseline`, probed at a fresh
-    run's start), the overhead at each of the re-tuner's evaluations (a metrics event
-    `{"type": "overhead"}` the dashboard shows), and two verdicts, each said once:
+    run's start), the overhead (a metrics event `{"type": "overhead"}` the dashboard shows), and
+    two verdicts, each said once.
 
+    It reports the run's overhead so far every REPORT_EVERY steps and at the end (`report`).
+    Verdicts:
     - an explicit `--every N` (never changed): what it costs against the budget, and the
       interval that would keep within it;
     - a strategy still over budget at an evaluation that changed nothing (its mechanism works
@@ -104,6 +107,8 @@ class Watch:
         self._say, self._emit = say, emit
         self.said: set[str] = set()
         self._over_before = False  # the last evaluation found it over budget, and changed nothing
+        self.measured = False  # an evaluation has measured what a checkpoint costs (`_disk_behind`)
+        self._seen, self._steps, self._step_s, self._stall_s = 0, 0, 0.0, 0.0  # since the probe: `run_overhead`
 
     def base_step_s(self, records: list[tuple]) -> float | None:
         """The no-checkpoint step for the window `records` ((step_s, stall_s, ...) each): the
@@ -129,16 +134,38 @@ class Watch:
         if step <= self.probe_until:
             self.baseline.probed(record["step_s"], last=step == self.probe_until)
             return True
-        stalled = any((record.get("stall_s") or {}).values())
-        if not checkpointed and not stalled and not record.get("inflight"):
+        stall = sum((record.get("stall_s") or {}).values())
+        if not checkpointed and not stall and not record.get("inflight"):
             self.baseline.quiet(record["step_s"])
+        self._seen += 1
+        if self._seen > 1:  # (a worker's first step holds its set-up: left out)
+            self._steps, self._step_s, self._stall_s = self._steps + 1, self._step_s + record["step_s"], \
+                self._stall_s + stall
+            if self._steps % REPORT_EVERY == 0:
+                self.report(step)
         return False
 
+    def run_overhead(self) -> float | None:
+        """The overhead of every step since the probe (a restarted worker: since it began), the
+        first left out, against the baseline (or, before one, the steps less their stall)."""
+        if not self._steps:
+            return None
+        base = self.baseline.step_s or (self._step_s - self._stall_s) / self._steps
+        return self._step_s / self._steps / base - 1 if base > 0 else None
+
+    def report(self, step: int) -> None:
+        """The run's overhead so far, for the dashboard and the summary (every REPORT_EVERY steps
+        and at the end): metrics event {"type": "overhead"}."""
+        overhead = self.run_overhead()
+        if overhead is not None:
+            self._emit(type="overhead", step=step, overhead=overhead, budget=self.budget,
+                       base_s=self.baseline.step_s)
+
     def evaluate(self, step: int, m: Measured, changed: bool) -> None:
-        """At a re-tuner evaluation: record the overhead; say a verdict due."""
+        """At a re-tuner evaluation: the verdicts due, from the window's overhead."""
         if m.overhead is None or m.base_step_s is None:
             return
-        self._emit(type="overhead", step=step, overhead=m.overhead, budget=self.budget, base_s=m.base_step_s)
+        self.measured = self.measured or m.cost_s is not None
         if m.cost_s is None and not self.every_step:  # no checkpoint in the window
             return
         if self.explicit_every is not None:

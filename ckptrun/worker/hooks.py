@@ -250,8 +250,11 @@ class StepHooks:
         cfg, pool = self.cfg, self.staging.pool
         if not (cfg.max_overhead > 0 and cfg.interval_auto and self.world_size == 1 and step == self.step):
             return False
+        # Until a checkpoint's cost was measured, one at a time: the first ones would otherwise come
+        # every step, each slowing the next steps while its write runs (the drain bound, applied early).
+        early = self.retuner.watch is not None and not self.retuner.watch.measured
         with pool.cond:
-            behind = bool(pool.buffers) and not pool.free
+            behind = bool(pool.buffers) and (not pool.free or (early and pool.inflight > 0))
         if behind and self._skipped_at != step:
             self._skipped_at = step
             self.metrics.emit(type="skipped", step=step, reason="every staging slot still being written")
