@@ -283,6 +283,28 @@ def test_replay_strategies_on_a_gpu_are_exact_or_bounded(strategy, tmp_path, rec
     assert worst <= bound, f"{strategy}: restored steps differ by up to {worst:.3g} of their values"
 
 
+@needs_cuda
+def test_slots_are_page_locked_before_the_first_checkpoint(slots_dir, monkeypatch):
+    """The staging slots are made and page-locked for the model's device on the set-up thread
+    once the optimizer exists (issue 58), not by the first checkpoint: before the first step every
+    slot is pinned, and the first checkpoint allocates nothing more."""
+    rt, _ = runtime(slots_dir, monkeypatch, "checkfreq")
+    model = linear_stack("cuda", 1024, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    hooked(rt, model, opt)
+    rt.staging.ready()
+    before = dict(rt.staging.pool.buffers)
+    assert before and set(rt.staging.pool.locked) == set(before), "slots not page-locked before the first step"
+    assert all(b.is_pinned() for b in before.values())
+    x = torch.randn(256, 1024, device="cuda")
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+    assert rt.staging.pool.buffers.keys() == before.keys(), "the first checkpoint made other slots"
+    rt.finish()
+
+
 # ---- no pinned-memory leak ----------------------------------------------------------------
 @needs_cuda
 def test_no_pinned_memory_leak_across_100_checkpoints(slots_dir, monkeypatch):

@@ -37,7 +37,7 @@ def test_one_valid_step_line_per_step_and_rank(lowdiff_run) -> None:
         assert [e["step"] for e in mine] == list(range(1, int(TINY[TINY.index("--steps") + 1]) + 1))
         for e in mine:
             assert STEP_FIELDS <= set(e), STEP_FIELDS - set(e)
-            assert set(e["stall_s"]) == set(STALL_CAUSES)
+            assert set(STALL_CAUSES) <= set(e["stall_s"]) <= {*STALL_CAUSES, "setup"}  # (setup: a first wait)
             assert e["step_s"] > 0 and e["bytes"] >= 0
     commits = [e for e in events if e["type"] == "commit"]
     assert {e["kind"] for e in commits} == {"full", "diff"} and all(e["ranks"] == 2 for e in commits)

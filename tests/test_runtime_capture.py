@@ -227,20 +227,20 @@ def test_a_slot_is_not_reused_before_the_engine_frees_it(tmp_path, monkeypatch):
 def test_a_slot_that_cannot_be_page_locked_is_used_pageable(tmp_path, monkeypatch, caplog):
     """On a GPU whose slots sit where Linux refuses to page-lock them (a disk's file system), the
     worker says why once and copies through pageable memory; it unlocks only what it locked."""
-    from ckptrun.ipc import staging
     from ckptrun.worker import slots
 
     refused = "cudaErrorInvalidValue (1: invalid argument)"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(staging, "page_lock", lambda ptr, n: refused if n == 4096 else None)
+    monkeypatch.setattr(slots, "page_lock", lambda ptr, n: refused if n == 4096 else None)
     unlocked: list[int] = []
     monkeypatch.setattr(slots, "page_unlock", unlocked.append)
     specs = [(i, str(tmp_path / f"slot-{i}"), n) for i, n in enumerate((4096, 4096, 8192))]
     for _, path, n in specs:
         create_slot(Path(path), n)
     pool = slots.SlotPool()
-    pool.add(specs[:2], pin=True)
-    pool.add(specs[2:], pin=True)
+    for generation in (specs[:2], specs[2:]):
+        pool.add(generation)
+        pool.settle(generation, pin=True)
     assert pool.locked == {2} and pool.unlocked_why == refused
     warned = [r.getMessage() for r in caplog.records if "could not be page-locked" in r.getMessage()]
     assert len(warned) == 1 and refused in warned[0] and "CKPTRUN_STAGING_DIR" in warned[0], warned

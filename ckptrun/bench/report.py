@@ -99,9 +99,11 @@ def every_cell(row: dict[str, Any]) -> str:
 
 
 # The stall's causes as the budget table names them, and the legend under it.
-CAUSES = {"snapshot": "snap", "backpressure": "bp", "sync_write": "write", "layer_wait": "layer", "save": "save"}
-CAUSES_LEGEND = ("snap: waiting for a snapshot, bp: back-pressure, write: a synchronous write, layer: a layer's "
-                 "copy, save: the script's own save")
+CAUSES = {"snapshot": "snap", "backpressure": "bp", "setup": "setup", "sync_write": "write", "layer_wait": "layer",
+          "save": "save"}
+CAUSES_LEGEND = ("snap: waiting for a snapshot, bp: back-pressure, setup: the staging slots' set-up (made, "
+                 "faulted in, page-locked), write: a synchronous write, layer: a layer's copy, save: the script's "
+                 "own save")
 OVER = "*"
 NOTHING = "none"  # the disk cell of a configuration none of whose steps reached the disk in the run
 

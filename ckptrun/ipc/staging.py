@@ -3,11 +3,13 @@
 A slot is a file in shared memory (/dev/shm, or CKPTRUN_STAGING_DIR: a container's /dev/shm is
 often too small) that the engine creates and owns, so its bytes
 outlive a crashed worker; the worker maps it as a flat uint8 tensor and copies state into it.
-On a GPU the worker page-locks its mapping so device-to-host copies run asynchronously.
+On a GPU the worker page-locks its mapping so device-to-host copies run asynchronously; it
+faults the mapping in and page-locks it off the training thread (ckptrun/worker/slots.py).
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import tempfile
@@ -120,8 +122,28 @@ def page_unlock(ptr: int) -> None:
 def map_slot(path: str, nbytes: int, pin: bool = False) -> tuple[torch.Tensor, str | None]:
     """The worker's view: a flat uint8 tensor over the slot file, page-locked if `pin` (then
     `page_unlock(buf.data_ptr())` before dropping it), and why it is not where `pin` failed: it is
-    then used pageable, and device-to-host copies into it wait for the device."""
+    then used pageable, and device-to-host copies into it wait for the device. Mapping alone
+    touches no page."""
     import torch
 
     buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
     return buf, (page_lock(buf.data_ptr(), nbytes) if pin else None)
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14 (asm-generic/mman-common.h)
+
+
+def populate(ptr: int, nbytes: int) -> bool:
+    """Fault in every page of the mapping at `ptr` writable, without writing to it: a new slot's
+    pages are allocated and zeroed now rather than by the first copy into it, and a slot the
+    engine kept (its bytes held) is mapped without changing a byte. False where the kernel
+    cannot (before 5.14) or the pages cannot be had (a full /dev/shm: an error here, never a
+    SIGBUS); the first copy then faults them in, as without it."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    page = mmap.PAGESIZE
+    start = ptr - ptr % page
+    return madvise(start, nbytes + ptr - start, MADV_POPULATE_WRITE) == 0

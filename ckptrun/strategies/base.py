@@ -59,6 +59,11 @@ class Strategy:
         training (re)starts."""
         return None
 
+    def staged_bytes(self, full: int) -> int:
+        """The staging-slot bytes its snapshots need, given a full snapshot's (`full`): made
+        before its first checkpoint (ckptrun/worker/slots.py); 0: it copies elsewhere."""
+        return full
+
     def on_grad_ready(self, param) -> None:
         return None
 

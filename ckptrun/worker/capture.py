@@ -131,7 +131,7 @@ class Capture:
         if order is not None:
             tensors = order(tensors)
         layout = Layout.of(tensors)
-        self.staging.ensure(max(layout.nbytes, self.staging.sizes.get(snap.kind, 0)))
+        self.staging.ensure(max(layout.nbytes, self.staging.sizes.get(snap.kind, 0)), trainer=not off_thread)
         snap.slot = self.staging.pool.acquire(self.staging.lost)  # (no free slot: the update waits at `wait_copy`)
         snap.skeleton, snap.layout, snap.nbytes = skeleton, layout, layout.nbytes
         snap.shared = self.state.shared_keys(tensors)

@@ -20,6 +20,7 @@ from ..config import RunConfig
 from ..errors import CkptrunError
 from ..faults import Fault
 from ..log import log
+from ..restore import replay
 from ..strategies import checkpoints_every_optimizer, names_where
 from ..strategies.base import Strategy
 from ..strategies.save_policy import IntervalPolicy
@@ -28,6 +29,7 @@ from .decisions import Retuner, within_budget
 from .handoff import Handoff
 from .loading import Loader
 from .metrics import WorkerMetrics
+from .slot_size import cuda_device, first_snapshot_bytes
 from .slots import Staging
 from .state import TrainingState
 
@@ -205,10 +207,14 @@ class StepHooks:
             scale()
 
     def start_strategy(self) -> None:
-        """The strategy's `on_ready` at the step training (re)starts from, once."""
+        """The strategy's `on_ready` at the step training (re)starts from, once; and its staging
+        slots set up in the background from then (after a probe's steps, which it would slow)."""
         if not self.strategy_started:
             self.strategy_started = True
             self.strategy.on_ready(self.step)
+            opt = self.state.primary  # (its slots, made on the set-up thread before its first checkpoint)
+            self.staging.prepare(self.strategy.staged_bytes(first_snapshot_bytes(self.state, opt)),
+                                 cuda_device(replay.optimizer_params(opt)))
 
     def _stop_here(self) -> bool:
         """After SIGTERM/SIGINT: is the step just finished the one every rank stops after?

@@ -210,7 +210,7 @@ class Runtime(StepHooks):
         self.handoff.drain()
         if self.cfg.node_local_dir and self.world_size > 1 and not self.handoff.lost.is_set():
             self._committed_on_every_node()
-        self.staging.pool.close()
+        self.staging.close()
         if self.retuner.watch is not None:
             self.retuner.watch.report(self.step)
         if self.metrics.last_memory_step is not None:  # reached after the last step's record

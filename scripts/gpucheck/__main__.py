@@ -1,10 +1,14 @@
-"""scripts/gpu-check: the prepared device check of issue 29, in one command of at most 7 minutes.
+"""scripts/gpu-check: the prepared device check (issues 29 and 58), in two calls of one device
+session (15 minutes, start-up included).
 
-It prints the device line first, then runs its parts in order, each stopped at its own time
-budget (saying what it did not reach): the install (the carried wheels, the working tree), the
-CUDA tests, the crash matrix on CUDA for every registered strategy, and `ckptrun bench --device
-cuda` at --every 10 and 1. One Markdown report and the bench JSON go to the output folder.
-Exit 0 when every part passed, 1 otherwise, 2 on bad input.
+It prints the device line first, then runs its call's parts in order, each stopped at its own
+time budget (saying what it did not reach): the install (the carried wheels, the working tree),
+the tests the last device runs did not pass (CUDA tests, the crash matrix on CUDA), `ckptrun
+bench --device cuda` at steady state (--every 10, then 1; rows not measured before first, the
+stall split by cause), then the tests passed before, again. `--dry-run` shows both calls and
+what neither reaches. One Markdown report, the bench JSON and `reached.json` (the next
+session's `--last`) go to the output folder. Exit 0 when every part passed, 1 otherwise, 2 on
+bad input.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import textwrap
 from pathlib import Path
 
 from . import execute, report
-from .plan import PARTS, REPO, SETUP_LOG, Part, plan, pythonpath
+from .plan import CALL_S, LAST_RUN, PARTS, REPO, SETUP_LOG, last_run, plan, pythonpath, schedule
 
 WIDTH = 80
 
@@ -30,6 +34,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                                           "time budget; run nothing")
     p.add_argument("--cpu", action="store_true", help="run the same parts on the CPU with tiny sizes (finds the "
                                                       "check's own bugs before a device is lent)")
+    p.add_argument("--call", type=int, choices=range(1, len(CALL_S) + 1), default=1,
+                   help="which call of the session this is (default 1); --dry-run shows every call")
+    p.add_argument("--last", default=str(LAST_RUN), metavar="FILE",
+                   help="what the last device runs passed and measured: the plan puts the rest first "
+                        "(default: the record in scripts/gpucheck; a check leaves its own as reached.json)")
     p.add_argument("--parts", default=",".join(PARTS[2:]),
                    help=f"comma-separated parts to run after the device line and the install, which always run "
                         f"(default: all): {', '.join(PARTS[2:])}")
@@ -45,6 +54,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error(f"--parts takes {', '.join(PARTS[2:])} (got {args.parts!r})")
     args.parts = [*PARTS[:2], *wanted]
     args.budget = budgets(p, args.budget)
+    args.last = Path(args.last)
+    try:
+        last_run(args.last)
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        p.error(f"--last {args.last}: not a record of what the last runs passed and measured ({e})")
     return args
 
 
@@ -58,14 +72,21 @@ def budgets(p: argparse.ArgumentParser, text: str) -> dict[str, int]:
     return given
 
 
-def show_plan(parts: list[Part], cpu: bool, out: Path) -> None:
-    total = sum(p.budget_s for p in parts)
-    print(f"gpu-check --dry-run: {len(parts)} parts on {'the CPU' if cpu else 'CUDA'}, {total} s "
-          f"({total / 60:.1f} min) in all")
-    print(wrap(f"output: {out}; the parts import from PYTHONPATH={pythonpath(cpu)}", "", "  "))
-    for i, part in enumerate(parts, 1):
-        print(wrap(f"{i}. {part.name}, {part.budget_s} s: {part.what}", "", "   "))
-        print(wrap(f"$ {part.shown()}", "   ", "     "))
+def show_plan(args: argparse.Namespace, out: Path) -> None:
+    """Every call's parts (as --parts and --budget leave them), and what neither reaches."""
+    planned = schedule(args.cpu, out, args.last)
+    print(wrap(f"gpu-check --dry-run: {len(planned.calls)} calls of one session on {'the CPU' if args.cpu else 'CUDA'}"
+               f"; output: {out}; the parts import from PYTHONPATH={pythonpath(args.cpu)}; done before: "
+               f"{args.last}", "", "  "))
+    for call in range(1, len(planned.calls) + 1):
+        parts = plan(args.cpu, out, args.parts, args.budget, call, args.last)
+        total = sum(p.budget_s for p in parts)
+        print(f"call {call}{' (this one)' if call == args.call else ''}: scripts/gpu-check --call {call}, "
+              f"{len(parts)} parts, {total} s ({total / 60:.1f} min)")
+        for i, part in enumerate(parts, 1):
+            print(wrap(f"{i}. {part.name}, {part.budget_s} s: {part.what}", "", "   "))
+            print(wrap(f"$ {part.shown()}", "   ", "     "))
+    print(wrap(f"reached by neither call (a later session): {', '.join(planned.left) or 'nothing'}", "", "  "))
 
 
 def wrap(text: str, first: str, rest: str) -> str:
@@ -76,12 +97,12 @@ def wrap(text: str, first: str, rest: str) -> str:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     out = Path(args.out or os.environ.get("OUT") or REPO / "gpu-check-out").resolve()
-    parts = plan(args.cpu, out, args.parts, args.budget)
     if args.dry_run:
-        show_plan(parts, args.cpu, out)
+        show_plan(args, out)
         return 0
+    parts = plan(args.cpu, out, args.parts, args.budget, args.call, args.last)
     out.mkdir(parents=True, exist_ok=True)
-    for name in {p.log_name for p in parts} | {report.REPORT}:  # (an earlier check's, in the same folder)
+    for name in {p.log_name for p in parts} | {report.REPORT, report.REACHED}:  # (an earlier check's)
         (out / name).unlink(missing_ok=True)
     env = execute.environment(pythonpath(args.cpu))
     results, device, blocked = [], "device: unknown", ""
@@ -100,7 +121,8 @@ def main(argv: list[str]) -> int:
         if not result.ok and part.name in ("device", "install"):
             blocked = f"{part.name} failed"
     path = report.write(out, shlex.join(["scripts/gpu-check", *argv]), device, results)
-    print(f"gpu-check: report {path}", flush=True)
+    print(f"gpu-check: report {path}; for the next call's --last: "
+          f"{report.reached(out, last_run(args.last), results)}", flush=True)
     return 0 if all(r.ok for r in results) else 1
 
 

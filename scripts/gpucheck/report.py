@@ -1,14 +1,18 @@
 """The check's one Markdown report: the device line, the command and date, each part's result
-and budget, what it did not reach, and its log's telling lines (the bench's tables whole)."""
+and budget, what it did not reach, and its log's telling lines (the bench's tables whole); and
+`reached.json`: the last runs' record (plan.LAST_RUN's form) with this run's added, for the next
+call's `--last`."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 from .execute import Result
 
 REPORT = "gpu-check.md"
+REACHED = "reached.json"
 TAIL_LINES = 40  # of a test part's log, after its failures
 BENCH_LINES = 400
 
@@ -49,3 +53,22 @@ def excerpt(text: str, *, bench: bool) -> list[str]:
         return lines[-BENCH_LINES:]
     telling = [line for line in lines[:-TAIL_LINES] if line.startswith(("FAILED", "ERROR", "E "))]
     return [*telling[:60], *lines[-TAIL_LINES:]]
+
+
+def reached(out: Path, last: dict, results: list[Result]) -> Path:
+    """The tests passed (before, or now; a failure now takes one out) and the bench rows measured
+    (before, or now without failing), for `--last`."""
+    passed = set(last["passed"])
+    bench = {every: set(configs) for every, configs in last["bench"].items()}
+    for r in results:
+        if r.part.tests:
+            passed = (passed - set(r.failed)) | set(r.passed)
+        elif r.part.configs:
+            every = int(r.part.name.rsplit("-", 1)[1])
+            bench[every] = bench.get(every, set()) | set(r.passed)
+    path = out / REACHED
+    path.write_text(json.dumps({"run": f"with the check of {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+                                "passed": sorted(passed),
+                                "bench": {str(k): sorted(v) for k, v in sorted(bench.items(), reverse=True)}},
+                               indent=2) + "\n")
+    return path

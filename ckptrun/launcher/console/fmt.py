@@ -11,7 +11,7 @@ from ckptrun.launcher.console.metrics_feed import Budgeted, RunSummary, Series
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 CAUSE_LABELS = {"snapshot": "snapshot", "layer_wait": "layer wait", "backpressure": "backpressure",
-                 "sync_write": "sync write"}
+                 "setup": "slot set-up", "sync_write": "sync write"}
 
 
 # --------------------------------------------------------------------------- formatting

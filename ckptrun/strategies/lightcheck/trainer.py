@@ -81,6 +81,9 @@ class LightCheck(SnapshotStrategy):
         return {**super().settings(), "layer_wait": "whole" if self.whole else "layer",
                 "copy_to": "region" if self.direct else "host"}
 
+    def staged_bytes(self, full: int) -> int:
+        return 0 if self.direct else full  # (direct: its own region, mapped at the first checkpoint)
+
     def on_ready(self, step: int) -> None:
         opt = self.ctx.primary
         reason = why_not(opt) if opt is not None else "no optimizer"
