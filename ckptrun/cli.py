@@ -613,7 +613,9 @@ def bench(
                                                  "torch.save, dcp-thread and each strategy once at its defaults "
                                                  "(about 3 minutes on 2 cores with the other defaults, and a "
                                                  "short calibration run of none and each reference); `all`: "
-                                                 "every reference, strategy and variant. `none` (no "
+                                                 "every reference, strategy and variant. NAME-nobudget: a "
+                                                 "strategy at its defaults with --max-overhead off (beside NAME: "
+                                                 "what the budget changes). `none` (no "
                                                  "checkpointing) always runs.")] = "default",
     every: Annotated[str, typer.Option(help="Checkpoint interval(s) in steps, comma-separated, e.g. 1,5,10,50; "
                                             "each configuration runs at each. `default` (shown as auto): "

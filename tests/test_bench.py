@@ -526,3 +526,13 @@ def test_a_strategy_at_its_defaults_may_have_committed_nothing_by_the_crash():
     assert result.recovery_s is None
     with pytest.raises(CkptrunError, match="started over from step 0"):
         figures.ckptrun_recovery(result, events)
+
+
+def test_a_strategy_without_its_budget_runs_beside_it_with_the_budget_off():
+    from ckptrun.bench import plan
+
+    configs = {c.name: c for c in plan.configurations("checkfreq,checkfreq-nobudget", "default")}
+    assert configs["checkfreq"].flags == ("--io-engine", "auto")
+    assert configs["checkfreq-nobudget"].method == "checkfreq"
+    assert configs["checkfreq-nobudget"].flags == ("--max-overhead", "off", "--io-engine", "auto")
+    assert "checkfreq-nobudget" not in [c.name for c in plan.configurations("all", "default")]

@@ -33,15 +33,15 @@ DEFAULT_REFERENCES = ("torch.save", "dcp-thread")
 # medium: ~110M parameters (~1.3 GB of state), for GPUs; large: ~362M parameters (4.3 GB of
 # model + AdamW state, fp32), a step of ~0.2 s on an H100 (8.9 TFLOP): the GPU check's bench;
 # wide (CPU): ~141M parameters, nearly all in a 262144 x 512 embedding (tied with the head): 1.7 GB
-# of model + AdamW state against a step of ~2-2.5 s on one core (64 tokens: ~17 GFLOP forward through
-# the head, twice that backward, then AdamW over 141M values), ~0.7 GB of state per second of step,
-# above the ~570 MB/s this machine's disk writes: the regime where the state outruns the disk.
+# of model + AdamW state against a step of about a second on one core (32 tokens: ~9 GFLOP forward
+# through the head, twice that backward, then AdamW over 141M values), over 1 GB of state per second
+# of step, above the ~570 MB/s this machine's disk writes: the regime where the state outruns the disk.
 MODELS: dict[str, dict[str, int]] = {
     "tiny": {"layers": 2, "d-model": 64, "heads": 4, "vocab": 256, "seq": 32, "batch": 8},
     "small": {"layers": 4, "d-model": 256, "heads": 4, "vocab": 4096, "seq": 64, "batch": 4},
     "medium": {"layers": 12, "d-model": 768, "heads": 12, "vocab": 32768, "seq": 256, "batch": 8},
     "large": {"layers": 26, "d-model": 1024, "heads": 16, "vocab": 32768, "seq": 512, "batch": 8},
-    "wide": {"layers": 2, "d-model": 512, "heads": 8, "vocab": 262144, "seq": 32, "batch": 2},
+    "wide": {"layers": 2, "d-model": 512, "heads": 8, "vocab": 262144, "seq": 16, "batch": 2},
 }
 
 
@@ -120,6 +120,20 @@ VARIANTS = {"lowdiff+topk": ("lowdiff", ("--compress", "topk:0.01")),
             "gockpt-k7": ("gockpt", ("--spread", "7"))}
 
 
+# NAME-nobudget: a strategy at its defaults without the overhead budget (--max-overhead off), the
+# defaults before the budget existed: beside NAME in one invocation, what the budget changes.
+NOBUDGET = "-nobudget"
+
+
+def variant(method: str) -> tuple[str, tuple[str, ...]]:
+    """(strategy, its flags) of a configuration's method: a VARIANTS entry, NAME-nobudget, or NAME."""
+    if method in VARIANTS:
+        return VARIANTS[method]
+    if method.endswith(NOBUDGET):
+        return method.removesuffix(NOBUDGET), ("--max-overhead", "off")
+    return method, ()
+
+
 def parse_io_engines(text: str) -> list[str]:
     from ..storage.iowriter import ENGINES
 
@@ -149,6 +163,7 @@ def configurations(methods: str, every: str, io_engines: str = "auto", durable: 
     refs = REFERENCES if nodes == 1 else {}
     known = [*refs, *REGISTRY, *VARIANTS]
     groups = {"default": [*(r for r in DEFAULT_REFERENCES if r in refs), *REGISTRY], "all": known}
+    known += [f"{name}{NOBUDGET}" for name in REGISTRY]
     wanted = [n for m in methods.split(",") if m.strip() for n in groups.get(m.strip(), [m.strip()])]
     if nodes > 1 and (named := [m for m in wanted if m in REFERENCES]):
         raise UsageError(f"{', '.join(named)} run on one node (the script's own saves): leave them out of "
@@ -166,8 +181,9 @@ def configurations(methods: str, every: str, io_engines: str = "auto", durable: 
             if method in REFERENCES:
                 configs.append(Configuration(name, method, "reference", e))
                 continue
-            base, flags = VARIANTS.get(method, (method, ()))
-            flags = (*flags, "--max-overhead", max_overhead) if max_overhead else flags
+            base, flags = variant(method)
+            flags = (*flags, "--max-overhead", max_overhead) if max_overhead and "--max-overhead" not in flags \
+                else flags
             reference = matching_baseline(base, flags)
             baselines.setdefault(reference.name, reference)
             for io in engines:
