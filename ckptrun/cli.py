@@ -684,6 +684,9 @@ def bench(
                                                    "--max-overhead when given (else the runs keep their "
                                                    "default, 5%); the references' intervals at --every "
                                                    "default keep it too.")] = "",
+    host_memory: Annotated[str, typer.Option(help="Passed to every ckptrun run as --host-memory when given "
+                                                  "(e.g. 12G for a state the default 25% of memory cannot "
+                                                  "stage twice).")] = "",
 ) -> None:
     """Measure every strategy against no checkpointing, torch.save and DCP async_save; with
     --failures, their goodput when failures really happen.
@@ -709,7 +712,7 @@ def bench(
     raise typer.Exit(run_bench(BenchOptions(model, strategies, every, steps, repeat, device, trainer_threads,
                                             warmup, dir, json_file, plot, io_engine, failures, mtbf, duration,
                                             seed, failure_log, traces, wide, durable, nodes, replicas,
-                                            max_overhead), out,
+                                            max_overhead, host_memory), out,
                                  err))
 
 

@@ -536,3 +536,13 @@ def test_a_strategy_without_its_budget_runs_beside_it_with_the_budget_off():
     assert configs["checkfreq-nobudget"].method == "checkfreq"
     assert configs["checkfreq-nobudget"].flags == ("--max-overhead", "off", "--io-engine", "auto")
     assert "checkfreq-nobudget" not in [c.name for c in plan.configurations("all", "default")]
+
+
+def test_a_host_memory_given_to_bench_reaches_every_ckptrun_run_and_a_bad_one_is_refused():
+    from ckptrun.bench import plan
+    from ckptrun.bench.options import BenchOptions
+
+    configs = plan.configurations("checkfreq,torch.save", "default", host_memory="12G")
+    assert [c.flags for c in configs if c.kind == "ckptrun"] == [("--host-memory", "12G", "--io-engine", "auto")]
+    with pytest.raises(UsageError, match="--host-memory"):
+        BenchOptions(host_memory="lots").validate()

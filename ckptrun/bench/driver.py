@@ -32,7 +32,7 @@ def run_bench(o: BenchOptions, console: Console | None = None, progress: Console
     if o.failures:
         return run_failure_bench(o, console, progress)
     configs = plan.configurations(o.strategies, o.every, o.io_engine, o.durable, nodes=o.nodes, replicas=o.replicas,
-                                  max_overhead=o.max_overhead)
+                                  max_overhead=o.max_overhead, host_memory=o.host_memory)
     if o.plot:
         report.require_matplotlib()
     work = plan.Workload(plan.example_script(), o.model, o.device, o.trainer_threads)

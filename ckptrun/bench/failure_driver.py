@@ -47,7 +47,8 @@ def schedules(o: BenchOptions) -> dict[str, list[Schedule]]:
 
 def run_failure_bench(o: BenchOptions, console: Console, progress: Console) -> int:
     """Run the goodput bench described by BenchOptions `o`; returns the exit code."""
-    configs = plan.configurations(o.strategies, o.every, o.io_engine, o.durable, max_overhead=o.max_overhead)
+    configs = plan.configurations(o.strategies, o.every, o.io_engine, o.durable, max_overhead=o.max_overhead,
+                                  host_memory=o.host_memory)
     baselines = [c for c in configs if c.kind == "baseline"]
     plans = schedules(o)
     if o.plot:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UsageError
+from ..memory_budget import node_budget
 from ..tuning.durations import parse_duration
 from . import budget, plan
 from .failure_runner import MODES
@@ -40,10 +41,13 @@ class BenchOptions:
     nodes: int = 1  # 2: every run on two namespace nodes (bench/nodes.py)
     replicas: int = 1  # K > 1 (with nodes 2): each strategy also runs as NAME+replicas (plan.configurations)
     max_overhead: str = ""  # given: passed to every ckptrun run; the references' budget (bench/budget.py)
+    host_memory: str = ""  # given: passed to every ckptrun run as --host-memory
 
     def validate(self) -> None:
         if self.model not in plan.MODELS:
             raise UsageError(f"--model must be one of {', '.join(plan.MODELS)} (got {self.model!r})")
+        if self.host_memory:
+            node_budget(self.host_memory)  # (UsageError naming --host-memory)
         if self.device not in ("cpu", "cuda"):
             raise UsageError(f"--device must be cpu or cuda (got {self.device!r})")
         if self.repeat < 1 or self.trainer_threads < 1 or self.warmup < 0:
@@ -109,7 +113,8 @@ class BenchOptions:
             argv += ["--mtbf", self.mtbf]
         argv += ["--nodes", str(self.nodes)] if self.nodes > 1 else []
         argv += ["--replicas", str(self.replicas)] if self.replicas > 1 else []
-        for flag, value in (("--max-overhead", self.max_overhead), ("--durable", self.durable), ("--dir", self.dir),
+        for flag, value in (("--max-overhead", self.max_overhead), ("--host-memory", self.host_memory),
+                            ("--durable", self.durable), ("--dir", self.dir),
                             ("--json", self.json), ("--plot", self.plot), ("--traces", self.traces)):
             argv += [flag, value] if value else []
         return " ".join(argv)

@@ -144,7 +144,8 @@ def parse_io_engines(text: str) -> list[str]:
 
 
 def configurations(methods: str, every: str, io_engines: str = "auto", durable: str = "", *,
-                   nodes: int = 1, replicas: int = 1, max_overhead: str = "") -> list[Configuration]:
+                   nodes: int = 1, replicas: int = 1, max_overhead: str = "",
+                   host_memory: str = "") -> list[Configuration]:
     """`none` first, then each chosen reference and strategy at each interval (and each writer,
     strategies only), in that order. `default` stands for DEFAULT_REFERENCES and every registered
     strategy at its defaults (what each strategy costs against what one would use otherwise);
@@ -156,8 +157,8 @@ def configurations(methods: str, every: str, io_engines: str = "auto", durable: 
     partners' memory add). On `nodes` > 1 the
     references (the script's own saves, one process) are not run: `default` and `all` leave
     them out, and one named is refused. An interval None (`default`) is a reference's to be
-    chosen within the budget (bench/budget.py) before it runs. `max_overhead`, when given, is
-    passed to every ckptrun run as --max-overhead."""
+    chosen within the budget (bench/budget.py) before it runs. `max_overhead` and `host_memory`,
+    when given, are passed to every ckptrun run as --max-overhead and --host-memory."""
     from ..strategies import REGISTRY
 
     refs = REFERENCES if nodes == 1 else {}
@@ -184,6 +185,7 @@ def configurations(methods: str, every: str, io_engines: str = "auto", durable: 
             base, flags = variant(method)
             flags = (*flags, "--max-overhead", max_overhead) if max_overhead and "--max-overhead" not in flags \
                 else flags
+            flags = (*flags, "--host-memory", host_memory) if host_memory else flags
             reference = matching_baseline(base, flags)
             baselines.setdefault(reference.name, reference)
             for io in engines:
