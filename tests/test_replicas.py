@@ -102,6 +102,27 @@ def _round(wire: _Wire):
     return r
 
 
+def test_the_tests_faults_reach_replication_through_one_seam(monkeypatch):
+    """`faults.ReplicaFaults` is where the replicator asks whether a test's fault fires: a bit
+    flips in copies of the fault's step and later, the engine dies receiving a copy of that step
+    or later (its manifest in), and nothing happens without a fault or with another kind."""
+    from ckptrun import faults
+
+    died = []
+    monkeypatch.setattr(faults, "die", lambda: died.append(True))
+    none, other = faults.ReplicaFaults(), faults.ReplicaFaults(faults.Fault.parse("kill:step=1"))
+    corrupt = faults.ReplicaFaults(faults.Fault.parse("corrupt-replica:step=3"))
+    assert not none.corrupts(9) and not other.corrupts(9) and not corrupt.corrupts(2) and corrupt.corrupts(3)
+    kill = faults.ReplicaFaults(faults.Fault.parse("kill-engine:step=3:phase=receive"))
+    for seam in (none, other, corrupt, faults.ReplicaFaults(faults.Fault.parse("kill-engine:step=3"))):
+        seam.receiving(b'{"step": 5}')
+    kill.receiving(b'{"step": 2}')
+    kill.receiving(b"not json")
+    assert not died
+    kill.receiving(b'{"step": 3}')
+    assert died == [True]
+
+
 def test_a_copy_crosses_the_wire_whole_and_a_hostile_header_allocates_nothing():
     """A copy goes as a header of sizes, the manifest and index together, then the data; the
     receiver checks the header before it allocates: a header claiming more than a file may hold
