@@ -14,6 +14,9 @@ name of the module its entry points into, may not be a word of an identifier (sn
 CamelCase words: `lowdiff_plan`, `LowDiffPlan`, `plan.lowdiff`), of an imported module's path,
 or of a string literal (help texts and f-strings included; docstrings, which say why in prose,
 are not). `HOMONYMS` holds the exceptions, each a token where such a word means something else.
+
+(d) No class over 300 lines and no function body over 80 (issue 60), but those `OVERSIZED`
+names, today's, each to be split: nothing new grows past the limits, and the list only shrinks.
 """
 
 from __future__ import annotations
@@ -357,3 +360,49 @@ def test_the_name_check_sees_imports_identifiers_and_strings(tmp_path, source, e
     path.write_text(source)
     names = {"sync", "lowdiff", "lowdiff+", "lowdiff_plus", "pccheck", "gockpt"}
     assert [line.split(": ", 1)[1] for line in named_strategies(path, names, set(), root=tmp_path)] == expected
+
+
+# ---- (d) sizes ----------------------------------------------------------------------------------
+
+MAX_CLASS_LINES, MAX_BODY_LINES = 300, 80
+# "module:Qualified.name" -> why it may stand over the limits for now; the list only shrinks
+OVERSIZED = {
+    "ckptrun.engine.server:Engine": "issue 60: to split",
+    "ckptrun.storage.store:Store": "issue 60: to split",
+    "ckptrun.launcher.console.metrics_feed:MetricsState": "issue 60: to split",
+}
+
+
+def oversized(name: str, path: Path) -> Iterator[tuple[str, int]]:
+    """("module:Qualified.name", lines) of each class over MAX_CLASS_LINES (decorators to its
+    last line) and each function whose body is over MAX_BODY_LINES, at any depth in `path`."""
+    def walk(node: ast.AST, prefix: str) -> Iterator[tuple[str, int]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                first = child.lineno if isinstance(child, ast.ClassDef) else child.body[0].lineno
+                lines = child.end_lineno - first + 1
+                if lines > (MAX_CLASS_LINES if isinstance(child, ast.ClassDef) else MAX_BODY_LINES):
+                    yield f"{name}:{prefix}{child.name}", lines
+                yield from walk(child, f"{prefix}{child.name}.")
+            else:
+                yield from walk(child, prefix)
+
+    yield from walk(ast.parse(path.read_text(), str(path)), "")
+
+
+def test_no_class_over_300_lines_and_no_function_body_over_80_but_the_named_ones():
+    found = dict(item for name, path in modules(PACKAGE).items() for item in oversized(name, path))
+    new = {k: v for k, v in found.items() if k not in OVERSIZED}
+    assert not new, f"over {MAX_CLASS_LINES} lines (a class) or {MAX_BODY_LINES} (a function body): {new}"
+    assert not set(OVERSIZED) - set(found), f"within the limits now: take them off OVERSIZED: " \
+                                            f"{sorted(set(OVERSIZED) - set(found))}"
+
+
+def test_the_size_check_sees_nested_classes_and_function_bodies(tmp_path):
+    body = "".join(f"        x{i} = {i}\n" for i in range(MAX_BODY_LINES + 1))
+    known = write_package(tmp_path, {"pkg/a.py": f"class A:\n    def f(self):\n{body}\n"
+                                                  "def g():\n    class B:\n        pass\n"})
+    assert dict(oversized("pkg.a", known["pkg.a"])) == {"pkg.a:A.f": MAX_BODY_LINES + 1}
+    big = "".join(f"    y{i} = {i}\n" for i in range(MAX_CLASS_LINES))
+    known = write_package(tmp_path, {"pkg/b.py": f"def g():\n    return 1\nclass C:\n{big}"})
+    assert dict(oversized("pkg.b", known["pkg.b"])) == {"pkg.b:C": MAX_CLASS_LINES + 1}

@@ -589,10 +589,10 @@ def test_under_ddp_a_partner_keeps_only_per_rank_state_and_completes_it_from_its
     steps = partner.copies.whole_steps(0, partner.own.steps())
     assert steps and max(steps) >= 9, (steps, partner.own.steps(), partner.copies.steps(0))
     def stood(step: int):
-        with partner.pinned(step) as got:
+        with partner.served.pinned(step) as got:
             return got
 
-    with partner.pinned(max(steps)) as got:
+    with partner.served.pinned(max(steps)) as got:
         other = []  # (a second partner's give-back at once: one at a time, and not at an older step)
         second = threading.Thread(target=lambda: other.append(stood(max(steps) - 1)))
         second.start()
@@ -610,7 +610,7 @@ def test_under_ddp_a_partner_keeps_only_per_rank_state_and_completes_it_from_its
     engines[1][0].handler.ctx.replicas.damage = True  # memory goes bad after the copy's checksums
     step(12)
     newest = max(owner.copies.whole_steps(1, owner.own.steps()))
-    with owner.pinned(newest) as got, pytest.raises(CorruptCheckpoint, match="changed in memory"):
+    with owner.served.pinned(newest) as got, pytest.raises(CorruptCheckpoint, match="changed in memory"):
         owner.copies.whole(1, newest, _read_own(got))
     for it in (13, 14):
         step(it, all_reduce=False)

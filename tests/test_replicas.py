@@ -95,18 +95,39 @@ class _Wire:
 
 
 def _round(wire: _Wire):
-    from ckptrun.engine.replicate import Round
+    from ckptrun.engine.replica_round import Round
 
     r = Round.__new__(Round)  # (its group, without a job store to meet through)
     r.pg = wire
     return r
 
 
+def test_the_tests_faults_reach_replication_through_one_seam(monkeypatch):
+    """`faults.ReplicaFaults` is where the replicator asks whether a test's fault fires: a bit
+    flips in copies of the fault's step and later, the engine dies receiving a copy of that step
+    or later (its manifest in), and nothing happens without a fault or with another kind."""
+    from ckptrun import faults
+
+    died = []
+    monkeypatch.setattr(faults, "die", lambda: died.append(True))
+    none, other = faults.ReplicaFaults(), faults.ReplicaFaults(faults.Fault.parse("kill:step=1"))
+    corrupt = faults.ReplicaFaults(faults.Fault.parse("corrupt-replica:step=3"))
+    assert not none.corrupts(9) and not other.corrupts(9) and not corrupt.corrupts(2) and corrupt.corrupts(3)
+    kill = faults.ReplicaFaults(faults.Fault.parse("kill-engine:step=3:phase=receive"))
+    for seam in (none, other, corrupt, faults.ReplicaFaults(faults.Fault.parse("kill-engine:step=3"))):
+        seam.receiving(b'{"step": 5}')
+    kill.receiving(b'{"step": 2}')
+    kill.receiving(b"not json")
+    assert not died
+    kill.receiving(b'{"step": 3}')
+    assert died == [True]
+
+
 def test_a_copy_crosses_the_wire_whole_and_a_hostile_header_allocates_nothing():
     """A copy goes as a header of sizes, the manifest and index together, then the data; the
     receiver checks the header before it allocates: a header claiming more than a file may hold
     is refused after the header alone."""
-    from ckptrun.engine.replicate import SHIP, THIN
+    from ckptrun.engine.replica_round import SHIP, THIN
 
     wire = _Wire()
     r = _round(wire)
@@ -218,12 +239,12 @@ def test_the_engine_ships_the_thin_copy_it_cut_as_the_part_was_written(tmp_path)
     rep = Replicator(EventLog(str(tmp_path / "metrics"), "engine-0"))
     try:
         rep.written(name, 1, written[1][0], memoryview(written[1][1]))
-        assert rep._cut(m, 1) is None  # (not node-local: nothing is cut)
-        rep.node_local = True
+        assert rep.shipper._cut(m, 1) is None  # (not node-local: nothing is cut)
+        rep.state.node_local = True
         rep.written(name, 1, written[1][0], memoryview(written[1][1]))
-        assert rep._cut(m, 1) == thin_rank_part(store, m, 1) and not rep._fresh
+        assert rep.shipper._cut(m, 1) == thin_rank_part(store, m, 1) and not rep.shipper._fresh
         rep.written(name, 1, written[0][0], memoryview(written[0][1]))  # another part's index
-        assert rep._cut(m, 1) is None
+        assert rep.shipper._cut(m, 1) is None
     finally:
         rep.close()
 
@@ -234,7 +255,7 @@ def test_the_next_held_step_waits_for_the_copy_before_it_to_leave_one_steps_time
     long, never longer, and each step is offered in turn."""
     from types import SimpleNamespace
 
-    from ckptrun.engine import replicate
+    from ckptrun.engine import replica_ship, replicate
     from ckptrun.ipc.events import EventLog
 
     shipped, slow = [], {"s": 0.3}
@@ -244,14 +265,14 @@ def test_the_next_held_step_waits_for_the_copy_before_it_to_leave_one_steps_time
         shipped.append(step)
 
     rep = replicate.Replicator(EventLog(str(tmp_path / "metrics"), "engine-0"))
-    monkeypatch.setattr(rep, "_ship_held", ship_held)
-    rep.round = SimpleNamespace(live={1})  # (a partner alive; `_ship_held` is the fake above)
+    monkeypatch.setattr(rep.shipper, "_ship_held", ship_held)
+    rep.state.round = SimpleNamespace(live={1})  # (a partner alive; `_ship_held` is the fake above)
     try:
         assert rep.wait_held_shipped(1.0)  # (nothing offered yet)
         rep.offer_held(1)
         t0 = time.monotonic()
         assert rep.wait_held_shipped(5.0) and shipped == [1]
-        assert 0.2 < time.monotonic() - t0 < replicate.MAX_SHIP_WAIT_S  # (one copy's time, not the step's)
+        assert 0.2 < time.monotonic() - t0 < replica_ship.MAX_SHIP_WAIT_S  # (one copy's time, not the step's)
         slow["s"] = 3.0
         rep.offer_held(2)
         t0 = time.monotonic()
@@ -259,12 +280,12 @@ def test_the_next_held_step_waits_for_the_copy_before_it_to_leave_one_steps_time
         assert 0.15 < time.monotonic() - t0 < 1.0
         t0 = time.monotonic()
         assert not rep.wait_held_shipped(30.0)  # (MAX_SHIP_WAIT_S, at most)
-        assert time.monotonic() - t0 < replicate.MAX_SHIP_WAIT_S + 0.5
+        assert time.monotonic() - t0 < replica_ship.MAX_SHIP_WAIT_S + 0.5
         while not rep.wait_held_shipped(1.0):  # (it leaves in the end)
             assert time.monotonic() - t0 < 10
         assert shipped == [1, 2]
     finally:
-        rep.round = None
+        rep.state.round = None
         rep.close()
 
 
@@ -367,7 +388,7 @@ for i, spec in enumerate(rounds):
              os.environ.get("PEER_FAULT") else None)
     for name in filter(None, offers.split(",")):
         rep.offer(name, record_step(name))
-        while rep._offered is not None:
+        while rep.shipper._offered is not None:
             time.sleep(0.05)
     if i == 0 and then == "hang":
         time.sleep(600)
@@ -482,7 +503,7 @@ def test_a_held_step_ships_thin_is_checked_kept_two_deep_and_made_whole_from_the
     step, checked against the owner's index. A bit gone bad, or a partner whose own tensor
     differs, is refused."""
     from ckptrun.engine.held_copies import HeldCopies, checked, cut, spec_of
-    from ckptrun.engine.replicate import _reader
+    from ckptrun.engine.replica_return import reader
 
     copies = HeldCopies()
     for step in (5, 6, 7):
@@ -492,7 +513,7 @@ def test_a_held_step_ships_thin_is_checked_kept_two_deep_and_made_whole_from_the
         assert copies.hold(1, checked(1, copy.header, copy.data, copy.raw_index, thin=True))
     assert copies.steps(1) == [7, 6] and not copies.hold(1, copies.get(1, 6))  # older: not kept
     own_spec, own_slot = _held_step(6)  # the partner's own step 6: the shared tensor alike
-    whole = copies.whole(1, 6, _reader(own_spec, memoryview(own_slot)))
+    whole = copies.whole(1, 6, reader(own_spec, memoryview(own_slot)))
     assert bytes(whole.data) == bytes(_held_step(6)[1]) and not whole.thin
     again = checked(1, whole.header, whole.data, whole.raw_index, thin=False)
     assert spec_of(again).tensors == _held_step(6)[0].tensors and spec_of(again).step == 6
@@ -502,7 +523,7 @@ def test_a_held_step_ships_thin_is_checked_kept_two_deep_and_made_whole_from_the
         checked(1, copies.get(1, 7).header, bytes(bad), copies.get(1, 7).raw_index, thin=True)
     other_spec, other_slot = _held_step(6, shared_fill=9)  # not data-parallel after all
     with pytest.raises(CorruptCheckpoint, match="differs from the owner's"):
-        copies.whole(1, 6, _reader(other_spec, memoryview(other_slot)))
+        copies.whole(1, 6, reader(other_spec, memoryview(other_slot)))
     with pytest.raises(CorruptCheckpoint, match="no longer held"):
         copies.whole(1, 7, None)
     with pytest.raises(CorruptCheckpoint, match="no valid header"):
@@ -562,7 +583,7 @@ else:
     join("r2", as_rank, memory)
 with open(os.path.join(root, "..", f"held-{as_rank}.json"), "w") as f:
     json.dump({"steps": {s: bytes(d).hex() for s, (_, d) in memory.held.items()},
-               "copies": sorted(rep.copies.owners)}, f)
+               "copies": sorted(rep.state.copies.owners)}, f)
 rep.close()
 """
 
@@ -692,32 +713,33 @@ def test_a_copy_that_cannot_be_held_is_refused_in_one_line_and_the_next_one_is_h
     is refused in one line and the receiving thread goes on to the next copy, rather than end
     silently with its partner still shipping."""
     from ckptrun.engine.held_copies import cut
-    from ckptrun.engine.replicate import HELD, SHIP, THIN, Replicator
+    from ckptrun.engine.replica_round import HELD, SHIP, THIN
+    from ckptrun.engine.replicate import Replicator
     from ckptrun.ipc.events import EventLog
 
     rep = Replicator(EventLog(tmp_path / "metrics", "engine-0"))
-    rep.store = Store(tmp_path)
+    rep.state.store = Store(tmp_path)
     wire = _Wire()
     r = _round(wire)
     r.rank, r.live = 0, {1}
-    rep.round = r
-    real = rep.copies.hold
+    rep.state.round = r
+    real = rep.state.copies.hold
 
     def hold(owner, copy, damage=False):
         if copy.step == 1:
             raise ValueError("something unforeseen")
         return real(owner, copy, damage)
 
-    monkeypatch.setattr(rep.copies, "hold", hold)
+    monkeypatch.setattr(rep.state.copies, "hold", hold)
     for step in (1, 2):
         spec, slot = _held_step(step, rank=1)
         copy = cut(1, spec, memoryview(slot))
         r.send(0, SHIP, 1, copy.blobs(), HELD | THIN)
     r.stop(0)
-    rep._recv_loop(r, 1)  # (returns at the STOP, after both copies)
-    assert rep.copies.steps(1) == [2]
+    rep.holder.receive(r, 1)  # (returns at the STOP, after both copies)
+    assert rep.state.copies.steps(1) == [2]
     said = [line for line in capsys.readouterr().err.splitlines() if "refused" in line]
     assert said == ["ckptrun: rank 0: refused rank 1's copy (ValueError: something unforeseen); keeping "
                     "what it holds"], said
-    rep.round = None
+    rep.state.round = None
     rep.close()

@@ -1,5 +1,5 @@
 """What the engines of a rendezvous round hold of each rank, and who asks whom for it, said
-through the round's job store (the exchange in engine/replicate.py).
+through the round's job store (the exchange in engine/replica_exchange.py).
 
 An engine posts under each rank it holds copies of, and reads only what is posted under its own
 rank and the asks addressed to it: a few keys an engine whatever the world size. So a rank takes

@@ -18,16 +18,17 @@ of that step too (replica.py, `KeptBack`): the replica and the copy of a lost no
 at one common step, which the ranks of the next round resume from, whichever of them lagged
 (engine/held.py holds two snapshots for the same reason).
 
+The handler's parts: the DDP facts a base gives (facts.py), persisting the replica
+(persist.py), and what the worker and the replicator ask of it (served.py); the handler itself
+keeps the replica's update and what it ships to the partners.
+
 Call order: Base first (or after a failed update), then Grads of consecutive steps; a Base of
 the replica's own step replaces it (a re-base).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,24 +36,25 @@ import torch
 from ...engine.handlers import EngineContext, EngineHandler, Replicas
 from ...engine.held_copies import HeldCopy, cut, thinned
 from ...engine.step_clock import StepClock
-from ...errors import CorruptCheckpoint
 from ...ipc.messages import RecordSpec, StrategyMessage
-from ...log import log
 from ...restore.recovery import optimizer_classes
 from ...restore.replay import warm_up_in_background
-from ...storage import writeonce
-from ...storage.layout import Layout, view
+from ...storage.layout import Layout
 from ...storage.store import full_name
-from ...storage.tree import TENSOR
-from .copies import REPLICA_META, PartnerReplicas, replica_meta
+from .copies import PartnerReplicas
+from .facts import BaseFacts
 from .messages import Base, Grads
 from .perrank import update_print
+from .persist import ReplicaWriter
 from .replica import KEPT_BACK, Arena, KeptBack, SteppedReplica, tree_of
+from .served import ServedReplica
 
 RESYNC_EVERY = 100  # --replicas under DDP: steps between the thin replica's shipments (`_stepped`)
 
 
 class LowDiffPlusHandler(EngineHandler):
+    """The replica's update from each step's message, and its copies shipped to partners."""
+
     def __init__(self, ctx: EngineContext) -> None:
         super().__init__(ctx)
         torch.set_num_threads(1)  # the update runs beside training: one core (paper §VII-B)
@@ -60,18 +62,14 @@ class LowDiffPlusHandler(EngineHandler):
         self.own = KeptBack(SteppedReplica(classes, self._arena), owned=False,  # (diffs kept back only with
                             done=self._done)  # --replicas)
         self.spare: list[bytearray] = []  # buffers of own diffs applied, to cut the next ones into
-        self.pin_lock = threading.Lock()  # `pinned`: one partner's give-back at a time
         self.copies = PartnerReplicas(classes, lambda owner, layout: self._arena(layout, f"copy{owner}."),
                                       self.own.newest, self._state_at)
         self.generation = 0
         self.step_time = StepClock()  # of the steps' snapshots (--replicas: their copies wait one step's time)
-        self.due: set[int] = set()  # steps to write once the replica stands at them (--replicas: deferred)
-        self.exact = True  # (Base.exact)
-        self.persist_buf: torch.Tensor | None = None  # one buffer, reused by every write
-        self.replicated: list[int] = []  # (Base.replicated: what one rank writes under DDP)
-        self.shared: list[int] = []  # (Base.shared: what every rank writes, named in the index)
-        self.idle = threading.Event()  # no write of the persist buffer in flight
-        self.idle.set()
+        self.facts = BaseFacts()
+        self.writer = ReplicaWriter(ctx)
+        self.served = ServedReplica(ctx, self.own, self.copies, self.facts, self.writer, self.step_time,
+                                    self._stood, self._based)
 
     def handle(self, msg: StrategyMessage) -> None:
         if not isinstance(msg, Base | Grads):
@@ -90,10 +88,10 @@ class LowDiffPlusHandler(EngineHandler):
         self.ctx.in_memory(step, self.own.stepped.arena.nbytes)
         fault = self.ctx.write_fault_due(step)
         if msg.persist or fault:
-            self.due.add(step)
+            self.writer.due.add(step)
         now = fault or isinstance(msg, Base) or self.ctx.replicas is None or msg.final  # (else: kept back)
         self.own.apply(float("inf") if now else self.copies.newest(), self._stepped)
-        self._written(self.own.stepped.step)
+        self.writer.stood(self.own.stepped.step, self.own.stepped, self.facts)
 
     def _stepped(self, step: int) -> None:
         """`_stood`, for a diff applied as training goes: at every RESYNC_EVERY-th step, under
@@ -108,16 +106,10 @@ class LowDiffPlusHandler(EngineHandler):
     def _stood(self, step: int) -> None:
         """The replica stands at `step`: written if it is due; partners' thin copies checked
         against it (copies.py, `own_at`)."""
-        self._written(step)
+        self.writer.stood(step, self.own.stepped, self.facts)
         if self.ctx.replicas is not None and self.thin:
             self.copies.own_at(step, lambda: self.own.stepped.sums(self._replicated_keys()),
                                keep=step % RESYNC_EVERY == 0)
-
-    def _written(self, step: int) -> None:
-        """The replica stands at `step`: written if it is due."""
-        if step in self.due:
-            self.due.discard(step)
-            self._persist()
 
     def _state_at(self, step: int) -> dict | None:
         """The replica's full state, if it stands at `step`."""
@@ -126,26 +118,22 @@ class LowDiffPlusHandler(EngineHandler):
     def _forget(self) -> None:
         """Drop the diffs kept back and the writes due (the replica starts anew)."""
         self.own.clear()
-        self.due.clear()
+        self.writer.due.clear()
         self.step_time.reset()
         self.copies.forget_own()
 
     def _based(self, replicated: list[int], shared: list[int], exact: bool) -> None:
-        """Take a base's DDP facts; `thin`: every optimizer parameter is data-parallel (the
-        short-cut of perrank.py applies), known once the replica holds the base."""
-        self.replicated, self.shared, self.exact = replicated, shared, exact
+        """Take a base's DDP facts (`thin` is known once the replica holds the base)."""
+        self.facts.replicated, self.facts.shared, self.facts.exact = replicated, shared, exact
         self._forget()
 
     @property
     def thin(self) -> bool:
-        r = self.own.stepped.replica
-        return r is not None and bool(self.shared) and \
-            sorted(self.shared) == list(range(len(r.meta["optimizers"]["optimizer"]["params"])))
+        """Every optimizer parameter is data-parallel: the short-cut of perrank.py applies."""
+        return self.facts.thin(self.own.stepped.replica)
 
     def _replicated_keys(self) -> list[str]:
-        """The keys of the replica's tensors every data-parallel rank holds alike."""
-        r = self.own.stepped.replica
-        return writeonce.shared_keys(r.full_state(), self.shared, r.meta["optimizers"]["optimizer"]["params"])
+        return self.facts.replicated_keys(self.own.stepped.replica)
 
     def _arena(self, layout: Layout, prefix: str = "") -> Arena:
         self.generation += 1
@@ -172,8 +160,9 @@ class LowDiffPlusHandler(EngineHandler):
         if replicas is None:
             self.own.stepped.apply(msg.spec, self._slot_tree(msg.slot, msg.spec))
             return
-        spec = dataclasses.replace(msg.spec, kind="diff", meta=self._diff_meta(msg.spec))  # (the trainer's
-        view = self.ctx.slot_view(msg.slot)[: _extent(spec)]  # names a record)
+        meta = self.facts.diff_meta(msg.spec, self.own.stepped.replica)
+        spec = dataclasses.replace(msg.spec, kind="diff", meta=meta)  # (the trainer's names a record)
+        view = self.ctx.slot_view(msg.slot)[: _extent(spec)]
         diff = cut(self.ctx.rank, spec, view, thin=False, into=self._spare(len(view)))
         self.copies.own_diff(spec.step, update_print(diff.index))
         if new_round := replicas.full_due():
@@ -210,13 +199,6 @@ class LowDiffPlusHandler(EngineHandler):
                 and isinstance(diff.data, bytearray):
             self.spare.append(diff.data)
 
-    def _diff_meta(self, spec: RecordSpec) -> dict:
-        """A diff's index meta: under the short-cut its gradients named shared (left out of what
-        partners get: theirs are the same)."""
-        if not self.thin:
-            return spec.meta
-        return {**spec.meta, "shared": [g[TENSOR] for g in spec.skeleton["grads"] if g is not None]}
-
     def _expect(self) -> None:
         """Partners' thin whole replicas may come now: the replica's shared xxh3 are taken at
         the next few steps, from this one (copies.py, `expect`)."""
@@ -227,52 +209,13 @@ class LowDiffPlusHandler(EngineHandler):
     def _whole(self) -> HeldCopy:
         """The replica whole, for partners to step their copies of it from (thin: without the
         state every data-parallel rank holds alike)."""
-        meta = self._made()
+        meta = self.facts.made()
         if self.thin:
             meta["shared"] = self._replicated_keys()
         return self.own.stepped.copy(self.ctx.rank, meta, thin=self.thin)
 
-    def _made(self) -> dict:
-        """A whole replica's index meta: how its Base made it (REPLICA_META)."""
-        return {REPLICA_META: {"exact": self.exact, "replicated": self.replicated, "shared": self.shared}}
-
-    def _persist(self) -> None:
-        """Copy the arena into the persist buffer (waiting for the previous write) and queue its
-        write as the full record of the replica's step; under DDP, without the replicated tensors
-        another rank writes (storage/writeonce.py)."""
-        r, arena = self.own.stepped.replica, self.own.stepped.arena
-        self.idle.wait()
-        skeleton, layout, tensors = r.skeleton, arena.layout, None
-        aliases = r.meta["optimizers"]["optimizer"]["params"]
-        state = r.full_state() if self.replicated or self.shared else {}  # (read only under DDP)
-        if self.replicated:
-            skeleton, tensors = writeonce.split_state(state, self.replicated, aliases, self.ctx.rank,
-                                                      self.ctx.world_size)
-            layout = Layout.of(tensors)
-        if self.persist_buf is None or self.persist_buf.numel() < layout.nbytes:
-            self.persist_buf = torch.empty(layout.nbytes, dtype=torch.uint8)
-            self.ctx.emit(type="replica_buffer", rank=self.ctx.rank, nbytes=layout.nbytes)
-        with torch.no_grad():
-            if tensors is None:
-                self.persist_buf[: layout.nbytes].copy_(arena.buf)
-            else:
-                for s in layout.specs:
-                    view(self.persist_buf, s).copy_(tensors[s.key])
-        meta = {**writeonce.with_shared_keys(r.meta, state, self.shared, aliases), "step": r.step,
-                "snapshot_time": r.time}
-        spec = RecordSpec(record=full_name(r.step), kind="full", step=r.step, skeleton=skeleton,
-                          tensors={s.key: s.to_json() for s in layout.specs}, meta=meta)
-        self.idle.clear()
-        self.ctx.run(self._write, spec, memoryview(self.persist_buf.numpy())[: layout.nbytes])
-
-    def _write(self, spec: RecordSpec, data: memoryview) -> None:
-        try:
-            self.ctx.write_now(spec, data)
-        finally:
-            self.idle.set()
-
     def flush(self) -> None:
-        self.idle.wait()
+        self.writer.flush()
 
     def close(self) -> None:
         """Its worker came back as another rank: the replica is the old rank's state. Dropped (a
@@ -282,77 +225,18 @@ class LowDiffPlusHandler(EngineHandler):
         self.own.stepped.drop()
         self.copies.close()
 
+    # ---- what the worker and the replicator ask of the replica: served.py ---------------
     def give_up(self, rank: int) -> list[HeldCopy]:
-        """The replica and each partner's copy, stood at the newest step all of them can stand
-        at and cut whole: the ranks of the next round resume from memory at that one step. A
-        copy that fails its checks is left out (its rank resumes from its records), said in one
-        line; nothing where they share no step."""
-        with self.pin_lock:
-            common = set(self.own.steps())
-            for owner in list(self.copies.owners):
-                common &= set(self.copies.whole_steps(owner, common))
-            if not common:
-                return []
-            step = max(common)
-            self._stand_at(step)
-            cuts = [self.own.stepped.copy(rank, self._made())]
-            for owner in list(self.copies.owners):
-                try:
-                    cuts.append(self.copies.whole(owner, step, None))
-                except CorruptCheckpoint as e:
-                    log.warning(f"rank {rank}: its copy of rank {owner}'s replica at step {step} is left behind ({e})")
-            return cuts
+        return self.served.give_up(rank)
 
     def held(self) -> list[tuple[int, int]]:
-        return [(s, self.own.stepped.arena.nbytes) for s in self.own.steps()]
+        return self.served.held()
 
     def fetch(self, step: int | None = None) -> dict:
-        """The replica at `step` (None: the newest held): the diffs kept back are applied up to
-        it, the newer ones dropped (the worker sends those steps' diffs again)."""
-        self._stand_at(self.own.newest() if step is None else step)
-        self.due.clear()
-        self.step_time.reset()
-        r, arena = self.own.stepped.replica, self.own.stepped.arena
-        self.ctx.emit(type="replica_fetch", rank=self.ctx.rank, step=r.step, nbytes=arena.nbytes)
-        return {"step": r.step, "path": str(arena.file.path), "skeleton": r.skeleton,
-                "tensors": {k: s.to_json() for k, s in arena.specs.items()}, "exact": r.exact or r.real}
+        return self.served.fetch(step)
 
-    # ---- engine.replicate.HeldMemory ------------------------------------------------------
     def replication(self) -> tuple[Any, PartnerReplicas]:
-        return self, self.copies
-
-    def held_steps(self) -> list[int]:
-        return [s for s, _ in self.held()]
-
-    @contextlib.contextmanager
-    def pinned(self, step: int) -> Iterator[tuple[RecordSpec, memoryview] | None]:
-        """The replica at `step`, standing there (the ranks resume from it), to complete a
-        partner's thin copy of that step (`_state_at`); None if it cannot stand there. One at a
-        time: partners given copies back at once (the replicator's threads) do not step the
-        replica under each other; one that asks for an older step gets None."""
-        with self.pin_lock:
-            if step not in self.own.steps():
-                yield None
-                return
-            self._stand_at(step)
-            yield self.own.stepped.spec(), memoryview(self.own.stepped.arena.buf.numpy())
-
-    def _stand_at(self, step: int) -> None:
-        """Stand the replica at `step`: the diffs kept back applied up to it, newer ones dropped
-        (and their prints: the worker sends those steps again)."""
-        self.own.stand_at(step, self._stood)
-        self.copies.own_dropped(step)
-
-    def install(self, spec: RecordSpec, data: bytes | bytearray) -> None:
-        """Hold the replica of `spec` a partner gave back (a replaced node's engine, before its
-        worker's Hello is answered), as a re-base."""
-        what = f"the replica of step {spec.step} given back"
-        extra = replica_meta(spec.meta, what)
-        self._based(extra["replicated"], extra["shared"], extra["exact"])
-        meta = {k: v for k, v in spec.meta.items() if k not in (REPLICA_META, "shared")}
-        spec = RecordSpec(record=spec.record, kind=spec.kind, step=spec.step, skeleton=spec.skeleton,
-                          tensors=spec.tensors, meta=meta)
-        self.own.stepped.rebase_from(spec, data, self.exact, what)
+        return self.served, self.copies
 
 
 # At the engine's start (its `preload` imports this module): a replaced node's engine builds an
