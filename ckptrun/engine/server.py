@@ -428,14 +428,21 @@ class Engine:
         self.send(Durable(step=step, record=record, nbytes=nbytes, write_s=write_s))
 
     def committed(self, step: int, record: str, *, nbytes: int, kind: str, snapshot_time: float | None) -> None:
-        """`record` is committed for the whole run: logged (by global rank 0) and the worker told."""
+        """`record` is committed in this rank's --dir: the worker told, and logged by each node's
+        first engine (`speaks_for_node`), so that every node's summary counts its own --dir."""
         self.committed_step = max(self.committed_step or 0, step)
         if self.replicator is not None:
             self.replicator.offer(record, step)
-        if self.rank == 0:
+        if self.speaks_for_node:
             self.log.emit(type="commit", step=step, bytes=nbytes, kind=kind, ranks=self.world_size,
                           lag_s=time.time() - (snapshot_time or time.time()))
         self.send(Committed(step=step, record=record))
+
+    @property
+    def speaks_for_node(self) -> bool:
+        """This engine logs the commits its node's --dir holds: one per node (local rank 0, global
+        rank 0's on its node), whose launcher reads only its own node's metrics."""
+        return self.local_rank == 0
 
     def in_memory(self, step: int, nbytes: int) -> None:
         self.send(InMemory(step=step))
@@ -595,7 +602,8 @@ class Engine:
                                            f"(try {tries} of {COMMIT_TRIES})")
 
     def watch_commits(self) -> None:
-        """Other ranks: tell the worker when rank 0 has committed a record we wrote."""
+        """Other ranks: tell the worker (and the node's metrics) when rank 0 has committed a
+        record we wrote."""
         if self.board is not None:
             self._adopt_commits()
         with self._pending_lock:
@@ -604,9 +612,16 @@ class Engine:
             for name in [spec.record for spec in done] + gone:
                 del self.pending[name]
         for spec in sorted(done, key=lambda spec: spec.step):
-            self.send(Committed(step=spec.step, record=spec.record))
-            if self.replicator is not None:
-                self.replicator.offer(spec.record, spec.step)
+            nbytes = self._record_bytes(spec.record) if self.speaks_for_node else 0
+            self.committed(spec.step, spec.record, nbytes=nbytes, kind=spec.kind,
+                           snapshot_time=spec.meta.get("snapshot_time"))
+
+    def _record_bytes(self, name: str) -> int:
+        """The bytes committed record `name` holds, every rank's (its manifest's count; 0 unread)."""
+        try:
+            return self.store.manifest(name).bytes
+        except (OSError, CorruptCheckpoint):
+            return 0
 
     def _adopt_commits(self) -> None:
         """--node-local-dir, other ranks: publish in this node's --dir the manifest rank 0
@@ -668,6 +683,8 @@ class Engine:
             memory_status.withdraw(self.store.root, self.rank)
         if self.store is not None and self.rank == 0:
             self.settle(timeout=COMMIT_BACKOFF_S * 2 ** COMMIT_TRIES)
+        elif self.store is not None and self.board is None and self.pending:
+            self.watch_commits()  # a last look: what rank 0 committed since, its node's metrics count
         if self.drain is not None:
             self.drain.close()
         if self.replicator is not None:
