@@ -225,10 +225,12 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
     from .console.dashboard import Dashboard
     from .console.hostmetrics import HostSampler
     from .console.worker_logs import WorkerLogTailer, torchrun_args
+    from .rdzv_exit import install as quiet_clean_finish
     from .rdzv_names import install as cheap_rdzv_names
     from .worker_groups import install as end_dead_workers_groups
 
     cheap_rdzv_names()
+    quiet_clean_finish()
     end_dead_workers_groups()
     # The agent's own warnings on a signal ("Received 15 death signal", "Sending process ... closing
     # signal") restate what ckptrun reports in one line.
