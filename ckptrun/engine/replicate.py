@@ -751,7 +751,8 @@ class Replicator:
         """A copy of `owner`'s `step` is held: in the metrics, and for `ls` (`of` its status file)."""
         self.log.emit(type="replica_held", rank=r.rank, owner=owner, step=step, bytes=nbytes,
                       **({"held": True} if of == memory_status.HELD_COPIES else {}))
-        with contextlib.suppress(OSError):  # (only `ls` misses it)
+        with contextlib.suppress(OSError):  # (only `ls` misses it; of the run's own --dir only)
+            self.store.check_owned()
             memory_status.publish(self.store.root, owner, step, nbytes, of=of)
 
     def _die_if_asked(self, manifest: bytes) -> None:
