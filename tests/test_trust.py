@@ -33,10 +33,14 @@ from conftest import (
     verify,
 )
 
+from ckptrun.engine.drain import Drain
 from ckptrun.errors import AlreadyCommitted
+from ckptrun.ipc.events import EventLog
 from ckptrun.restore.recovery import find, load_state, optimizer_classes, plans, restorable
 from ckptrun.storage.dirlock import DirectoryReplaced, DirLock
+from ckptrun.storage.fsutil import _no_fault
 from ckptrun.storage.store import Store, full_name
+from ckptrun.storage.tiers import open_tier
 
 
 def wait_committed(ckpt: Path, at_least: int = 1, timeout: float = 120) -> None:
@@ -143,7 +147,7 @@ def test_a_run_whose_directory_was_replaced_never_writes_into_the_new_one(made_a
     """The OS lock is on the locked directory's file, which a deleted --dir takes with it: once the
     path names another directory (deleted and made again by another run) or none, the run's store
     refuses every write, commit and retention there (an OSError: a save error), removes nothing,
-    and says which."""
+    and says which; its --durable drain uploads nothing from there."""
     ckpt, spec = tmp_path / "ckpts", {"x": {"dtype": "uint8", "shape": [8], "offset": 0, "nbytes": 8}}
     Store(ckpt).ensure_writable()
     lock = DirLock(ckpt).acquire()
@@ -169,6 +173,12 @@ def test_a_run_whose_directory_was_replaced_never_writes_into_the_new_one(made_a
                       lambda: ours.prune(1, incomplete_grace_s=0)):
             with pytest.raises(DirectoryReplaced, match=f"checkpoint directory {ckpt} {said} since this run locked it"):
                 write()
+        remote = tmp_path / "remote"
+        for rank in (0, 1):  # (the leader, a follower)
+            drain = Drain(ours, open_tier(str(remote)), 1, 0, EventLog(None, "drain"), lambda step: _no_fault, rank)
+            with pytest.raises(DirectoryReplaced):
+                drain.round(final=True)
+        assert not remote.exists() or not list(remote.iterdir())
         ours.discard_rank(full_name(3), 0)
         ours.mark_failed(full_name(3), 0)
         ours.abandon(full_name(3))

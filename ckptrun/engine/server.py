@@ -430,12 +430,12 @@ class Engine:
     def committed(self, step: int, record: str, *, nbytes: int, kind: str, snapshot_time: float | None) -> None:
         """`record` is committed in this rank's --dir: the worker told, and logged by each node's
         first engine (`speaks_for_node`), so that every node's summary counts its own --dir."""
-        self.committed_step = max(self.committed_step or 0, step)
-        if self.replicator is not None:
-            self.replicator.offer(record, step)
         if not self.store.owned():  # (a region slot committed in the file of a --dir deleted since)
             self.save_error(step, record, f"not committed: {self._lost_dir_error()}")
             return
+        self.committed_step = max(self.committed_step or 0, step)
+        if self.replicator is not None:
+            self.replicator.offer(record, step)
         if self.speaks_for_node:
             self.log.emit(type="commit", step=step, bytes=nbytes, kind=kind, ranks=self.world_size,
                           lag_s=time.time() - (snapshot_time or time.time()))
@@ -688,8 +688,8 @@ class Engine:
             return
         self.dir_lost = True
         if self.speaks_for_node:
-            log.error(f"{self._lost_dir_error()}: this run writes nothing more there, and each save fails "
-                      "(--on-save-error=fail stops the run); it is another run's now, or none's")
+            log.error(f"{self._lost_dir_error()}: this run writes nothing more there, and each save fails from now "
+                      "on (--on-save-error=fail stops it); start it again to checkpoint where --dir points")
 
     def _lost_dir_error(self) -> str:
         """What is wrong with --dir (`Claim.problem`), once it is no longer the run's."""
