@@ -47,6 +47,8 @@ HOMONYMS = {
     ("checkfreq_min_interval_steps", "identifier"): "CheckFreq's bound (DESIGN §6: never checkpoint faster "
                                                     "than the persist path drains), which every interval obeys",
     ("checkfreq_min_steps", "identifier"): "that bound in `ckptrun tune`'s plan (a key of its JSON document)",
+    ("_TERMINAL_STATE_SYNC_ID", "identifier"): "torch elastic's key prefix of its exit barrier "
+                                               "(launcher/rdzv_exit.py reads whether every node reached it)",
 }
 
 

@@ -14,17 +14,22 @@ from conftest import cli, error_line, pack
 from ckptrun.engine.nodecommit import Board
 from ckptrun.engine.server import Engine
 from ckptrun.ipc.messages import RecordSpec
+from ckptrun.launcher.console.batch_log import summary_line
+from ckptrun.launcher.console.metrics_feed import MetricsState, MetricsTailer
 from ckptrun.restore.recovery import newest_good, plans, read_state
 from ckptrun.storage.store import Store, full_name
 
 
-def _engines(tmp_path, keep: int = 1) -> tuple[Engine, Engine]:
-    """Engines of ranks 0 and 1, each on a node of its own (its own --dir), one job store."""
+def _engines(tmp_path, keep: int = 1, *, shared: bool = False) -> tuple[Engine, Engine]:
+    """Engines of ranks 0 and 1, each on a node of its own (its own --dir), one job store; each
+    the first of its node (local rank 0), its metrics in `metrics-node<rank>`. `shared`: one --dir
+    for both, no job store."""
     kv = dist.HashStore()
     engines = []
     for rank in (0, 1):
-        e = Engine(0, f"nodelocal-{rank}", None)
-        e.store, e.rank, e.world_size, e.keep, e.board = Store(tmp_path / f"node{rank}"), rank, 2, keep, Board(kv)
+        e = Engine(0, f"nodelocal-{rank}", str(tmp_path / f"metrics-node{rank}"))
+        e.store = Store(tmp_path / ("shared" if shared else f"node{rank}"))
+        e.rank, e.world_size, e.keep, e.board = rank, 2, keep, None if shared else Board(kv)
         e.io_threads = 1
         e.store.ensure_writable()
         engines.append(e)
@@ -92,6 +97,25 @@ def test_a_step_commits_on_every_node_once_every_part_is_reported(tmp_path):
     e0.board.hold(0, 3)
     e1.board.hold(1, 4)
     assert e0.board.safe_step(2, replicated=True) == 3
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["node-local-dir", "shared-dir"])
+def test_every_nodes_summary_counts_the_commits_its_own_dir_holds(tmp_path, shared):
+    """A node's launcher reads its own node's metrics only: the engine of node 1 (global rank 1)
+    logs each step committed in its --dir (its own, published from rank 0's announcement; or the
+    shared one, committed by rank 0), so that its exit summary counts them, as node 0's does."""
+    e0, e1 = _engines(tmp_path, keep=0, shared=shared)
+    for step in (1, 2):
+        _write(e1, step)
+        _write(e0, step)
+        e1.watch_commits()
+    for e in (e0, e1):
+        e.log.close()
+        state = MetricsState()
+        state.apply_all(MetricsTailer(tmp_path / f"metrics-node{e.rank}").poll())
+        line = summary_line(state.summary())
+        assert "checkpoints committed 2 | last durable step 2 |" in line, (e.rank, line)
+        assert [m.step for m in e.store.manifests()] == [1, 2]
 
 
 def _part(e: Engine, step: int) -> tuple[str, int]:

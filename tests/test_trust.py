@@ -5,6 +5,7 @@ recovered from; the script's exit code is the run's."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -32,9 +33,14 @@ from conftest import (
     verify,
 )
 
+from ckptrun.engine.drain import Drain
 from ckptrun.errors import AlreadyCommitted
+from ckptrun.ipc.events import EventLog
 from ckptrun.restore.recovery import find, load_state, optimizer_classes, plans, restorable
+from ckptrun.storage.dirlock import DirectoryReplaced, DirLock
+from ckptrun.storage.fsutil import _no_fault
 from ckptrun.storage.store import Store, full_name
+from ckptrun.storage.tiers import open_tier
 
 
 def wait_committed(ckpt: Path, at_least: int = 1, timeout: float = 120) -> None:
@@ -130,6 +136,82 @@ def test_a_dead_runs_lock_is_taken_over_and_said(tmp_path):
     proc = ok(ckptrun(tmp_path, "--dir", ckpt, EXAMPLE, *TINY))
     assert f"took over {ckpt}/ckptrun.lock" in proc.stderr and f"pid {dead.pid}" in proc.stderr
     ok(verify(tmp_path, ckpt))
+
+
+def _files(root: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("made_again", [True, False], ids=["replaced", "deleted"])
+def test_a_run_whose_directory_was_replaced_never_writes_into_the_new_one(made_again, tmp_path):
+    """The OS lock is on the locked directory's file, which a deleted --dir takes with it: once the
+    path names another directory (deleted and made again by another run) or none, the run's store
+    refuses every write, commit and retention there (an OSError: a save error), removes nothing,
+    and says which; its --durable drain uploads nothing from there."""
+    ckpt, spec = tmp_path / "ckpts", {"x": {"dtype": "uint8", "shape": [8], "offset": 0, "nbytes": 8}}
+    Store(ckpt).ensure_writable()
+    lock = DirLock(ckpt).acquire()
+    try:
+        ours = Store(ckpt, claim=lock.claim)
+        ours.write_rank(full_name(1), 0, memoryview(bytes(4096)), spec, {}, {})
+        assert ours.try_commit(full_name(1), kind="full", step=1, first_step=1, world_size=1)
+        ours.write_rank(full_name(2), 0, memoryview(bytes(4096)), spec, {}, {})
+        shutil.rmtree(ckpt)
+        if made_again:  # another run's: its steps 1 and 2 committed, its step 3 on its way
+            other = Store(ckpt)
+            other.ensure_writable()
+            for step in (1, 2, 3):
+                other.write_rank(full_name(step), 0, memoryview(bytes(4096)), spec, {}, {})
+                if step < 3:
+                    other.try_commit(full_name(step), kind="full", step=step, first_step=step, world_size=1)
+        before = _files(ckpt) if made_again else {}
+        said = "was replaced by another directory" if made_again else "is gone"
+        for write in (lambda: ours.write_rank(full_name(4), 0, memoryview(bytes(4096)), spec, {}, {}),
+                      lambda: ours.write_rank(full_name(1), 0, memoryview(bytes(4096)), spec, {}, {}),
+                      lambda: ours.try_commit(full_name(2), kind="full", step=2, first_step=2, world_size=1),
+                      lambda: ours.try_commit(full_name(3), kind="full", step=3, first_step=3, world_size=1),
+                      lambda: ours.prune(1, incomplete_grace_s=0)):
+            with pytest.raises(DirectoryReplaced, match=f"checkpoint directory {ckpt} {said} since this run locked it"):
+                write()
+        remote = tmp_path / "remote"
+        for rank in (0, 1):  # (the leader, a follower)
+            drain = Drain(ours, open_tier(str(remote)), 1, 0, EventLog(None, "drain"), lambda step: _no_fault, rank)
+            with pytest.raises(DirectoryReplaced):
+                drain.round(final=True)
+        assert not remote.exists() or not list(remote.iterdir())
+        ours.discard_rank(full_name(3), 0)
+        ours.mark_failed(full_name(3), 0)
+        ours.abandon(full_name(3))
+        assert ours.sweep_incomplete() == [] and not ours.owned()
+        assert _files(ckpt) == before if made_again else not ckpt.exists()
+    finally:
+        lock.release()
+
+
+def test_a_live_run_whose_directory_is_made_again_says_so_once_and_writes_nothing_there(tmp_path):
+    """End to end: a live run's --dir deleted and made again (as another run starting on the
+    path does): the run says so in one line, its saves fail as save errors (loud, not fatal),
+    and nothing of it ever lands in the new directory, to the end of the run."""
+    ckpt, log = tmp_path / "ckpts", tmp_path / "ckptrun.log"
+    first = spawn(tmp_path, "--no-dashboard", "--dir", ckpt, EXAMPLE, *LONG)
+    try:
+        wait_committed(ckpt)
+        while ckpt.exists():  # (its engine may add a file while the tree goes)
+            shutil.rmtree(ckpt, ignore_errors=True)
+        Store(ckpt).ensure_writable()
+        before = _files(ckpt)
+        deadline = time.monotonic() + 60
+        while log.read_text().count("save error") < 2:
+            assert time.monotonic() < deadline and first.poll() is None, log.read_text()
+            time.sleep(0.1)
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=60)
+    text = log.read_text()
+    assert first.returncode == 143, text
+    said = [line for line in text.splitlines() if "this run writes nothing more there" in line]
+    assert len(said) == 1 and f"checkpoint directory {ckpt} " in said[0], text
+    assert _files(ckpt) == before and Store(ckpt).manifests() == []
 
 
 # ---- 7-9. save errors: loud, bounded, recovered from -----------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import signal
 import subprocess
@@ -288,8 +289,33 @@ def _uninterrupted(strategy: str, nodes: tuple[Node, Node], factory: pytest.Temp
         plain = factory.mktemp(f"uninterrupted-{strategy}")
         procs = [node.start(plain, nodes[0].addr, strategy, extra=NODE_LOCAL) for node in nodes]
         assert _finish(procs, plain) == [0, 0], _logs(plain)
+        _finished_cleanly(plain, nodes)
         _UNINTERRUPTED[strategy] = plain
     return _UNINTERRUPTED[strategy]
+
+
+# What torch elastic printed on the node that does not host the rendezvous store when the hosting
+# node ended first (its exit barrier, its rendezvous shutdown and keep-alive: a Python traceback,
+# C++ stack dumps; launcher/rdzv_exit.py), and any other error a clean finish must not print.
+NOT_CLEAN = re.compile(r"Traceback|\berror\b|Exception|failed|frame #", re.IGNORECASE)
+
+
+def _printed_no_error(cwd: Path, nodes: tuple[Node, Node]) -> None:
+    """Neither node printed a traceback or an error line (both ended 0)."""
+    for node in nodes:
+        bad = [line for line in (cwd / f"node{node.rank}.log").read_text().splitlines() if NOT_CLEAN.search(line)]
+        assert not bad, f"node {node.rank} printed errors in a clean finish:\n" + "\n".join(bad[:20])
+
+
+def _finished_cleanly(cwd: Path, nodes: tuple[Node, Node]) -> None:
+    """Both nodes ended a run well (--node-local-dir): neither printed a traceback or an error
+    line, and each one's summary counts the steps its own --dir holds (--keep 0: every one)."""
+    _printed_no_error(cwd, nodes)
+    for node in nodes:
+        log = (cwd / f"node{node.rank}.log").read_text()
+        steps = [m.step for m in Store(cwd / node.own_dir).manifests()]
+        said = f"checkpoints committed {len(steps)} | last durable step {steps[-1]} |"
+        assert said in log, f"node {node.rank}'s summary does not say {said!r}: {log}"
 
 
 # Each strategy whose records a rank's part restores alone (the registry's `replicas`); the
@@ -486,6 +512,7 @@ def test_both_nodes_lost_resume_from_disk(strategy, nodes, tmp_path, tmp_path_fa
     assert REPLICATED <= on_disk < STOP, f"killed with step {on_disk} committed"
     procs = [node.start(cwd, head.addr, strategy, extra=REPLICAS) for node in nodes]
     assert _finish(procs, cwd) == [0, 0], _logs(cwd)
+    _printed_no_error(cwd, nodes)  # (nor did the killed run, stopped at once)
     assert _resumed_at(cwd, nodes, t_kill) == on_disk
     for node in nodes:
         events = (cwd / f"metrics-node{node.rank}" / "engine-0.jsonl").read_text()

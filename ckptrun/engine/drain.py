@@ -129,6 +129,7 @@ class Drain:
         if self.rank != 0:
             self._follow()
             return
+        self.store.check_owned()  # (never another run's records, in a --dir made again since)
         if not self._adopted:
             self._adopt()
         ms = self.store.manifests(warn=False)
@@ -283,6 +284,7 @@ class Drain:
     def _follow(self) -> dict[str, dict[str, int]]:
         """Upload this rank's part of every record the leader has begun and it has committed;
         returns the listing it acted on."""
+        self.store.check_owned()
         records, _ = self.tier.listing()
         begun = sorted(name for name, files in records.items() if MANIFEST not in files
                        and 0 in (up := self.tier.ranks_up(files)) and self.rank not in up)

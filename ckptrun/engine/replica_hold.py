@@ -85,7 +85,8 @@ class Holder:
         """A copy of `owner`'s `step` is held: in the metrics, and for `ls` (`of` its status file)."""
         self.state.log.emit(type="replica_held", rank=r.rank, owner=owner, step=step, bytes=nbytes,
                             **({"held": True} if of == memory_status.HELD_COPIES else {}))
-        with contextlib.suppress(OSError):  # (only `ls` misses it)
+        with contextlib.suppress(OSError):  # (only `ls` misses it; of the run's own --dir only)
+            self.state.store.check_owned()
             memory_status.publish(self.state.store.root, owner, step, nbytes, of=of)
 
     def _say_held(self, r: Round) -> None:

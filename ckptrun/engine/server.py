@@ -49,7 +49,7 @@ from ..ipc.messages import (
 from ..ipc.staging import EngineSlot
 from ..log import log
 from ..storage import iowriter, memory_status
-from ..storage.dirlock import hold_for_engine
+from ..storage.dirlock import Claim, hold_for_engine
 from ..storage.fsutil import FaultHook, _no_fault
 from ..storage.layout import align
 from ..storage.leftovers import exit_with_owner, remove_staging, staging_path
@@ -71,8 +71,10 @@ FAILED_KEPT = 1024  # failed records remembered (to abandon what depends on them
 
 
 class Engine:
-    def __init__(self, local_rank: int, tag: str, metrics_dir: str | None) -> None:
+    def __init__(self, local_rank: int, tag: str, metrics_dir: str | None, claim: Claim | None = None) -> None:
         self.local_rank, self.tag = local_rank, tag
+        self.claim = claim  # the run's lock on --dir, which the path must still name (storage/dirlock.py)
+        self.dir_lost = False  # said once: --dir is no longer the directory the run locked
         self.log = EventLog(metrics_dir, f"engine-{local_rank}")
         self.conn: Connection | None = None  # the worker events go to, once its Hello is answered
         self.serving: Connection | None = None  # the connection `serve` reads
@@ -180,7 +182,7 @@ class Engine:
         with self._send_lock:
             self.conn = self.serving
         self.rank, self.world_size, self.keep = msg.rank, msg.world_size, msg.keep
-        self.store = Store(msg.dir)
+        self.store = Store(msg.dir, claim=self.claim)
         self.fault = Fault.parse(msg.fault) if msg.fault else None
         if self.drain is None:
             self.drain = drain.from_config(self.store, self.log, self._upload_fault, self.rank)
@@ -253,9 +255,7 @@ class Engine:
                             f"now ({type(e).__name__}: {e}); it resumes from --dir")
         self.handler.close()
         self.strategy, self.handler = None, None
-        if self.holds_memory:
-            memory_status.withdraw(self.store.root, self.rank)
-            self.holds_memory = False
+        self._withdraw_memory()
         self.log.emit(type="rank_changed", rank=self.rank)
         return given_up
 
@@ -428,26 +428,44 @@ class Engine:
         self.send(Durable(step=step, record=record, nbytes=nbytes, write_s=write_s))
 
     def committed(self, step: int, record: str, *, nbytes: int, kind: str, snapshot_time: float | None) -> None:
-        """`record` is committed for the whole run: logged (by global rank 0) and the worker told."""
+        """`record` is committed in this rank's --dir: the worker told, and logged by each node's
+        first engine (`speaks_for_node`), so that every node's summary counts its own --dir."""
+        if not self.store.owned():  # (a region slot committed in the file of a --dir deleted since)
+            self.save_error(step, record, f"not committed: {self._lost_dir_error()}")
+            return
         self.committed_step = max(self.committed_step or 0, step)
         if self.replicator is not None:
             self.replicator.offer(record, step)
-        if self.rank == 0:
+        if self.speaks_for_node:
             self.log.emit(type="commit", step=step, bytes=nbytes, kind=kind, ranks=self.world_size,
                           lag_s=time.time() - (snapshot_time or time.time()))
         self.send(Committed(step=step, record=record))
+
+    @property
+    def speaks_for_node(self) -> bool:
+        """This engine logs the commits its node's --dir holds: one per node (local rank 0, global
+        rank 0's on its node), whose launcher reads only its own node's metrics."""
+        return self.local_rank == 0
 
     def in_memory(self, step: int, nbytes: int) -> None:
         self.send(InMemory(step=step))
         self.publish_memory(step, nbytes)
 
     def publish_memory(self, step: int, nbytes: int) -> None:
-        """`ls` shows the step this rank's engine holds in memory."""
+        """`ls` shows the step this rank's engine holds in memory (of its own --dir only)."""
         try:
+            self.store.check_owned()
             memory_status.publish(self.store.root, self.rank, step, nbytes)
         except OSError as e:  # only `ls` misses it
             self.log.emit(type="warning", rank=self.rank, error=f"in-memory status: {e}")
         self.holds_memory = True
+
+    def _withdraw_memory(self) -> None:
+        """`ls` no longer shows a step this engine holds (a file named by rank alone: in --dir
+        only while it is the run's own, never another run's)."""
+        if self.holds_memory and self.store.owned():
+            memory_status.withdraw(self.store.root, self.rank)
+        self.holds_memory = False
 
     def save_error(self, step: int, record: str, error: str) -> None:
         """Report a failed save to the log and to the worker (dashboard, --on-save-error)."""
@@ -595,7 +613,8 @@ class Engine:
                                            f"(try {tries} of {COMMIT_TRIES})")
 
     def watch_commits(self) -> None:
-        """Other ranks: tell the worker when rank 0 has committed a record we wrote."""
+        """Other ranks: tell the worker (and the node's metrics) when rank 0 has committed a
+        record we wrote."""
         if self.board is not None:
             self._adopt_commits()
         with self._pending_lock:
@@ -604,9 +623,16 @@ class Engine:
             for name in [spec.record for spec in done] + gone:
                 del self.pending[name]
         for spec in sorted(done, key=lambda spec: spec.step):
-            self.send(Committed(step=spec.step, record=spec.record))
-            if self.replicator is not None:
-                self.replicator.offer(spec.record, spec.step)
+            nbytes = self._record_bytes(spec.record) if self.speaks_for_node else 0
+            self.committed(spec.step, spec.record, nbytes=nbytes, kind=spec.kind,
+                           snapshot_time=spec.meta.get("snapshot_time"))
+
+    def _record_bytes(self, name: str) -> int:
+        """The bytes committed record `name` holds, every rank's (its manifest's count; 0 unread)."""
+        try:
+            return self.store.manifest(name).bytes
+        except (OSError, CorruptCheckpoint):
+            return 0
 
     def _adopt_commits(self) -> None:
         """--node-local-dir, other ranks: publish in this node's --dir the manifest rank 0
@@ -641,6 +667,7 @@ class Engine:
         watch for them (other ranks); give freed heap pages back when the RSS grew (arena.py)."""
         trimmer = HeapTrimmer()
         while not self.stopping.wait(0.05):
+            self._watch_dir()
             if trimmed := trimmer.maybe_trim():  # the metrics say when and what it gave back
                 self.log.emit(type="heap_trim", rank=self.rank, rss_before=trimmed[0], rss_after=trimmed[1])
             if self.handler is not None and self.store is not None:
@@ -654,6 +681,20 @@ class Engine:
                 except OSError as e:
                     self.log.emit(type="save_error", rank=self.rank, step=-1, record="", error=f"commit: {e}")
 
+    def _watch_dir(self) -> None:
+        """Say once, in one line (the node's first engine), that --dir is no longer the directory
+        the run locked; every write, commit and retention there fails from then on (Store)."""
+        if self.dir_lost or self.store is None or self.store.owned():
+            return
+        self.dir_lost = True
+        if self.speaks_for_node:
+            log.error(f"{self._lost_dir_error()}: this run writes nothing more there, and each save fails from now "
+                      "on (--on-save-error=fail stops it); start it again to checkpoint where --dir points")
+
+    def _lost_dir_error(self) -> str:
+        """What is wrong with --dir (`Claim.problem`), once it is no longer the run's."""
+        return self.store.claim.problem() or f"checkpoint directory {self.store.root} is no longer this run's"
+
     def settle(self, timeout: float) -> None:
         """Rank 0 at shutdown: commit what can be committed, waiting out retry back-offs."""
         deadline = time.monotonic() + timeout
@@ -664,10 +705,12 @@ class Engine:
 
     def close(self) -> None:
         self.flush()
-        if self.holds_memory:
-            memory_status.withdraw(self.store.root, self.rank)
+        if self.store is not None:
+            self._withdraw_memory()
         if self.store is not None and self.rank == 0:
             self.settle(timeout=COMMIT_BACKOFF_S * 2 ** COMMIT_TRIES)
+        elif self.store is not None and self.board is None and self.pending:
+            self.watch_commits()  # a last look: what rank 0 committed since, its node's metrics count
         if self.drain is not None:
             self.drain.close()
         if self.replicator is not None:
@@ -834,9 +877,9 @@ def main(address: str, authkey: bytes, local_rank: int, tag: str, metrics_dir: s
     if owner_pid is not None:
         exit_with_owner(owner_pid, lambda: remove_staging(tag, local_rank), pdeathsig=pdeathsig,
                         name=f"checkpoint engine of local rank {local_rank}")
-    hold_for_engine(engines_lock)
+    claim = hold_for_engine(engines_lock)
     listener = Listener(address, family="AF_UNIX", authkey=authkey)
-    engine = Engine(local_rank, tag, metrics_dir)
+    engine = Engine(local_rank, tag, metrics_dir, claim)
     threading.Thread(target=engine.commit_loop, daemon=True).start()
     try:
         while not engine.stopping.is_set():

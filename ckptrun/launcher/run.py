@@ -214,7 +214,7 @@ def run(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str]
     shm_root()  # a CKPTRUN_STAGING_DIR that cannot hold staging files stops the run before it writes
     lock = preflight(cfg, script, per_host_lock=opts.nnodes != "1")
     try:
-        return _launch(cfg, opts, script, script_args, str(lock.engines_path), output, metrics_file)
+        return _launch(cfg, opts, script, script_args, lock, output, metrics_file)
     finally:
         lock.release()
 
@@ -227,7 +227,7 @@ def _one_process(opts: LaunchOptions) -> None:
                              "--no-dist-env to give the script torchrun's environment")
 
 
-def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str], engines_lock: str,
+def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str], lock: DirLock,
             output: OutputOptions, metrics_file: str | None) -> int:
     import torch.distributed.run as torchrun
     from rich.console import Console
@@ -237,10 +237,12 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
     from .console.dashboard import Dashboard
     from .console.hostmetrics import HostSampler
     from .console.worker_logs import WorkerLogTailer, torchrun_args
+    from .rdzv_exit import install as quiet_clean_finish
     from .rdzv_names import install as cheap_rdzv_names
     from .worker_groups import install as end_dead_workers_groups
 
     cheap_rdzv_names()
+    quiet_clean_finish()
     end_dead_workers_groups()
     # The agent's own warnings on a signal ("Received 15 death signal", "Sending process ... closing
     # signal") restate what ckptrun reports in one line.
@@ -286,7 +288,7 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
     dash = Dashboard(cfg.metrics_dir, metrics_file, live=live, console=console, sampler=HostSampler() if live else None,
                      top=logs.open_lines if logs else None, wide=output.wide, log_interval=output.log_interval)
     dash.start()
-    engines = EngineSupervisor(cfg, nlocal, tag, engines_lock)
+    engines = EngineSupervisor(cfg, nlocal, tag, str(lock.engines_path))
     engines.start()
     stopped_by: int | None = None
     try:
@@ -305,7 +307,7 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
         dash.stop()
         shutil.rmtree(engine_dir, ignore_errors=True)
         if opts.nnodes == "1":  # every writer of this directory has stopped: no record is on its way
-            Store(cfg.dir).sweep_incomplete()
+            Store(cfg.dir, claim=lock.claim).sweep_incomplete()  # (never another run's directory)
         if stopped_by is not None:
             log.info(f"stopped by {signal.Signals(stopped_by).name}; {_committed_line(cfg.dir)}")
 

@@ -5,12 +5,15 @@ it is into the file; its engines hold a shared `flock` on `<dir>/ckptrun.lock.en
 as they live, so a directory whose launcher died while its engines still write is not free
 either. The OS drops both locks when their holders die, so a lock left by a dead run is simply
 taken over (and said). Read-only commands never take them. A multi-node run locks per host
-(`ckptrun.lock.<host>`): the nodes of one job share the directory.
+(`ckptrun.lock.<host>`): the nodes of one job share the directory. Each holder writes only while
+the path still names the lock file it holds (`Claim`): a --dir deleted under a run, made again
+by another, is no longer its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -27,6 +30,44 @@ ENGINES_WAIT_S = 10.0  # how long a new launcher waits for a dead run's engines 
 
 class DirectoryInUse(CkptrunError):
     exit_code = 2
+
+
+class DirectoryReplaced(OSError):
+    """A run's --dir is no longer the directory it locked (`Claim`): a save error, never a write."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+class Claim:
+    """A lock file this process holds open, which its path must still name: the proof that
+    `<dir>` is the directory this run locked. The OS lock stays on a deleted file, so a --dir
+    deleted under a run, or deleted and made again (by another run), is told by the file's
+    (device, inode); holding it open keeps that inode from being reused meanwhile."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        st = os.fstat(fd)
+        self.path, self._id = Path(path), (st.st_dev, st.st_ino)
+
+    def problem(self) -> str | None:
+        """Why the path no longer names the locked file, if it does not."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            st = None
+        if st is not None and (st.st_dev, st.st_ino) == self._id:
+            return None
+        root = self.path.parent
+        how = "was replaced by another directory" if root.exists() else "is gone"
+        return f"checkpoint directory {root} {how} since this run locked it"
+
+    def holds(self) -> bool:
+        return self.problem() is None
+
+    def check(self) -> None:
+        """DirectoryReplaced, saying which, unless the path still names the locked file."""
+        if (problem := self.problem()) is not None:
+            raise DirectoryReplaced(errno.ESTALE, problem)
 
 
 def lock_name(per_host: bool) -> str:
@@ -87,6 +128,7 @@ class DirLock:
         self.path = root / name
         self.engines_path = root / f"{name}.engines"
         self.fd: int | None = None
+        self.claim: Claim | None = None  # while held
         self.taken_over: str | None = None  # who held it before and died without releasing it
 
     def acquire(self) -> DirLock:
@@ -109,7 +151,7 @@ class DirLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         os.fsync(fd)
-        self.fd = fd
+        self.fd, self.claim = fd, Claim(self.path, fd)
         return self
 
     def _wait_for_engines(self) -> None:
@@ -132,11 +174,11 @@ class DirLock:
         with contextlib.suppress(OSError):
             os.ftruncate(self.fd, 0)
         os.close(self.fd)
-        self.fd = None
+        self.fd, self.claim = None, None
 
 
-def hold_for_engine(engines_path: str) -> int:
+def hold_for_engine(engines_path: str) -> Claim:
     """An engine's share of the lock, held until the process exits (the fd is never closed)."""
     fd = os.open(engines_path, os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.flock(fd, fcntl.LOCK_SH)
-    return fd
+    return Claim(Path(engines_path), fd)

@@ -49,6 +49,7 @@ from .schema import (
 from .skeleton import check_skeleton
 
 if TYPE_CHECKING:
+    from .dirlock import Claim
     from .layout import ReadBuffer
 
 __all__ = ["FORMAT", "MANIFEST", "MARKER", "Manifest", "Store", "checksum", "diff_name", "full_name", "rank_files"]
@@ -86,13 +87,17 @@ class WrittenPart(NamedTuple):
 
 
 class Store:
-    """One run's checkpoint directory."""
+    """One run's checkpoint directory. With `claim` (a run's, storage/dirlock.py), nothing is
+    written or removed once the path names another directory than the one the run locked: a
+    write, commit or retention raises DirectoryReplaced (an OSError), a removal of uncommitted
+    parts does nothing."""
 
-    def __init__(self, root: str | os.PathLike, copy_of: str | None = None) -> None:
+    def __init__(self, root: str | os.PathLike, copy_of: str | None = None, *, claim: Claim | None = None) -> None:
         self.root = Path(root)
         # The remote tier (its URL) that `root` is a private, read-only copy of (`tiers.mirror`):
         # messages name the URL the user gave, and nothing of a node-local disk applies.
         self.copy_of = copy_of
+        self.claim = claim
         self.regions = Regions(self.root)
         self._ranks_ok: set[tuple[str, int]] = set()  # committed records whose rank files match world_size
         # record -> (its manifest file's stat identity, the manifest parsed from it): the engine
@@ -112,6 +117,15 @@ class Store:
         return cls(root)
 
     # ---- writing -----------------------------------------------------------------------
+    def owned(self) -> bool:
+        """Whether the path still names the directory the run locked (a store of no run: yes)."""
+        return self.claim is None or self.claim.holds()
+
+    def check_owned(self) -> None:
+        """DirectoryReplaced unless the path still names the directory the run locked."""
+        if self.claim is not None:
+            self.claim.check()
+
     def ensure_writable(self) -> None:
         """Create the directory and prove it accepts durable writes, or explain why not."""
         try:
@@ -177,6 +191,7 @@ class Store:
         """The folder of record `name`, ready for a new part of `rank`: AlreadyCommitted if the
         record is committed; the run's directory is never re-created; a stale part of an
         earlier attempt is removed first (it must not commit)."""
+        self.check_owned()  # (first: a record of the same name in another run's directory is not ours)
         if self.is_committed(name):
             raise AlreadyCommitted(f"{name} is committed; committed records are immutable")
         if not (self.root / MARKER).is_file():
@@ -201,7 +216,7 @@ class Store:
         """Remove one rank's files of an uncommitted record (and the record's directory once it
         is empty). A committed record is never touched: that is retention's job alone."""
         rdir = self._own_record_dir(name)
-        if rdir is None:
+        if rdir is None or not self.owned():
             return
         for f in (rank_files(rank)[1], rankfile.file_name(rank), rank_files(rank)[0]):  # index first: the part
             # stops counting
@@ -216,7 +231,7 @@ class Store:
         Best effort: with the disk full even an empty file may fail; the record then waits."""
         rdir = self._own_record_dir(name)
         with contextlib.suppress(OSError):
-            if rdir is not None and self.root.is_dir():
+            if rdir is not None and self.root.is_dir() and self.owned():
                 rdir.mkdir(exist_ok=True)
                 (rdir / f"rank-{rank:05d}.failed").touch()
 
@@ -230,7 +245,7 @@ class Store:
         """Remove an uncommitted record whose commit will never happen (a rank failed to write
         it, or it depends on one that did). Never a committed one."""
         rdir = self._own_record_dir(name)
-        if rdir is None:
+        if rdir is None or not self.owned():
             return
         # Moved aside before it is removed, and put back if it was committed between the check
         # and the move: a commit never lands in a directory on its way out.
@@ -268,6 +283,7 @@ class Store:
         """Publish the manifest of `name` if every rank's part (in `layout`) is there; else None.
         `parts`: each rank's (index checksum, data bytes) as its engine reported them (a node-local
         --dir holds only its node's parts), instead of read here."""
+        self.check_owned()
         rdir = self.root / name
         if (rdir / MANIFEST).exists():
             fsync_dir(rdir)  # a retry after a failed directory fsync makes the commit durable
@@ -310,6 +326,7 @@ class Store:
         with (`raw`, through the job store), once it names `name` and pins exactly the indexes
         of `ranks`, this node's parts of it written here; CorruptCheckpoint (nothing published)
         otherwise."""
+        self.check_owned()
         try:
             m = Manifest.from_json(json.loads(raw))
         except (ValueError, RecursionError):
@@ -575,6 +592,8 @@ class Store:
     def sweep_incomplete(self) -> list[str]:
         """Remove every record directory without a manifest. Only when no writer is left (the
         run is over), since a record being written has no manifest yet either."""
+        if not self.owned():
+            return []
         names = self.incomplete()
         for name in names:
             self.abandon(name)
@@ -603,6 +622,7 @@ class Store:
         node has committed), and every newer one is kept. Torn directories older than the newest
         commit go too.
         """
+        self.check_owned()
         ms = self.manifests(warn=False)
         removed: list[str] = []
         if not ms:
