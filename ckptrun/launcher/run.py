@@ -227,16 +227,8 @@ def _one_process(opts: LaunchOptions) -> None:
                              "--no-dist-env to give the script torchrun's environment")
 
 
-def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str], lock: DirLock,
-            output: OutputOptions, metrics_file: str | None) -> int:
-    import torch.distributed.run as torchrun
-    from rich.console import Console
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from .console.dashboard import Dashboard
-    from .console.hostmetrics import HostSampler
-    from .console.worker_logs import WorkerLogTailer, torchrun_args
+def _adapt_torch_elastic() -> None:
+    """What ckptrun changes of torch elastic's agent, once per launcher (each install says why)."""
     from .rdzv_exit import install as quiet_clean_finish
     from .rdzv_names import install as cheap_rdzv_names
     from .worker_groups import install as end_dead_workers_groups
@@ -248,6 +240,20 @@ def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[
     # signal") restate what ckptrun reports in one line.
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _launch(cfg: RunConfig, opts: LaunchOptions, script: str, script_args: list[str], lock: DirLock,
+            output: OutputOptions, metrics_file: str | None) -> int:
+    import torch.distributed.run as torchrun
+    from rich.console import Console
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from .console.dashboard import Dashboard
+    from .console.hostmetrics import HostSampler
+    from .console.worker_logs import WorkerLogTailer, torchrun_args
+
+    _adapt_torch_elastic()
     nlocal = torchrun.determine_local_world_size(opts.nproc_per_node)
     if cfg.host_memory_node:
         cfg.host_memory, cfg.host_memory_nlocal = cfg.host_memory_node // nlocal, nlocal
