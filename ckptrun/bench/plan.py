@@ -164,7 +164,7 @@ def configurations(methods: str, every: str, io_engines: str = "auto", durable: 
     refs = REFERENCES if nodes == 1 else {}
     known = [*refs, *REGISTRY, *VARIANTS]
     groups = {"default": [*(r for r in DEFAULT_REFERENCES if r in refs), *REGISTRY], "all": known}
-    known += [f"{name}{NOBUDGET}" for name in REGISTRY]
+    known = [*known, *(f"{name}{NOBUDGET}" for name in REGISTRY)]
     wanted = [n for m in methods.split(",") if m.strip() for n in groups.get(m.strip(), [m.strip()])]
     if nodes > 1 and (named := [m for m in wanted if m in REFERENCES]):
         raise UsageError(f"{', '.join(named)} run on one node (the script's own saves): leave them out of "
