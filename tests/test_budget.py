@@ -71,6 +71,32 @@ def test_the_interval_is_the_finest_that_keeps_within_the_budget():
     assert m.said == []
 
 
+def _late_first_checkpoint(solo: bool) -> Retuner:
+    """Steps of 0.1 s; the first checkpoint after the probe comes late (at 8: the slots' set-up,
+    a skip), so the first evaluation (3 steps after the probe) sees none; its write ends at 9 and
+    slows steps 9 and 10 by 0.2 s each."""
+    watch = Watch(BUDGET, Baseline(), strategy="checkfreq", instead="checkfreq")
+    retuner = Retuner(3600.0, watch=watch, share=None if solo else (lambda step, decisions: decisions))
+    retuner.add(WithinBudget(PersistBound(EveryStep())))
+    watch.start_probe(0)
+    for step in range(1, 11):
+        if step == 9:
+            retuner.observe_write(10**8, 0.1)
+        slow = 0.2 if step in (9, 10) else 0.0
+        retuner.after_step(step, {"step_s": 0.1 + slow, "stall_s": {}, "last_snapshot_step": 8 if step == 8 else None})
+    return retuner
+
+
+def test_one_rank_decides_as_soon_as_a_written_checkpoint_shows_its_cost():
+    """Not 25 steps later: from the first evaluation on, one rank evaluates at every step until
+    a written checkpoint's cost is in its window. Ranks of a run of several evaluate at the same
+    steps (they agree on each decision), so they wait for the regular ones."""
+    solo = _late_first_checkpoint(solo=True)
+    assert solo.watch.measured and solo.policies[0].every >= 40, solo.policies[0].every
+    several = _late_first_checkpoint(solo=False)
+    assert not several.watch.measured and several.policies[0].every == 1
+
+
 def test_a_disk_that_slows_mid_run_makes_the_interval_coarser():
     m = Machine(WithinBudget(PersistBound(EveryStep())), cost=0.002).run(PROBE_STEPS + 40)
     assert m.policy.every == 1  # 2% of the step: every step fits

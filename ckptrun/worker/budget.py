@@ -107,7 +107,7 @@ class Watch:
         self._say, self._emit = say, emit
         self.said: set[str] = set()
         self._over_before = False  # the last evaluation found it over budget, and changed nothing
-        self.measured = False  # an evaluation has measured what a checkpoint costs (`_disk_behind`)
+        self.measured = False  # an evaluation saw a written checkpoint's cost (`_disk_behind`, `_cost_due`)
         self._seen, self._steps, self._step_s, self._stall_s = 0, 0, 0.0, 0.0  # since the probe: `run_overhead`
 
     def base_step_s(self, records: list[tuple]) -> float | None:
@@ -165,7 +165,7 @@ class Watch:
         """At a re-tuner evaluation: the verdicts due, from the window's overhead."""
         if m.overhead is None or m.base_step_s is None:
             return
-        self.measured = self.measured or m.cost_s is not None
+        self.measured = self.measured or (m.cost_s is not None and m.persist_s is not None)
         if m.cost_s is None and not self.every_step:  # no checkpoint in the window
             return
         if self.explicit_every is not None:

@@ -152,6 +152,7 @@ class Retuner:
         self.mtbf_s, self.mtbf_given = mtbf_s, mtbf_given
         self.policies: list[SavePolicy] = []
         self.watch = watch
+        self.solo = share is None  # one rank: no other to agree with at an evaluation
         self._share = share or (lambda step, decisions: decisions)
         self._on_change = on_change or (lambda step, policy, decision: None)
         # (step_s, stall_s, checkpointed, optim_s, backpressure_s)
@@ -215,6 +216,14 @@ class Retuner:
             budget=self.watch.budget if self.watch else None, base_step_s=base, cost_s=cost, overhead=overhead)
 
     # ---- decisions ---------------------------------------------------------------------
+    def _cost_due(self, step: int, first: int) -> bool:
+        """One rank under the budget, no checkpoint's cost measured yet, one written: evaluate
+        at every step from `first` until one is (the first interval within the budget as soon as
+        it can be known, not 3 intervals or 25 steps later). Ranks evaluate at the same steps, so
+        a run of several waits for the regular ones."""
+        return (self.solo and self.watch is not None and not self.watch.measured and step > first
+                and bool(self._writes))
+
     def after_step(self, step: int, record: dict[str, Any]) -> None:
         """Fold in the step's metrics record; at evaluation steps, re-decide (all ranks together)."""
         if self._start is None:
@@ -228,7 +237,8 @@ class Retuner:
         self.observe_step(record["step_s"], sum(stalls.values()), checkpointed, record.get("optim_s") or 0.0,
                           stalls.get("backpressure") or 0.0)
         first = self._start + FIRST_EVAL
-        if step != first and step != self._recheck and (step < first or step % EVAL_EVERY):
+        if step != first and step != self._recheck and (step < first or step % EVAL_EVERY) \
+                and not self._cost_due(step, first):
             return
         live = [p for p in self.policies if p.adjustable]
         if not live and self.watch is None:
