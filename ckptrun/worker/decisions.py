@@ -74,14 +74,19 @@ class DalyInterval(IntervalPolicy):
                        f"{format_duration(m.delta_s)}, step {format_duration(m.step_s)}, MTBF {m.mtbf_text})"), 1
 
 
-class PersistBound(IntervalPolicy):
-    """CheckFreq's bound over another interval policy: never checkpoint faster than the persist
-    path drains (one checkpoint's persist time / step time)."""
+class BoundOver(IntervalPolicy):
+    """A bound over another interval policy (`inner`): its target, made coarser where the bound
+    says; logged under the inner policy's label."""
 
     def __init__(self, inner: IntervalPolicy) -> None:
         super().__init__(inner.every)
         self.inner = inner
         self.label = inner.label
+
+
+class PersistBound(BoundOver):
+    """CheckFreq's bound over another interval policy: never checkpoint faster than the persist
+    path drains (one checkpoint's persist time / step time)."""
 
     def target(self, m: Measured) -> tuple[int, str, int] | None:
         wanted = self.inner.target(m)
@@ -107,17 +112,12 @@ class EveryStep(IntervalPolicy):
         return 1, "every step (--every unset)", 1
 
 
-class WithinBudget(IntervalPolicy):
+class WithinBudget(BoundOver):
     """The overhead budget over another interval policy: never checkpoint so often that one
     checkpoint's measured cost (stall but back-pressure, plus the step's slowdown: budget.py)
     exceeds --max-overhead of the steps between two. At an interval already within budget the
     bound never lowers it unless the overhead is under half the budget (a cost measured at a
     sparse interval is lower than at a dense one: no see-saw)."""
-
-    def __init__(self, inner: IntervalPolicy) -> None:
-        super().__init__(inner.every)
-        self.inner = inner
-        self.label = inner.label
 
     def target(self, m: Measured) -> tuple[int, str, int] | None:
         wanted = self.inner.target(m)
