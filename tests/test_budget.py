@@ -6,6 +6,7 @@ a fresh run's probe of the no-checkpoint step resumes bit-exact."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -215,7 +216,10 @@ def test_by_default_a_run_thins_checkpoints_that_cost_more_than_the_budget(tmp_p
     checkpointing, raises the interval and says why; the summary shows the overhead."""
     proc = ok(ckptrun(tmp_path, "--max-overhead", "5", "--keep", "0", "--no-dashboard", "--metrics-dir", "metrics",
                       EXAMPLE, *TINY, "--steps", 30))
-    assert "raised to" in proc.stderr and "by --max-overhead 5.0%" in proc.stderr, proc.stderr[-2000:]
+    # (the budget's bound, or CheckFreq's drain bound where persisting is the larger cost: a loaded
+    # machine's disk; the choice between them is tested on simulated costs above)
+    said = re.search(r"raised to .*(by --max-overhead 5\.0%|the CheckFreq bound)", proc.stderr)
+    assert said, proc.stderr[-2000:]
     assert "overhead" in proc.stderr.split("summary:")[-1]
     steps = [m.step for m in Store(tmp_path / "ckpts").manifests()]
     assert steps[-1] == 30 and len(steps) < (30 - PROBE_STEPS) / 2, steps

@@ -358,6 +358,19 @@ def test_local_retention_holds_a_step_until_the_tier_has_it(tmp_path):
     assert d.retain_local(1) == [full_name(1)]
 
 
+def test_local_retention_keeps_the_due_multiple_until_the_tier_has_it(tmp_path):
+    """--durable-every 3, a drain slower than the commits: --keep 1 does not take step 3 (the
+    multiple due) before the round copies it, so the tier gets step 3, not the step after."""
+    store = _local_steps(tmp_path / "ckpts", steps=(1, 2, 3, 4, 5))
+    tier = open_tier(str(tmp_path / "remote"))
+    tier.probe()
+    d = Drain(store, tier, 3, 0, EventLog(str(tmp_path / "metrics"), "engine-0"), lambda step: _no_fault)
+    assert d.retain_local(1) == [full_name(s) for s in (1, 2, 4)]
+    d.round()
+    assert tier.committed() == [full_name(3)]
+    assert d.retain_local(1) == [full_name(3)]
+
+
 # ---- several ranks: each engine uploads its own rank's part, rank 0's commit object last ----
 
 def _drain(store: Store, url: str, rank: int, metrics: Path) -> Drain:

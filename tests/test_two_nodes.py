@@ -312,8 +312,10 @@ def _printed_no_error(cwd: Path, nodes: tuple[Node, Node], since: dict[int, int]
         with open(cwd / f"node{node.rank}.log", "rb") as f:
             f.seek((since or {}).get(node.rank, 0))
             text = f.read().decode(errors="replace")
-        bad = [line for line in text.splitlines() if NOT_CLEAN.search(line)]
-        assert not bad, f"node {node.rank} printed errors in a clean finish:\n" + "\n".join(bad[:20])
+        lines = text.splitlines()
+        first = next((i for i, line in enumerate(lines) if NOT_CLEAN.search(line)), None)
+        shown = "\n".join(lines[first:first + 30]) if first is not None else ""
+        assert first is None, f"node {node.rank} printed errors in a clean finish:\n{shown}"
 
 
 def _finished_cleanly(cwd: Path, nodes: tuple[Node, Node]) -> None:

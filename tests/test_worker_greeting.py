@@ -82,3 +82,36 @@ def test_events_before_the_worker_listens_are_kept_in_order():
     listener.close()
     kinds = [(type(e).__name__, getattr(e, "slot", getattr(e, "step", None))) for e in events]
     assert kinds == [("SlotFree", 3), ("Committed", 7), ("SlotFree", 4), ("ConnectionLost", None)], kinds
+
+
+def test_an_event_after_the_worker_closes_its_connection_ends_the_receiver_quietly():
+    """A clean finish: the worker closes its connection while its receiver waits in a read, and the
+    engine's last event comes after. The receiver ends without an exception (it once read on, on
+    the closed connection, and printed a TypeError's traceback) and reports no lost engine."""
+    address, key = f"\0ckptrun-test-close-{os.getpid()}", os.urandom(16)
+    listener = Listener(address, family="AF_UNIX", authkey=key)
+    closed, raised, events = threading.Event(), [], []
+    hook, threading.excepthook = threading.excepthook, lambda args: raised.append(args.exc_value)
+
+    def engine() -> None:
+        conn = listener.accept()
+        closed.wait(10)
+        try:
+            conn.send(Committed(step=9, record="full-9"))
+        except OSError:
+            pass  # (the worker's end is shut down: the event has nowhere to go)
+        conn.close()
+
+    t = threading.Thread(target=engine)
+    t.start()
+    try:
+        client = EngineClient(address, key, on_event=events.append)
+        client.close()
+        closed.set()
+        t.join(10)
+        client._rx.join(10)
+    finally:
+        threading.excepthook = hook
+        listener.close()
+    assert not raised and not client._rx.is_alive(), raised
+    assert not any(type(e).__name__ == "ConnectionLost" for e in events), events

@@ -120,7 +120,7 @@ class Drain:
         self._adopted = True
 
     def newest_remote(self) -> int:
-        return max((m.step for m in self.remote.values()), default=-1)
+        return max((m.step for m in list(self.remote.values())), default=-1)  # (read by retention too)
 
     def round(self, *, final: bool = False) -> None:
         """The leader: upload the newest committed step if it is due (`final`: whatever the
@@ -338,17 +338,30 @@ class Drain:
         under way reads until the tier has them (at most one step's records beyond --keep: the
         hold ends with the round, and a failed round's step may then go). A hold that keeps what
         --keep would remove is said once, as a `durable_hold` event and a warning."""
+        ms = self.store.manifests(warn=False) if keep > 0 else []
         busy = self.busy
-        ms = self.store.manifests(warn=False) if keep > 0 and (busy or self.board is not None) else []
         kept = retained(ms, keep) if ms else set()
         held = frozenset(m.name for m in ms if m.name in busy and m.name not in kept and m.layout != "region")
-        removed = self.store.prune(keep, protect=busy | self._awaited(ms) | protect, upto=upto)
+        protect |= busy | self._awaited(ms) | self._next_due(ms)
+        removed = self.store.prune(keep, protect=protect, upto=upto)
         if held and held != self._held:
             self.log.emit(type="durable_hold", records=sorted(held), keep=keep)
             log.warning(f"--keep {keep}: {len(held)} record(s) kept in {self.store.root} until {self.tier.url} "
                         f"has them ({', '.join(sorted(held))})")
         self._held = held
         return removed
+
+    def _next_due(self, ms: list[Manifest]) -> frozenset[str]:
+        """--durable-every N (the leader, a shared --dir): the newest committed multiple of N the
+        tier lacks, with what it needs there. Retention keeps it until the next round copies it:
+        a drain slower than the commits would otherwise find it pruned and copy the step after."""
+        if not (self.every and self.rank == 0 and self.board is None and ms):
+            return frozenset()
+        pick = due([m.step for m in ms], self.newest_remote(), self.every)
+        if pick is None:
+            return frozenset()
+        name = [m for m in ms if m.step == pick.step][-1].name
+        return frozenset(_needed(name, {m.name: m for m in ms}, self.remote) or ())
 
     def close(self) -> None:
         """Stop the thread and upload the run's newest committed step (the run is ending)."""

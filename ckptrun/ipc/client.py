@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -10,6 +12,8 @@ from multiprocessing.connection import Client, Connection
 
 from ..errors import CkptrunError
 from .messages import ConnectionLost, Message, Reply
+
+RX_JOIN_S = 5.0  # `close`: the receiving thread ends at once once the socket is shut down
 
 
 class EngineLost(CkptrunError):
@@ -29,6 +33,7 @@ class EngineClient:
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
         self.lost = False
+        self._closing = False  # `close` began: the end of the connection is no loss
         self._rx = threading.Thread(target=self._receive, name="ckptrun-engine-rx", daemon=True)
         self._rx.start()
 
@@ -58,7 +63,8 @@ class EngineClient:
         with self._cond:
             self.lost = True
             self._cond.notify_all()
-        self._event(ConnectionLost())
+        if not self._closing:
+            self._event(ConnectionLost())
 
     def _event(self, msg: Message) -> None:
         with self._cond:
@@ -102,6 +108,17 @@ class EngineClient:
         raise EngineLost("checkpoint engine went away" if ok else f"engine did not answer {op!r}")
 
     def close(self) -> None:
+        """Shut the socket down first, so that the receiving thread, in a read, meets the end of
+        the stream and stops before the connection is closed under it (a read that began on a
+        closed `Connection` fails with a TypeError, printed as a traceback at a clean finish)."""
+        self._closing = True
+        try:
+            with socket.socket(fileno=os.dup(self.conn.fileno())) as s:
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if threading.current_thread() is not self._rx:
+            self._rx.join(timeout=RX_JOIN_S)
         try:
             self.conn.close()
         except OSError:
