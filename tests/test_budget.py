@@ -23,6 +23,7 @@ from ckptrun.strategies.save_policy import Measured
 from ckptrun.worker.budget import PROBE_STEPS, Baseline, Watch
 from ckptrun.worker.decisions import EveryStep, FixedInterval, PersistBound, Retuner, WithinBudget
 from ckptrun.worker.hooks import StepHooks
+from ckptrun.worker.kept import Kept
 
 BUDGET = 0.05
 
@@ -32,16 +33,16 @@ class Machine:
     `cost` seconds of stall; each write takes `persist` seconds (reported as durable at once)."""
 
     def __init__(self, policy, *, base=0.1, cost=0.02, persist=0.05, explicit=None, every_step=False,
-                 strategy="checkfreq"):
+                 strategy="checkfreq", kept="", share=None):
         self.base, self.cost, self.persist = base, cost, persist
         self.said: list[tuple[str, bool]] = []
         self.events: list[dict] = []
-        self.watch = Watch(BUDGET, Baseline(), strategy=strategy, instead="checkfreq", every_step=every_step,
+        self.watch = Watch(BUDGET, Baseline(Kept(kept)), strategy=strategy, instead="checkfreq", every_step=every_step,
                            explicit_every=explicit, say=lambda line, warn: self.said.append((line, warn)),
                            emit=lambda **e: self.events.append(e))
-        self.retuner = Retuner(3600.0, watch=self.watch)
+        self.retuner = Retuner(3600.0, watch=self.watch, share=share)
         self.policy = self.retuner.add(policy)
-        assert self.watch.start_probe(0)
+        self.watch.start_probe(0)
         self.step, self.owed = 0, 0.0
 
     def run(self, steps: int) -> Machine:
@@ -160,14 +161,33 @@ def test_a_cheap_strategy_working_every_step_says_nothing():
 
 def test_the_baseline_is_kept_for_a_restarted_worker_and_a_damaged_one_ignored(tmp_path):
     kept = tmp_path / "baseline-0.json"
-    first = Baseline(str(kept))
+    first = Baseline(Kept(str(kept)))
     for i, s in enumerate([0.5, 0.12, 0.1, 0.11]):
         first.probed(s, last=i == 3)
-    assert Baseline(str(kept)).step_s == pytest.approx(0.1)
-    assert not Watch(BUDGET, Baseline(str(kept)), strategy="x", instead="y").start_probe(0), "probed again"
-    for bad in ("{", '{"step_s": -1}', '{"step_s": "1"}', "[1]", '{"step_s": NaN}'):
+    assert Baseline(Kept(str(kept))).step_s == pytest.approx(0.1)
+    assert not Watch(BUDGET, Baseline(Kept(str(kept))), strategy="x", instead="y").start_probe(0), "probed again"
+    for bad in ("{", '{"step_s": -1}', '{"step_s": "1"}', "[1]", '{"step_s": NaN}', '{"step_s": true}'):
         kept.write_text(bad)
-        assert Baseline(str(kept)).step_s is None, bad
+        assert Baseline(Kept(str(kept))).step_s is None, bad
+
+
+def test_a_restarted_worker_starts_at_the_interval_decided_before_it(tmp_path):
+    """One rank: the interval the budget chose (every 4) is where a restarted worker starts, not
+    every step again; an explicit --every, several ranks and a damaged file start as given."""
+    kept = str(tmp_path / "baseline-0.json")
+    first = Machine(WithinBudget(PersistBound(EveryStep())), kept=kept).run(PROBE_STEPS + 80)
+    assert first.policy.every == 4
+    again = Machine(WithinBudget(PersistBound(EveryStep())), kept=kept)
+    assert again.policy.every == 4 and not again.watch.probe_until, "started over"
+    assert again.run(40).policy.every == 4
+    assert Machine(FixedInterval(1), kept=kept).policy.every == 1
+    several = Machine(WithinBudget(PersistBound(EveryStep())), kept=kept, share=lambda step, ds: ds)
+    assert several.policy.every == 1
+    for bad in ('{"settings --every (unset: within --max-overhead)": {"every": 0}}',
+                '{"settings --every (unset: within --max-overhead)": {"every": "4"}}',
+                '{"settings --every (unset: within --max-overhead)": {"steps": 4}}'):
+        Path(kept).write_text(bad)
+        assert Machine(WithinBudget(PersistBound(EveryStep())), kept=kept).policy.every == 1, bad
 
 
 def test_the_run_reports_its_overhead_since_the_probe_every_10_steps_and_at_the_end():

@@ -13,15 +13,12 @@ first (which holds the script's warm-up) is the baseline. Later, steps with noth
 checkpoint in flight (no snapshot begun, every snapshot durable, no stall) are no-checkpoint steps
 too; when their median drifts from the baseline by more than `DRIFT`, the newer of them become it
 (a strategy that works every step has none: its baseline is the probe's). A restarted worker reads the
-baseline its predecessor kept in the run's private folder (the launcher's, node-local), so a
-recovery does not probe again (a resumed chain cannot skip steps).
+baseline its predecessor kept (`kept.py`), so a recovery does not probe again.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections import deque
 from collections.abc import Callable
 from statistics import median
@@ -30,6 +27,7 @@ from typing import Any
 from ..strategies.save_policy import Measured
 from ..tuning.durations import format_duration
 from ..tuning.intervals import checkfreq_min_interval_steps
+from .kept import Kept
 
 PROBE_STEPS = 4  # a fresh run's first steps, taken without checkpointing (the first is left out)
 QUIET_KEPT = 6  # no-checkpoint steps seen later: the drift check's median covers this many
@@ -39,11 +37,12 @@ TOLERANCE = 0.2  # measured overhead within budget * (1 + this) counts as within
 
 
 class Baseline:
-    """The no-checkpoint step time of this rank (seconds), or None until measured."""
+    """The no-checkpoint step time of this rank (seconds), or None until measured; kept for a
+    restarted worker (`Kept`)."""
 
-    def __init__(self, path: str = "") -> None:
-        self.path = path  # where it is kept across worker restarts ("" nowhere)
-        self.step_s: float | None = self._read()
+    def __init__(self, kept: Kept | None = None) -> None:
+        self.kept = kept or Kept()
+        self.step_s: float | None = self.kept.number("step_s")
         self._probe: list[float] = []
         self._quiet: deque[float] = deque(maxlen=QUIET_KEPT)
 
@@ -66,21 +65,7 @@ class Baseline:
 
     def _set(self, step_s: float) -> None:
         self.step_s = step_s
-        if self.path:
-            tmp = f"{self.path}.tmp"
-            with open(tmp, "w") as f:
-                json.dump({"step_s": step_s}, f)
-            os.replace(tmp, self.path)
-
-    def _read(self) -> float | None:
-        """The kept baseline, if there is a sound one (a file of the run's own private folder,
-        checked all the same: a positive finite number)."""
-        try:
-            with open(self.path) as f:
-                value = json.load(f).get("step_s") if self.path else None
-        except (OSError, ValueError, AttributeError):
-            return None
-        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) and value > 0 else None
+        self.kept.set("step_s", step_s)
 
 
 class Watch:

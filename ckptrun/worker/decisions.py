@@ -42,6 +42,7 @@ from ..strategies.save_policy import Decision, IntervalPolicy, Measured, SavePol
 from ..tuning.durations import format_duration
 from ..tuning.intervals import DEFAULT_MTBF_S, checkfreq_min_interval_steps, daly_interval
 from .budget import Baseline, Watch, interval_within, percent, within
+from .kept import Kept
 
 FIRST_EVAL = 3  # the first estimate is made this many steps after (re)start
 EVAL_EVERY = 25  # later re-evaluations: at steps that are multiples of this
@@ -164,7 +165,17 @@ class Retuner:
         self._recheck: int | None = None  # an evaluation step sooner than the next multiple of EVAL_EVERY
 
     def add(self, policy: SavePolicy) -> SavePolicy:
+        """Take part in the evaluations. With one rank, an adjustable policy starts at the
+        settings its predecessor decided before a worker restart (`Kept`): a recovery does not
+        start over at every step, paying the first checkpoints' cost again. (Several ranks start
+        at their defaults and agree at the first evaluation: each rank's kept file is its own.)"""
         self.policies.append(policy)
+        kept = self.watch.baseline.kept.settings(_kept_key(policy)) if self.watch and self.solo else None
+        if kept is not None and policy.adjustable and kept.keys() == policy.settings.keys() \
+                and kept != policy.settings:
+            decision = Decision(kept, "as decided before the worker restarted")
+            policy.adopt(decision)
+            self._on_change(self._start or 0, policy, decision)
         return policy
 
     @property
@@ -251,6 +262,8 @@ class Retuner:
                 if decision is not None and decision.settings != policy.settings:
                     policy.adopt(decision)
                     self._on_change(step, policy, decision)
+                    if self.watch is not None:
+                        self.watch.baseline.kept.set(_kept_key(policy), decision.settings)
                     changed = True
         if changed:  # what was measured at the old settings does not describe the new ones
             every = max((p.settings.get("every", 1) for p in self.policies), default=1)
@@ -258,6 +271,11 @@ class Retuner:
             self._steps.clear()
         if self.watch is not None:
             self.watch.evaluate(step, m, changed)
+
+
+def _kept_key(policy: SavePolicy) -> str:
+    """Where a policy's decided settings are kept for a restarted worker (`Kept`)."""
+    return f"settings {policy.label or type(policy).__name__}"
 
 
 class Worker(Protocol):
@@ -326,7 +344,7 @@ def _watch(rt: Worker) -> Watch:
     """The budget's watch: rank 0 says its verdicts; every rank records them."""
     cfg = rt.cfg
     kept = os.path.join(cfg.engine_dir, f"baseline-{rt.rank}.json") if cfg.engine_dir else ""
-    return Watch(cfg.max_overhead, Baseline(kept), strategy=cfg.strategy, instead=DEFAULT,
+    return Watch(cfg.max_overhead, Baseline(Kept(kept)), strategy=cfg.strategy, instead=DEFAULT,
                  every_step=REGISTRY[cfg.strategy].load().every_step,
                  explicit_every=cfg.every if cfg.every_given else None,
                  say=(lambda line, warn: (log.warning if warn else log.info)(line)) if rt.rank == 0
