@@ -17,7 +17,7 @@ from conftest import EXAMPLE, STEPS, TINY, assert_training_state, ckptrun, load,
 from ckptrun.cli import parse_budget
 from ckptrun.errors import UsageError
 from ckptrun.launcher.console.fmt import summary_rows
-from ckptrun.launcher.console.metrics_feed import MetricsState
+from ckptrun.launcher.console.metrics_state import MetricsState
 from ckptrun.storage.store import Store
 from ckptrun.strategies.save_policy import Measured
 from ckptrun.worker.budget import PROBE_STEPS, Baseline, Watch

@@ -25,7 +25,9 @@ from ckptrun.launcher.console.dashboard import (
     sparkline,
 )
 from ckptrun.launcher.console.hostmetrics import HostSampler
-from ckptrun.launcher.console.metrics_feed import MetricsFileWriter, MetricsState, MetricsTailer, percentile
+from ckptrun.launcher.console.metrics_feed import MetricsFileWriter, MetricsTailer
+from ckptrun.launcher.console.metrics_state import MetricsState
+from ckptrun.launcher.console.series import percentile
 
 T0 = 1_700_000_000.0
 
@@ -322,7 +324,7 @@ def test_state_counts_malformed_events_without_raising() -> None:
     state.apply({"type": "commit", "t": T0, "step": 4, "bytes": 1, "lag_s": 0.5})
     state.apply({"type": "commit", "t": T0 + 1, "step": 4, "bytes": 1, "lag_s": 0.7})  # second engine
     assert state.bad_events == 2
-    assert state.checkpoints_committed == 1 and state.committed_t == T0
+    assert state.commits.checkpoints_committed == 1 and state.commits.committed_t == T0
 
 
 # --------------------------------------------------------------------------- rendering & host

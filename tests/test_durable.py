@@ -36,7 +36,7 @@ from ckptrun.engine import drain
 from ckptrun.engine.drain import Drain
 from ckptrun.engine.durable_due import Due, due
 from ckptrun.ipc.events import EventLog
-from ckptrun.launcher.console.metrics_feed import MetricsState
+from ckptrun.launcher.console.metrics_state import MetricsState
 from ckptrun.storage.fsutil import _no_fault
 from ckptrun.storage.store import Store, full_name
 from ckptrun.storage.tiers import open_tier
@@ -92,7 +92,7 @@ def test_drained_steps_restore_from_the_url(strategy, s3, example_truth, tmp_pat
     assert len(fulls) == 1, f"--durable-keep 1 left {fulls}"
     feed = MetricsState()  # what the dashboard shows: the remote step, no lag once the run ended
     feed.apply_all(map(json.loads, (tmp_path / "metrics" / "engine-0.jsonl").read_text().splitlines()))
-    assert feed.remote["step"] == STEPS and feed.remote_lag() == 0
+    assert feed.commits.remote["step"] == STEPS and feed.commits.remote_lag() == 0
     listed = ok(ckptrun(tmp_path, "ls", "--dir", url, "--json", "--durable-endpoint", s3.url))
     assert max(r["step"] for r in json.loads(listed.stdout)) == STEPS
 
@@ -158,7 +158,7 @@ import os, sys
 from ckptrun.engine import drain
 from ckptrun.engine.drain import Drain
 from ckptrun.ipc.events import EventLog
-from ckptrun.launcher.console.metrics_feed import MetricsState
+from ckptrun.launcher.console.metrics_state import MetricsState
 from ckptrun.storage.fsutil import _no_fault
 from ckptrun.storage.store import Store, full_name
 from ckptrun.storage.tiers import open_tier

@@ -19,7 +19,7 @@ from conftest import EXAMPLE, TINY, ckptrun, logged, ok, verify
 
 from ckptrun.bench import plan
 from ckptrun.launcher.console.dashboard import render_header
-from ckptrun.launcher.console.metrics_feed import MetricsState
+from ckptrun.launcher.console.metrics_state import MetricsState
 from ckptrun.storage import fsutil, iowriter
 
 NATIVE_MISSING = iowriter.native_unavailable()

@@ -371,7 +371,6 @@ MAX_CLASS_LINES, MAX_BODY_LINES = 300, 80
 OVERSIZED = {
     "ckptrun.engine.server:Engine": "issue 60: to split",
     "ckptrun.storage.store:Store": "issue 60: to split",
-    "ckptrun.launcher.console.metrics_feed:MetricsState": "issue 60: to split",
 }
 
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import EXAMPLE, TINY, ckptrun, cli, ok
 
 from ckptrun.ipc.events import STALL_CAUSES
-from ckptrun.launcher.console.metrics_feed import MetricsState
+from ckptrun.launcher.console.metrics_state import MetricsState
 from ckptrun.restore.recovery import restorable
 from ckptrun.storage.store import Store
 

@@ -15,7 +15,8 @@ from ckptrun.engine.nodecommit import Board
 from ckptrun.engine.server import Engine
 from ckptrun.ipc.messages import RecordSpec
 from ckptrun.launcher.console.batch_log import summary_line
-from ckptrun.launcher.console.metrics_feed import MetricsState, MetricsTailer
+from ckptrun.launcher.console.metrics_feed import MetricsTailer
+from ckptrun.launcher.console.metrics_state import MetricsState
 from ckptrun.restore.recovery import newest_good, plans, read_state
 from ckptrun.storage.store import Store, full_name
 

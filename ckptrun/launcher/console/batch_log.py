@@ -11,7 +11,8 @@ import time
 from typing import Any
 
 from ckptrun.launcher.console.fmt import budget_text, fmt_duration, ms, num, opt, risk, summary_rows
-from ckptrun.launcher.console.metrics_feed import MetricsState, RunSummary
+from ckptrun.launcher.console.metrics_state import MetricsState
+from ckptrun.launcher.console.run_figures import RunSummary
 
 
 def log_line(state: MetricsState, now: float | None = None) -> str:

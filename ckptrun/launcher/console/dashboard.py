@@ -1,6 +1,6 @@
 """The launcher's live view of checkpointing, and its log when there is no live view.
 
-:func:`render` turns :class:`~ckptrun.launcher.console.metrics_feed.MetricsState` into a rich
+:func:`render` turns :class:`~ckptrun.launcher.console.metrics_state.MetricsState` into a rich
 renderable: the compact view, made for 80 columns (one per-rank table fitted to the terminal,
 ckptrun/widthfit.py), or the wide one (every column). :class:`Dashboard` runs a background thread
 that tails the metrics folder, keeps the state, copies events to ``--metrics-file`` and either
@@ -39,7 +39,9 @@ from ckptrun.launcher.console.fmt import (
     summary_rows,
 )
 from ckptrun.launcher.console.hostmetrics import NA, HostSample, HostSampler
-from ckptrun.launcher.console.metrics_feed import MetricsFileWriter, MetricsState, MetricsTailer, RunSummary
+from ckptrun.launcher.console.metrics_feed import MetricsFileWriter, MetricsTailer
+from ckptrun.launcher.console.metrics_state import MetricsState
+from ckptrun.launcher.console.run_figures import RunSummary
 from ckptrun.widthfit import Col, fit_table, left_out_line
 
 MAX_REFRESH_PER_S = 4.0
@@ -64,29 +66,29 @@ def render_header(state: MetricsState, now: float, *, wide: bool = True) -> Rend
         ("  restarts ", "dim"),
         (str(state.restarts), "bold red" if state.restarts else ""),
     )
-    commit = state.last_commit
+    commit = state.commits.last_commit
     if commit is None:
         committed = Text.assemble(("committed ", "dim"), ("none yet", "yellow"))
     else:
-        age = max(0.0, now - state.committed_t) if state.committed_t is not None else None
+        age = max(0.0, now - state.commits.committed_t) if state.commits.committed_t is not None else None
         lag = commit.get("lag_s")
         lag_text = f"lag {num(lag, '{:.2f} s') if isinstance(lag, (int, float)) else NA}, " if wide else ""
         committed = Text.assemble(
             ("committed ", "dim"),
-            (f"step {state.committed_step}", "bold green"),
+            (f"step {state.commits.committed_step}", "bold green"),
             (f" ({commit.get('kind', '?')}, {fmt_bytes(commit.get('bytes'))}, {lag_text}{fmt_duration(age)} ago)", ""),
             ("  checkpoints ", "dim"),
-            (str(state.checkpoints_committed), ""),
+            (str(state.commits.checkpoints_committed), ""),
             *((("  written ", "dim"), (fmt_bytes(state.bytes_written), "")) if wide else ()),
         )
     settings = ", ".join(f"{k}={v}" for k, v in state.settings.items()) or "-"
     budgeted = state.budgeted()
     if budgeted is not None:
         settings += f"  overhead {budget_text(budgeted)}"
-    remote = state.remote  # --durable: the newest step there, and how far behind the commits it is
+    remote = state.commits.remote  # --durable: the newest step there, and how far behind the commits it is
     remote_line = [] if remote is None else [Text.assemble(
         ("remote ", "dim"), (f"step {remote['step']}", "bold green"),
-        (f" (durable lag {state.remote_lag()} steps, upload {fmt_bytes(remote.get('bytes'))} in "
+        (f" (durable lag {state.commits.remote_lag()} steps, upload {fmt_bytes(remote.get('bytes'))} in "
          f"{num(remote.get('upload_s'), '{:.1f} s')})", ""))]
     lines = [line1, committed, *remote_line, Text.assemble(("dir ", "dim"), (state.ckpt_dir or NA, "cyan")),
              Text.assemble(("settings ", "dim"), (settings, ""))]
@@ -389,7 +391,8 @@ class Dashboard:
 
     def has_progress(self) -> bool:
         """Whether there is something to summarize: a step taken or a checkpoint committed."""
-        return self.state.checkpoints_committed > 0 or any(rs.step is not None for rs in self.state.ranks.values())
+        state = self.state
+        return state.commits.checkpoints_committed > 0 or any(rs.step is not None for rs in state.ranks.values())
 
     # ---- internals
 

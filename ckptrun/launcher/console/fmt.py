@@ -7,7 +7,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ckptrun.launcher.console.hostmetrics import NA
-from ckptrun.launcher.console.metrics_feed import Budgeted, RunSummary, Series
+from ckptrun.launcher.console.overhead import Budgeted
+from ckptrun.launcher.console.run_figures import RunSummary
+from ckptrun.launcher.console.series import Series
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 CAUSE_LABELS = {"snapshot": "snapshot", "layer_wait": "layer wait", "backpressure": "backpressure",
