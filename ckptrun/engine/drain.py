@@ -31,7 +31,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,7 +46,7 @@ from ..storage.tiers.base import MANIFEST, UploadFault
 from ..storage.tiers.parts import Part, record_parts
 from ..tuning.intervals import DEFAULT_MTBF_S
 from ..tuning.levels import FailureRates, Layout, durable_every, rates_for
-from .durable_due import Due, due, next_multiple
+from .durable_due import Due, due, held_for_due, needed, next_multiple
 
 if TYPE_CHECKING:
     from .nodecommit import Board
@@ -154,7 +154,7 @@ class Drain:
         elif newest.step <= last or (not final and last >= 0 and (every is None or newest.step < last + every)):
             return
         local = {m.name: m for m in ms}
-        todo = _needed(newest.name, local, self.remote)
+        todo = needed(newest.name, local, self.remote)
         if todo is None:  # a dependency neither here nor there: this step cannot be restorable there
             if board is not None:
                 self._say_next(board, ms[-1].step, last, every)
@@ -211,7 +211,7 @@ class Drain:
         its `from`, with the records it depends on that the tier lacks."""
         start = self.board.taken_from() if self.board is not None and ms else None
         first = None if start is None else next((m for m in ms if m.step >= start), None)
-        return frozenset(_needed(first.name, {m.name: m for m in ms}, self.remote) or ()) if first else frozenset()
+        return frozenset(needed(first.name, {m.name: m for m in ms}, self.remote) or ()) if first else frozenset()
 
     def auto_every(self, ms: list[Manifest]) -> int | None:
         """--durable-every auto: `levels.durable_every` (the tiers' model, as `ckptrun tune`
@@ -338,30 +338,18 @@ class Drain:
         under way reads until the tier has them (at most one step's records beyond --keep: the
         hold ends with the round, and a failed round's step may then go). A hold that keeps what
         --keep would remove is said once, as a `durable_hold` event and a warning."""
-        ms = self.store.manifests(warn=False) if keep > 0 else []
-        busy = self.busy
-        kept = retained(ms, keep) if ms else set()
-        held = frozenset(m.name for m in ms if m.name in busy and m.name not in kept and m.layout != "region")
-        protect |= busy | self._awaited(ms) | self._next_due(ms)
-        removed = self.store.prune(keep, protect=protect, upto=upto)
+        ms, busy = self.store.manifests(warn=False) if keep > 0 else [], self.busy
+        held = frozenset(m.name for m in ms if m.name in busy - retained(ms, keep) and m.layout != "region") if ms \
+            else frozenset()
+        if self.every and self.rank == 0 and self.board is None:  # (the multiple due: `held_for_due`)
+            protect |= held_for_due(ms, self.newest_remote(), self.every, self.remote)
+        removed = self.store.prune(keep, protect=protect | busy | self._awaited(ms), upto=upto)
         if held and held != self._held:
             self.log.emit(type="durable_hold", records=sorted(held), keep=keep)
             log.warning(f"--keep {keep}: {len(held)} record(s) kept in {self.store.root} until {self.tier.url} "
                         f"has them ({', '.join(sorted(held))})")
         self._held = held
         return removed
-
-    def _next_due(self, ms: list[Manifest]) -> frozenset[str]:
-        """--durable-every N (the leader, a shared --dir): the newest committed multiple of N the
-        tier lacks, with what it needs there. Retention keeps it until the next round copies it:
-        a drain slower than the commits would otherwise find it pruned and copy the step after."""
-        if not (self.every and self.rank == 0 and self.board is None and ms):
-            return frozenset()
-        pick = due([m.step for m in ms], self.newest_remote(), self.every)
-        if pick is None:
-            return frozenset()
-        name = [m for m in ms if m.step == pick.step][-1].name
-        return frozenset(_needed(name, {m.name: m for m in ms}, self.remote) or ())
 
     def close(self) -> None:
         """Stop the thread and upload the run's newest committed step (the run is ending)."""
@@ -375,21 +363,6 @@ class Drain:
                     self._follow_to_the_end()
         except Exception as e:  # noqa: BLE001 - reported; the previous remote step stays
             self.log.emit(type="durable_error", error=f"{type(e).__name__}: {e}", retry_s=None)
-
-
-def _needed(name: str, local: dict[str, Manifest], remote: Container[str]) -> list[str] | None:
-    """Record `name` and the records it depends on that `remote` lacks; None when one of them is
-    in neither `local` nor `remote`."""
-    need, todo = [name], []
-    while need:
-        name = need.pop()
-        if name in remote or name in todo:
-            continue
-        if name not in local:
-            return None
-        todo.append(name)
-        need += local[name].depends_on
-    return todo
 
 
 def from_config(store: Store, log: EventLog, fault: Callable[[int], UploadFault], rank: int) -> Drain | None:

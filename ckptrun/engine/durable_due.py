@@ -6,8 +6,10 @@ record at (its records end elsewhere) is stood for by the first committed step a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
+
+from ..storage.schema import Manifest
 
 
 @dataclass(frozen=True)
@@ -31,3 +33,29 @@ def due(steps: Sequence[int], last: int, every: int) -> Due | None:
 def next_multiple(after: int, every: int) -> int:
     """The first multiple of `every` past step `after`."""
     return (max(after, 0) // every + 1) * every
+
+
+def needed(name: str, local: dict[str, Manifest], remote: Container[str]) -> list[str] | None:
+    """Record `name` and the records it depends on that `remote` lacks; None when one of them is
+    in neither `local` nor `remote`."""
+    need, todo = [name], []
+    while need:
+        name = need.pop()
+        if name in remote or name in todo:
+            continue
+        if name not in local:
+            return None
+        todo.append(name)
+        need += local[name].depends_on
+    return todo
+
+
+def held_for_due(ms: list[Manifest], last: int, every: int, remote: Container[str]) -> frozenset[str]:
+    """The records local retention keeps for the next copy (a shared --dir's leader): the newest
+    committed multiple of `every` past the tier's newest step `last`, with what it needs there. A
+    drain slower than the commits would otherwise find it pruned and copy the step after."""
+    pick = due([m.step for m in ms], last, every)
+    if pick is None:
+        return frozenset()
+    name = [m for m in ms if m.step == pick.step][-1].name
+    return frozenset(needed(name, {m.name: m for m in ms}, remote) or ())
