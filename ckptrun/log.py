@@ -10,7 +10,9 @@ could deadlock.
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
+import textwrap
 
 
 class _Stderr(logging.StreamHandler):
@@ -32,6 +34,19 @@ class _Stderr(logging.StreamHandler):
             except Exception:
                 pass
         super().emit(record)
+
+    def format(self, record: logging.LogRecord) -> str:
+        """On a terminal, long lines are wrapped at its width between words (a line that breaks
+        mid-word at 80 columns is hard to read); elsewhere (a log file, a pipe) kept whole."""
+        text = super().format(record)
+        try:
+            width = shutil.get_terminal_size().columns if self.stream.isatty() else 0
+        except (AttributeError, ValueError, OSError):
+            width = 0
+        if width <= 0 or all(len(line) <= width for line in text.splitlines()):
+            return text
+        return "\n".join(textwrap.fill(line, width, break_long_words=False, break_on_hyphens=False)
+                         for line in text.splitlines())
 
     @property
     def stream(self):

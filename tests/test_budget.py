@@ -154,6 +154,14 @@ def test_a_strategy_working_every_step_says_once_that_it_is_over_budget_naming_o
     assert [e["verdict"] for e in m.events if e["type"] == "budget"] == ["over"]
 
 
+def test_a_verdict_said_before_a_worker_restart_is_not_said_again(tmp_path):
+    kept = str(tmp_path / "baseline-0.json")
+    first = Machine(FixedInterval(1), every_step=True, strategy="lowdiff", kept=kept).run(PROBE_STEPS + 80)
+    assert len(first.said) == 1
+    again = Machine(FixedInterval(1), every_step=True, strategy="lowdiff", kept=kept).run(80)
+    assert again.said == [] and again.watch.said == {"over"}
+
+
 def test_a_cheap_strategy_working_every_step_says_nothing():
     m = Machine(FixedInterval(1), every_step=True, strategy="lowdiff", cost=0.003).run(PROBE_STEPS + 80)
     assert m.said == [] and m.overheads()[-1] == pytest.approx(0.03)

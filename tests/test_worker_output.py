@@ -244,3 +244,23 @@ def test_live_run_echoes_worker_lines_whole_and_in_order(tmp_path: Path) -> None
         "[rank 0] stdout 1", "[rank 0] stderr 2", "[rank 0] stdout 3",
         "[rank 0] 100%|##########| 6/6", "[rank 0] epoch 0 done", "[rank 0] 100%|##########| 6/6"], "\n".join(screen)
     assert [ln for ln in screen if "ckptrun summary" in ln] == ["ckptrun summary"]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_launchers_own_lines_wrap_between_words_on_a_terminal_only(monkeypatch):
+    """At 80 columns a long `ckptrun:` line breaks between words (it once broke mid-word, `at st`
+    / `art)`); written to a file or a pipe it stays one line, as logs and tests read it."""
+    from ckptrun.log import log
+
+    monkeypatch.setenv("COLUMNS", "80")
+    words = "host-memory budget: 5.31 GiB per node (25% of 21.23 GiB available at start), for the slots"
+    for stream, lines in ((_Terminal(), 2), (io.StringIO(), 1)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        log.info(words)
+        out = stream.getvalue().splitlines()
+        assert len(out) == lines and all(len(line) <= 80 for line in out[:-1] if lines > 1), out
+        assert " ".join(out) == f"ckptrun: {words}", out

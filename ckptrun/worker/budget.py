@@ -90,7 +90,7 @@ class Watch:
         self.every_step = every_step  # the strategy's mechanism works every step (`Strategy.every_step`)
         self.probe_until = 0
         self._say, self._emit = say, emit
-        self.said: set[str] = set()
+        self.said: set[str] = set(baseline.kept.words("said"))  # (a restarted worker's predecessor's too)
         self._over_before = False  # the last evaluation found it over budget, and changed nothing
         self.measured = False  # an evaluation saw a written checkpoint's cost (`_disk_behind`, `_cost_due`)
         self._seen, self._steps, self._step_s, self._stall_s = 0, 0, 0.0, 0.0  # since the probe: `run_overhead`
@@ -161,10 +161,17 @@ class Watch:
             self._over(step, m)
         self._over_before = over
 
+    def _first_time(self, verdict: str) -> bool:
+        """Is `verdict` said now for the first time in the run (a restarted worker's too)?"""
+        if verdict in self.said:
+            return False
+        self.said.add(verdict)
+        self.baseline.kept.set("said", sorted(self.said))
+        return True
+
     def _explicit(self, step: int, m: Measured) -> None:
-        if "explicit" in self.said:
+        if not self._first_time("explicit"):
             return
-        self.said.add("explicit")
         every = self.explicit_every
         fits = interval_within(m.cost_s, m.base_step_s, self.budget)
         if m.persist_s:
@@ -182,9 +189,8 @@ class Watch:
                    budget=self.budget)
 
     def _over(self, step: int, m: Measured) -> None:
-        if "over" in self.said:
+        if not self._first_time("over"):
             return
-        self.said.add("over")
         if self.every_step:
             why, fix = "its mechanism works every step", f"--strategy {self.instead} keeps within it (its " \
                 "interval follows the budget)"

@@ -173,7 +173,8 @@ class Retuner:
         kept = self.watch.baseline.kept.settings(_kept_key(policy)) if self.watch and self.solo else None
         if kept is not None and policy.adjustable and kept.keys() == policy.settings.keys() \
                 and kept != policy.settings:
-            decision = Decision(kept, "as decided before the worker restarted")
+            settings = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in kept.items())
+            decision = Decision(kept, f"{settings}, as decided before the worker restarted")
             policy.adopt(decision)
             self._on_change(self._start or 0, policy, decision)
         return policy

@@ -33,6 +33,11 @@ class Kept:
         ok = all(isinstance(k, str) and type(v) is int and v > 0 for k, v in value.items())
         return dict(value) if ok else None
 
+    def words(self, key: str) -> list[str]:
+        """The strings kept under `key` (a list of them), else none."""
+        value = self._data.get(key)
+        return [w for w in value if isinstance(w, str)] if isinstance(value, list) else []
+
     def set(self, key: str, value: Any) -> None:
         self._data[key] = value
         if self.path:
