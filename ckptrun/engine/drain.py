@@ -3,26 +3,27 @@
 Every rank's engine runs one, in a thread (the trainer never waits on it), and uploads its own
 rank's part of a step only: the files its node holds, so no engine reads another node's files
 and the upload bandwidth grows with the nodes. Global rank 0's engine leads. Each round it takes
-a committed step, with every record it depends on that the tier lacks: given `--durable-every N`,
-the newest multiple of N past the newest remote step (`durable_due`: as --every N for --dir;
-where the uploads fall behind, older multiples are skipped, said once); auto, the newest step
-once it is the interval past the newest remote one (the tiers' interval model on the measured
-upload bandwidth, step time and failure rate, see `auto_every`); at close, the newest. For each,
-oldest first, uploads its own part; the other engines see rank 0's part of a record without a
-commit object in the tier's listing and upload theirs. Once the listing shows every rank's
-part, the leader uploads the commit object, last: a kill at any moment leaves the previous
-remote step restorable. The listing is the coordination because it is what every node sees and what a
-reader will find; the job's c10d store is the workers', made again at each rendezvous round,
-which the engines outlive. A part that is not up PART_WAIT_S (or twice the leader's own upload
-time) after the last one came is uploaded by the leader itself where --dir is shared, else the
-round fails and is retried. With --node-local-dir (no other node's part can come from here), the
-leader says on the round's board, in advance, the first step its next round takes (`_say_next`),
-and every engine keeps its record of that step until then: a node would otherwise prune its part
-before its next poll of the listing. At start the leader aborts the partial uploads of a dead engine;
-after each remote commit it removes the records left without one and applies `--durable-keep`.
-Each part is a `durable_part` event, each upload a `durable` event in the metrics (step, bytes,
-seconds, lag), each failure a `durable_error` (retried with back-off; the previous remote step
-stays restorable).
+a committed step, with every record it depends on that the tier lacks: given
+`--durable-every N`, the newest multiple of N past the newest remote step (`durable_due`: as
+--every N for --dir; where the uploads fall behind, older multiples are skipped, said once);
+auto, the newest step once it is the interval past the newest remote one (the tiers' interval
+model on the measured upload bandwidth, step time and failure rate, see `auto_every`); at close,
+the newest. For each, oldest first, uploads its own part; the other engines see rank 0's part of
+a record without a commit object in the tier's listing and upload theirs. Once the listing shows
+every rank's part, and each index read back is the one its manifest names (a step run again
+after a restart has another: `_check_parts`), the leader uploads the commit object, last: a kill
+at any moment leaves the previous remote step restorable. The listing is the coordination
+because it is what every node sees and what a reader will find; the job's c10d store is the
+workers', made again at each rendezvous round, which the engines outlive. A part that is not up
+PART_WAIT_S (or twice the leader's own upload time) after the last one came is uploaded by the
+leader itself where --dir is shared, else the round fails and is retried. With --node-local-dir
+(no other node's part can come from here), the leader says on the round's board, in advance, the
+first step its next round takes (`_say_next`), and every engine keeps its record of that step
+until then: a node would otherwise prune its part before its next poll of the listing. At start
+the leader aborts the partial uploads of a dead engine; after each remote commit it removes the
+records left without one and applies `--durable-keep`. Each part is a `durable_part` event, each
+upload a `durable` event in the metrics (step, bytes, seconds, lag), each failure a
+`durable_error` (retried with back-off; the previous remote step stays restorable).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Container
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,7 +41,7 @@ from ..config import ENV, RunConfig
 from ..errors import CorruptCheckpoint
 from ..ipc.events import EventLog
 from ..log import log
-from ..storage.schema import Manifest
+from ..storage.schema import Manifest, checksum, rank_files
 from ..storage.store import Store, retained
 from ..storage.tiers import Tier, open_tier
 from ..storage.tiers.base import MANIFEST, UploadFault
@@ -55,6 +57,7 @@ POLL_S = 0.1  # the leader's rounds (a local check first)
 FOLLOW_POLL_S = 1.0  # the other engines' polls of the listing (one LIST request each)
 PARTS_POLL_S = 0.25  # the leader's polls of the listing while it waits for the other ranks' parts
 PART_WAIT_S = 30.0
+FETCHES = 8  # the other ranks' indexes read back at once before a commit object (`_check_parts`)
 TIMED_COMMITS = 8  # auto: the step time is measured over this many newest commits
 BACKOFF_MAX_S = 30.0
 SAID_CHANGE = 0.25  # a `durable_interval` event when auto's interval moves by more than this fraction
@@ -243,7 +246,8 @@ class Drain:
                     self.tier.remove_record(m.name, list(left))
             took = self._put_part(m, 0, parts[0], fault)
             if m.world_size > 1:
-                self._await_parts(m, max(PART_WAIT_S, 2 * took), fault, final)
+                mine = {0, *self._await_parts(m, max(PART_WAIT_S, 2 * took), fault, final)}
+                self._check_parts(m, mine)
             self.tier.publish_commit(m.name, manifest, fault)
         self.remote[m.name] = m
         return m.bytes
@@ -257,16 +261,16 @@ class Drain:
                       bytes=m.rank_bytes[rank] if m.rank_bytes else None, upload_s=took)
         return took
 
-    def _await_parts(self, m: Manifest, wait_s: float, fault: UploadFault, final: bool) -> None:
+    def _await_parts(self, m: Manifest, wait_s: float, fault: UploadFault, final: bool) -> list[int]:
         """Return once the listing shows every rank's part of `m`. A rank whose part has not come
         `wait_s` after the last one did (its engine is gone) is uploaded from here, if --dir
-        holds it."""
+        holds it. Returns the ranks whose part went from here."""
         seen, since = set(), time.monotonic()
         while True:
             up = self.tier.ranks_up(self.tier.listing()[0].get(m.name, {}))
             missing = [r for r in range(m.world_size) if r not in up]
             if not missing:
-                return
+                return []
             if up != seen:
                 seen, since = up, time.monotonic()
             elif time.monotonic() - since > wait_s:
@@ -280,6 +284,34 @@ class Drain:
         except (CorruptCheckpoint, OSError) as e:
             raise RuntimeError(f"{m.name}: rank {missing[0]}'s part did not reach {self.tier.url} in "
                                f"{wait_s:.0f} s, and {self.store.root} cannot give it ({e})") from None
+        return missing
+
+    def _check_parts(self, m: Manifest, mine: Container[int]) -> None:
+        """Before the commit object: the other engines' parts in the tier are of `m` itself. A
+        restart runs a step again under the same name, and the re-run's index differs (its
+        snapshot times): a part of the other run (this round begun before the restart, another
+        engine's upload landing late) under `m`'s commit object would make the step unreadable.
+        Each index is read back (small objects, in parallel) and checked against `m`'s checksums;
+        a rank file, one object with its index at its end, is not: its run is the one --dir
+        holds if that still commits `m`. A mismatch removes the record and fails the round: the
+        next one uploads the step as --dir holds it then."""
+        files = self.tier.listing()[0].get(m.name, {})
+        now = next((x for x in self.store.manifests(warn=False) if x.name == m.name), None)
+        if now is not None and now.index_checksums != m.index_checksums:
+            self.tier.remove_record(m.name, list(files))
+            raise CorruptCheckpoint(f"{m.name}: {self.store.root} holds another run of it now; "
+                                    f"the upload of the one before is removed from {self.tier.url}")
+        keys = {r: rank_files(r)[1] for r in range(m.world_size) if r not in mine and rank_files(r)[1] in files}
+        with tempfile.TemporaryDirectory(prefix="ckptrun-durable-") as tmp, ThreadPoolExecutor(FETCHES) as pool:
+            def stale(r: int) -> bool:
+                dest = Path(tmp) / keys[r]
+                self.tier.get(f"{m.name}/{keys[r]}", dest, files[keys[r]])
+                return checksum(dest.read_bytes()) != m.index_checksums[str(r)]
+            bad = [r for r, no in zip(keys, pool.map(stale, keys), strict=True) if no]
+        if bad:
+            self.tier.remove_record(m.name, list(files))
+            raise CorruptCheckpoint(f"{m.name}: rank {bad[0]}'s index in {self.tier.url} is not the one its "
+                                    "commit names (a part of another run of the step); the record is removed")
 
     def _follow(self) -> dict[str, dict[str, int]]:
         """Upload this rank's part of every record the leader has begun and it has committed;
