@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,7 @@ from s3server import moto_server
 from ckptrun.engine import drain
 from ckptrun.engine.drain import Drain
 from ckptrun.engine.durable_due import Due, due
+from ckptrun.errors import CorruptCheckpoint
 from ckptrun.ipc.events import EventLog
 from ckptrun.launcher.console.metrics_state import MetricsState
 from ckptrun.storage.fsutil import _no_fault
@@ -137,8 +139,9 @@ def _weights(step: int, rank: int) -> torch.Tensor:
     return torch.randn(9 << 18 if step == 2 else 1024, generator=torch.Generator().manual_seed(100 * step + rank))
 
 
-def _local_steps(root: Path, steps: tuple[int, ...] = (1, 2), world_size: int = 1) -> Store:
-    """--dir with committed full steps of `world_size` ranks."""
+def _local_steps(root: Path, steps: tuple[int, ...] = (1, 2), world_size: int = 1, run: int = 0) -> Store:
+    """--dir with committed full steps of `world_size` ranks; `run` is in each index's meta (a
+    step run again after a restart has the same tensors and another index: its snapshot times)."""
     store = Store(root)
     store.ensure_writable()
     for step in steps:
@@ -147,7 +150,7 @@ def _local_steps(root: Path, steps: tuple[int, ...] = (1, 2), world_size: int = 
                      "optimizers": {"optimizer": {"state": {0: {"step": torch.tensor(float(step))}},
                                                   "param_groups": [{"lr": 0.1, "params": [0]}]}}, "step": step}
             skeleton, data, specs = pack(state)
-            store.write_rank(full_name(step), rank, memoryview(data), specs, skeleton, {"step": step})
+            store.write_rank(full_name(step), rank, memoryview(data), specs, skeleton, {"step": step, "run": run})
         assert store.try_commit(full_name(step), kind="full", step=step, first_step=step, world_size=world_size)
     return store
 
@@ -387,9 +390,9 @@ def _parts_by(metrics: Path, rank: int) -> list[tuple[str, int, int]]:
     return [(e["record"], e["rank"], e["by"]) for e in map(json.loads, lines) if e["type"] == "durable_part"]
 
 
-def _node_local(tmp_path: Path) -> tuple[Store, Store]:
+def _node_local(tmp_path: Path, run: int = 0) -> tuple[Store, Store]:
     """Two nodes' --dir, each holding the committed manifests and only its own rank's files."""
-    node0 = _local_steps(tmp_path / "node0", world_size=2)
+    node0 = _local_steps(tmp_path / "node0", world_size=2, run=run)
     shutil.copytree(node0.root, tmp_path / "node1")
     for node, other in ((0, 1), (1, 0)):
         for f in (tmp_path / f"node{node}").glob(f"step-*/rank-{other:05d}.*"):
@@ -425,6 +428,58 @@ def test_each_engine_uploads_its_own_ranks_part(tmp_path):
     for rank in (0, 1):  # each rank's own state, from the node that held it
         state, _ = restore(tmp_path, url, 2, rank)
         assert torch.equal(state["model"]["w"], _weights(2, rank))
+
+
+def _lead_and_follow(leader: Drain, follower: Drain, name: str, meanwhile: Callable[[], object] = lambda: None
+                     ) -> Exception | None:
+    """The leader's round, `meanwhile` and the follower's once rank 0's part of `name` is in the
+    tier; the leader's error, if any."""
+    errors: list[Exception] = []
+
+    def lead() -> None:
+        try:
+            leader.round()
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            errors.append(e)
+
+    thread = threading.Thread(target=lead)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while thread.is_alive() and leader.tier.ranks_up(leader.tier.listing()[0].get(name, {})) != {0}:
+        assert time.monotonic() < deadline, leader.tier.listing()
+        time.sleep(0.05)
+    meanwhile()
+    follower.round()
+    thread.join(timeout=60)
+    return errors[0] if errors else None
+
+
+def test_a_part_of_another_run_of_the_step_is_never_committed(tmp_path):
+    """Node 1 replaced: the job resumes from an older step and runs step 2 again, which node 1
+    commits anew (same tensors, another index), while the leader's round begun before the
+    restart still uploads step 2 as first committed. The leader never publishes a commit object
+    over a rank-1 index it does not name (the step would be unreadable there): it removes the
+    record and the round fails, found by the index read back, or, where node 0's --dir holds
+    the re-run's step 2 by then, by that; the next round commits a readable one."""
+    node0, _ = _node_local(tmp_path / "before")
+    rerun0, node1 = _node_local(tmp_path / "rerun", run=1)
+    url, metrics = str(tmp_path / "remote"), tmp_path / "metrics"
+    leader, follower = _drain(node0, url, 0, metrics), _drain(node1, url, 1, metrics)
+
+    def rerun_on_node0() -> None:
+        shutil.rmtree(node0.root / full_name(2))
+        shutil.copytree(rerun0.root / full_name(2), node0.root / full_name(2))
+
+    for meanwhile, said in ((lambda: None, "rank 1's index"), (rerun_on_node0, "holds another run")):
+        error = _lead_and_follow(leader, follower, full_name(2), meanwhile)
+        assert isinstance(error, CorruptCheckpoint) and said in str(error), error
+        assert open_tier(url).listing()[0] == {}, "a record of two runs of the step left in the tier"
+    assert _lead_and_follow(leader, follower, full_name(2)) is None
+    assert open_tier(url).committed() == [full_name(2)]
+    checked = verify(tmp_path, url)
+    assert checked.returncode == 0, checked.stdout
+    state, _ = restore(tmp_path, url, 2, 1)
+    assert torch.equal(state["model"]["w"], _weights(2, 1))
 
 
 def test_a_missing_part_is_uploaded_by_the_leader_where_it_can(tmp_path, monkeypatch):

@@ -3,26 +3,27 @@
 Every rank's engine runs one, in a thread (the trainer never waits on it), and uploads its own
 rank's part of a step only: the files its node holds, so no engine reads another node's files
 and the upload bandwidth grows with the nodes. Global rank 0's engine leads. Each round it takes
-a committed step, with every record it depends on that the tier lacks: given `--durable-every N`,
-the newest multiple of N past the newest remote step (`durable_due`: as --every N for --dir;
-where the uploads fall behind, older multiples are skipped, said once); auto, the newest step
-once it is the interval past the newest remote one (the tiers' interval model on the measured
-upload bandwidth, step time and failure rate, see `auto_every`); at close, the newest. For each,
-oldest first, uploads its own part; the other engines see rank 0's part of a record without a
-commit object in the tier's listing and upload theirs. Once the listing shows every rank's
-part, the leader uploads the commit object, last: a kill at any moment leaves the previous
-remote step restorable. The listing is the coordination because it is what every node sees and what a
-reader will find; the job's c10d store is the workers', made again at each rendezvous round,
-which the engines outlive. A part that is not up PART_WAIT_S (or twice the leader's own upload
-time) after the last one came is uploaded by the leader itself where --dir is shared, else the
-round fails and is retried. With --node-local-dir (no other node's part can come from here), the
-leader says on the round's board, in advance, the first step its next round takes (`_say_next`),
-and every engine keeps its record of that step until then: a node would otherwise prune its part
-before its next poll of the listing. At start the leader aborts the partial uploads of a dead engine;
-after each remote commit it removes the records left without one and applies `--durable-keep`.
-Each part is a `durable_part` event, each upload a `durable` event in the metrics (step, bytes,
-seconds, lag), each failure a `durable_error` (retried with back-off; the previous remote step
-stays restorable).
+a committed step, with every record it depends on that the tier lacks: given
+`--durable-every N`, the newest multiple of N past the newest remote step (`durable_due`: as
+--every N for --dir; where the uploads fall behind, older multiples are skipped, said once);
+auto, the newest step once it is the interval past the newest remote one (the tiers' interval
+model on the measured upload bandwidth, step time and failure rate, see `auto_every`); at close,
+the newest. For each, oldest first, uploads its own part; the other engines see rank 0's part of
+a record without a commit object in the tier's listing and upload theirs. Once the listing shows
+every rank's part, and each index read back is the one its manifest names (a step run again
+after a restart has another: `_check_parts`), the leader uploads the commit object, last: a kill
+at any moment leaves the previous remote step restorable. The listing is the coordination
+because it is what every node sees and what a reader will find; the job's c10d store is the
+workers', made again at each rendezvous round, which the engines outlive. A part that is not up
+PART_WAIT_S (or twice the leader's own upload time) after the last one came is uploaded by the
+leader itself where --dir is shared, else the round fails and is retried. With --node-local-dir
+(no other node's part can come from here), the leader says on the round's board, in advance, the
+first step its next round takes (`_say_next`), and every engine keeps its record of that step
+until then: a node would otherwise prune its part before its next poll of the listing. At start
+the leader aborts the partial uploads of a dead engine; after each remote commit it removes the
+records left without one and applies `--durable-keep`. Each part is a `durable_part` event, each
+upload a `durable` event in the metrics (step, bytes, seconds, lag), each failure a
+`durable_error` (retried with back-off; the previous remote step stays restorable).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from ..storage.tiers.base import MANIFEST, UploadFault
 from ..storage.tiers.parts import Part, record_parts
 from ..tuning.intervals import DEFAULT_MTBF_S
 from ..tuning.levels import FailureRates, Layout, durable_every, rates_for
+from .durable_check import check_parts
 from .durable_due import Due, due, held_for_due, needed, next_multiple
 
 if TYPE_CHECKING:
@@ -243,7 +245,8 @@ class Drain:
                     self.tier.remove_record(m.name, list(left))
             took = self._put_part(m, 0, parts[0], fault)
             if m.world_size > 1:
-                self._await_parts(m, max(PART_WAIT_S, 2 * took), fault, final)
+                mine = {0, *self._await_parts(m, max(PART_WAIT_S, 2 * took), fault, final)}
+                check_parts(self.tier, self.store, m, mine)
             self.tier.publish_commit(m.name, manifest, fault)
         self.remote[m.name] = m
         return m.bytes
@@ -257,16 +260,15 @@ class Drain:
                       bytes=m.rank_bytes[rank] if m.rank_bytes else None, upload_s=took)
         return took
 
-    def _await_parts(self, m: Manifest, wait_s: float, fault: UploadFault, final: bool) -> None:
-        """Return once the listing shows every rank's part of `m`. A rank whose part has not come
-        `wait_s` after the last one did (its engine is gone) is uploaded from here, if --dir
-        holds it."""
+    def _await_parts(self, m: Manifest, wait_s: float, fault: UploadFault, final: bool) -> list[int]:
+        """Return once the listing shows every rank's part of `m`: the ranks whose part went from
+        here (one that has not come `wait_s` after the last did, its engine gone, if --dir holds it)."""
         seen, since = set(), time.monotonic()
         while True:
             up = self.tier.ranks_up(self.tier.listing()[0].get(m.name, {}))
             missing = [r for r in range(m.world_size) if r not in up]
             if not missing:
-                return
+                return []
             if up != seen:
                 seen, since = up, time.monotonic()
             elif time.monotonic() - since > wait_s:
@@ -280,6 +282,7 @@ class Drain:
         except (CorruptCheckpoint, OSError) as e:
             raise RuntimeError(f"{m.name}: rank {missing[0]}'s part did not reach {self.tier.url} in "
                                f"{wait_s:.0f} s, and {self.store.root} cannot give it ({e})") from None
+        return missing
 
     def _follow(self) -> dict[str, dict[str, int]]:
         """Upload this rank's part of every record the leader has begun and it has committed;
