@@ -126,11 +126,9 @@ class RecordReader:
 
     def manifest(self, name: str) -> Manifest:
         try:
-            m = Manifest.from_json(json.loads(self._read_metadata(name, MANIFEST, "manifest")))
+            m = parse_manifest(self._read_metadata(name, MANIFEST, "manifest"), name)
         except CorruptCheckpoint as e:
             raise CorruptCheckpoint(str(e) if str(e).startswith(f"{name}: ") else f"{name}: {e}") from None
-        except (ValueError, RecursionError):
-            raise CorruptCheckpoint(f"{name}: manifest is not valid JSON") from None
         if m.name != name:
             raise CorruptCheckpoint(f"{name}: manifest names another record ({m.name})")
         if m.layout == "region":
@@ -279,6 +277,15 @@ class RecordReader:
             raise CorruptCheckpoint(f"{m.name}: rank {rank} data file is {size} bytes, its index says "
                                     f"{index['data_nbytes']} (truncated or replaced)")
         return index, fd, 0
+
+
+def parse_manifest(raw: bytes, what: str) -> Manifest:
+    """The checked manifest in the bytes of a commit object (`what` names it in errors): the one
+    parser of manifests read, here and from a tier."""
+    try:
+        return Manifest.from_json(json.loads(raw))
+    except (ValueError, RecursionError):
+        raise CorruptCheckpoint(f"{what}: manifest is not valid JSON") from None
 
 
 def _ranks_text(ranks: list[int]) -> str:

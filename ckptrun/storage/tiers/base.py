@@ -12,7 +12,6 @@ Its listing is untrusted input (DESIGN invariant 7): only keys of the form
 
 from __future__ import annotations
 
-import json
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from pathlib import Path
 from ...errors import CorruptCheckpoint
 from ..fsutil import FaultHook, _no_fault
 from ..schema import MANIFEST, MARKER, MAX_FILE_BYTES, MAX_METADATA_BYTES, Manifest, checksum, is_record_name
+from ..store_read import parse_manifest
 from .source import Source
 
 FILE_NAME = re.compile(r"MANIFEST\.json|rank-[0-9]{5}\.(data|json|ckpt)")
@@ -130,11 +130,3 @@ class Tier(ABC):
         for name in torn:
             self.remove_record(name, list(records[name]))
         return aborted, torn
-
-
-def parse_manifest(raw: bytes, what: str) -> Manifest:
-    """The checked manifest in the bytes of a commit object (`what` names it in errors)."""
-    try:
-        return Manifest.from_json(json.loads(raw))
-    except (ValueError, RecursionError):
-        raise CorruptCheckpoint(f"{what}: manifest is not valid JSON") from None
