@@ -313,16 +313,16 @@ def test_a_thin_copy_holds_only_per_rank_state_and_a_peer_makes_it_whole(tmp_pat
     assert thin_rank_part(store, store.manifest(name), 1) == (slim, whole[index_file])  # (what the engine ships)
     replaced = json.loads(whole[index_file])  # the index file swapped after its check, before it is read again
     replaced["meta"]["shared"] = ["models/model/b"]
-    read, reads = store._read_metadata, []
+    read, reads = store.reader._read_metadata, []
 
-    def swapped(*a):  # the first read (Store.open_rank's, checked) sees the file as committed
+    def swapped(*a):  # the first read (RecordReader.open_rank's, checked) sees the file as committed
         reads.append(a[1])
         return json.dumps(replaced).encode() if reads.count(index_file) > 1 else read(*a)
 
-    store._read_metadata = swapped
+    store.reader._read_metadata = swapped
     with pytest.raises(CorruptCheckpoint, match="rank 1 index checksum mismatch"):
         thin_rank_part(store, store.manifest(name), 1)
-    store._read_metadata = read
+    store.reader._read_metadata = read
     assert len(slim) == 5 * 4 < len(whole[data_file])  # the rng tensor's bytes, nothing else
     tier = MemoryTier()
     damaged = bytearray(slim)

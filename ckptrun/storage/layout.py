@@ -93,9 +93,9 @@ def view(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
 
 
 class ReadBuffer:
-    """A data file's read buffer kept from one read to the next (`Store.read_rank`'s `into`): a
-    reader going through record after record reuses pages already faulted in instead of
-    faulting in a fresh buffer's every page each time. It grows to the largest read, sized by
+    """A data file's read buffer kept from one read to the next (`store_tensors.read_rank`'s
+    `into`): a reader going through record after record reuses pages already faulted in instead
+    of faulting in a fresh buffer's every page each time. It grows to the largest read, sized by
     the reads themselves (validated sizes), never by a number a manifest claims."""
 
     def __init__(self) -> None:

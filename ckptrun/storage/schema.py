@@ -3,7 +3,8 @@
 A checkpoint directory is untrusted input: it may be damaged, hand-edited, copied from elsewhere
 or crafted. Every field of a manifest and of a rank index is checked here (type, range and
 consistency) before anything is allocated or read on its say-so. Checks that need the file
-system (file sizes, which rank files exist) stay in `store.Store`, the one reader.
+system (file sizes, which rank files exist) stay in `store_read.RecordReader`, the one
+reader.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ MAX_NDIM = 64
 MAX_FILE_BYTES = 2**48
 MAX_METADATA_BYTES = 64 << 20  # a manifest or index file larger than this is not read
 MAX_SKELETON_DEPTH = 64
+MANIFEST = "MANIFEST.json"  # a record's commit object: it exists for readers once this is published
+MARKER = "ckptrun.json"  # what makes a folder a checkpoint directory (its format)
 
 _NAME = r"^(step-[0-9]{8,13}|diff-[0-9]{8,13}-[0-9]{8,13})$"
 RECORD_NAME = re.compile(_NAME.strip("^$"))  # for re.fullmatch

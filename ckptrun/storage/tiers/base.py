@@ -4,7 +4,7 @@ A tier holds records in the checkpoint format unchanged: `<record>/<file>` objec
 rank index or rank file) and the record's commit object `<record>/MANIFEST.json`, written last
 and only once every rank's part is there; removing a record takes the commit object first. A
 tier knows objects, not checkpoints: `ls`, `verify`, `restore`, resume and retention read it
-through `tiers.mirror` and `Store`, the one reader, so they never learn which tier they read.
+through `tiers.mirror` and `store_read`, the one reader, so they never learn which tier they read.
 
 Its listing is untrusted input (DESIGN invariant 7): only keys of the form
 `<record name>/<known file name>` with a size in range count; anything else is refused and said.
@@ -12,7 +12,6 @@ Its listing is untrusted input (DESIGN invariant 7): only keys of the form
 
 from __future__ import annotations
 
-import json
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -20,10 +19,10 @@ from pathlib import Path
 
 from ...errors import CorruptCheckpoint
 from ..fsutil import FaultHook, _no_fault
-from ..schema import MAX_FILE_BYTES, MAX_METADATA_BYTES, Manifest, checksum, is_record_name
+from ..schema import MANIFEST, MARKER, MAX_FILE_BYTES, MAX_METADATA_BYTES, Manifest, checksum, is_record_name
+from ..store_read import parse_manifest
 from .source import Source
 
-MANIFEST = "MANIFEST.json"
 FILE_NAME = re.compile(r"MANIFEST\.json|rank-[0-9]{5}\.(data|json|ckpt)")
 UploadFault = FaultHook  # called at "part" (a piece of a record is up), "commit", "committed"
 
@@ -67,7 +66,7 @@ class Tier(ABC):
         refused: list[str] = []
         for key, size in self._list():
             parts = key.split("/")
-            if parts == ["ckptrun.json"] or parts[-1].startswith(".probe-"):
+            if parts == [MARKER] or parts[-1].startswith(".probe-"):
                 continue
             if (len(parts) != 2 or not is_record_name(parts[0]) or not FILE_NAME.fullmatch(parts[1])
                     or not 0 <= size <= MAX_FILE_BYTES
@@ -131,11 +130,3 @@ class Tier(ABC):
         for name in torn:
             self.remove_record(name, list(records[name]))
         return aborted, torn
-
-
-def parse_manifest(raw: bytes, what: str) -> Manifest:
-    """The checked manifest in the bytes of a commit object (`what` names it in errors)."""
-    try:
-        return Manifest.from_json(json.loads(raw))
-    except (ValueError, RecursionError):
-        raise CorruptCheckpoint(f"{what}: manifest is not valid JSON") from None

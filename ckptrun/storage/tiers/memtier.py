@@ -15,7 +15,8 @@ from pathlib import Path
 from ...errors import CorruptCheckpoint
 from ..fsutil import _no_fault
 from ..schema import Manifest, rank_files
-from .base import MANIFEST, Tier, UploadFault, parse_manifest
+from ..store_read import parse_manifest
+from .base import MANIFEST, Tier, UploadFault
 from .dpshared import copy_spans, parse
 from .source import Source
 

@@ -1,10 +1,10 @@
 """Copy committed records from a tier into a local folder laid out like --dir.
 
-`ls`, `verify`, `restore` and resume read a tier through such a copy and `Store`, the one reader
-of untrusted checkpoint directories, so every check of invariant 7 applies to it unchanged. The
-names come from the tier's checked listing; the room is checked before anything is copied; each
-file is copied under a hidden name and renamed, a record's manifest last, so a copy cut short
-is an uncommitted record, never a committed one missing its data.
+`ls`, `verify`, `restore` and resume read a tier through such a copy and `store_read`, the
+one reader of untrusted checkpoint directories, so every check of invariant 7 applies to it
+unchanged. The names come from the tier's checked listing; the room is checked before anything
+is copied; each file is copied under a hidden name and renamed, a record's manifest last, so a
+copy cut short is an uncommitted record, never a committed one missing its data.
 """
 
 from __future__ import annotations

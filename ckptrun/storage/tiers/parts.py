@@ -1,8 +1,8 @@
 """A committed record of --dir as the objects a tier stores, in the checkpoint format unchanged.
 
 Every rank's part is read from where --dir keeps it (record folder, rank file or region slot)
-after the reader's own checks (`Store.open_rank`), with the index's tensor checksums carried
-along. A step held in region slots goes up as a record folder's files (its index is the same
+after the reader's own checks (`RecordReader.open_rank`), with the index's tensor checksums
+carried along. A step held in region slots goes up as a record folder's files (its index is the same
 bytes), its manifest saying layout "records".
 """
 
@@ -37,7 +37,7 @@ def record_parts(store: Store, m: Manifest, ranks: Iterable[int] | None = None
 
 
 def rank_part(store: Store, m: Manifest, r: int, stack: contextlib.ExitStack) -> Part:
-    """Rank `r`'s objects of committed record `m`, checked by `Store.open_rank` (--dir may hold
+    """Rank `r`'s objects of committed record `m`, checked by `RecordReader.open_rank` (--dir may hold
     only some ranks' parts); the data file stays open until `stack` closes."""
     index, fd, base = store.open_rank(m, r)
     stack.callback(os.close, fd)
