@@ -1,8 +1,8 @@
 """The one point where a test's injected fault (ckptrun/faults.py, CKPTRUN_FAULT) reaches the
 engine: production code asks here at the moments a fault may strike, and without a fault, or
-with another kind, each answer is "nothing". `EngineFaults` serves the writes, the commits and
-the durable uploads (engine/server.py, engine/commit_path.py, engine/drain.py); `ReplicaFaults`
-the replication (engine/replica_*.py).
+with another kind, each answer is "nothing". `EngineFaults` serves the writes and commits
+(engine/persist.py, engine/commit_path.py, a handler's context) and the durable uploads
+(engine/drain.py); `ReplicaFaults` the replication (engine/replica_*.py).
 """
 
 from __future__ import annotations
