@@ -16,8 +16,6 @@ Faults fire only in the first attempt, so the restarted run can finish. Several 
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
 from dataclasses import dataclass
@@ -60,27 +58,3 @@ def from_env(rank: int, restart_count: int) -> Fault | None:
 def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
-
-class ReplicaFaults:
-    """The one point where the engine's replication (engine/replica_*.py) lets a test's fault
-    fire: production code calls it at the two moments a fault may strike, and without a fault
-    (`fault` None, or another kind) it does nothing."""
-
-    def __init__(self, fault: Fault | None = None) -> None:
-        self.fault = fault
-
-    def receiving(self, manifest: bytes) -> None:
-        """`kill-engine:step=N:phase=receive`: this engine dies while it receives a partner's
-        copy of step N or later, the copy's manifest in and its data not."""
-        fault = self.fault
-        if fault is None or fault.target != "kill-engine" or fault.phase != "receive":
-            return
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            if json.loads(manifest)["step"] >= fault.step:
-                die()
-
-    def corrupts(self, step: int) -> bool:
-        """`corrupt-replica:step=N`: a bit flips in each copy held of step N or later, after its
-        checks, as memory going bad would. Whether the copy of `step` just held must go bad."""
-        fault = self.fault
-        return fault is not None and fault.target == "corrupt-replica" and step >= fault.step

@@ -19,11 +19,12 @@ from ckptrun.storage.store import Store, diff_name, full_name
 def engine(tmp_path: Path) -> tuple[Engine, list[Message]]:
     """A rank-0 engine over an empty store; what it would send the worker is collected."""
     eng = Engine(0, "unit", None)
-    eng.store = Store(tmp_path / "ckpts")
-    eng.store.ensure_writable()
-    eng.rank, eng.world_size, eng.keep, eng.io_threads = 0, 1, 0, 1
+    state = eng.state
+    state.store = Store(tmp_path / "ckpts")
+    state.store.ensure_writable()
+    state.rank, state.world_size, state.keep, state.io_threads = 0, 1, 0, 1
     sent: list[Message] = []
-    eng.send = sent.append
+    state.link.send = sent.append
     return eng, sent
 
 
@@ -35,7 +36,7 @@ def spec(kind: str, step: int, first: int | None = None, depends_on: tuple[str, 
 
 
 def write(eng: Engine, rs: RecordSpec, data: bytes) -> None:
-    eng.write_record(rs, memoryview(data))
+    eng.commits.write_part(rs, memoryview(data))
 
 
 def test_a_record_waits_for_what_it_depends_on_then_both_commit_in_step_order(engine):
@@ -43,11 +44,11 @@ def test_a_record_waits_for_what_it_depends_on_then_both_commit_in_step_order(en
     base, base_data = spec("full", 4)
     diff, diff_data = spec("diff", 6, first=5, depends_on=(base.record,))
     write(eng, diff, diff_data)  # durable first, but its base is not committed yet
-    assert eng.store.manifests() == [] and [type(m) for m in sent] == [Durable]
+    assert eng.state.store.manifests() == [] and [type(m) for m in sent] == [Durable]
     write(eng, base, base_data)
-    assert [m.name for m in eng.store.manifests()] == [base.record, diff.record]
+    assert [m.name for m in eng.state.store.manifests()] == [base.record, diff.record]
     assert [(m.step, m.record) for m in sent if isinstance(m, Committed)] == [(4, base.record), (6, diff.record)]
-    assert eng.pending == {} and eng.committed_step == 6
+    assert eng.commits.pending == {} and eng.state.committed_step == 6
 
 
 def test_a_failed_record_abandons_its_dependents_and_leaves_the_last_commit(engine, monkeypatch):
@@ -61,24 +62,24 @@ def test_a_failed_record_abandons_its_dependents_and_leaves_the_last_commit(engi
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(eng.store, "write_rank", full_disk)
+    monkeypatch.setattr(eng.state.store, "write_rank", full_disk)
     write(eng, base, base_data)
     monkeypatch.undo()
-    eng.commit_ready()
-    assert [m.name for m in eng.store.manifests()] == [first.record]
+    eng.commits.commit_ready()
+    assert [m.name for m in eng.state.store.manifests()] == [first.record]
     errors = {m.record: m.error for m in sent if isinstance(m, SaveError)}
     assert "No space left" in errors[base.record] and f"depends on {base.record}" in errors[diff.record]
-    assert not (eng.store.root / diff.record).exists() and eng.pending == {}
+    assert not (eng.state.store.root / diff.record).exists() and eng.commits.pending == {}
 
 
 def test_a_committed_record_is_never_rewritten(engine):
     eng, sent = engine
     rs, data = spec("full", 5)
     write(eng, rs, data)
-    before = {p.name: p.read_bytes() for p in (eng.store.root / rs.record).iterdir()}
+    before = {p.name: p.read_bytes() for p in (eng.state.store.root / rs.record).iterdir()}
     other, _ = spec("full", 5)
     write(eng, other, bytes(len(data)))  # a re-run reaching the same step: the same state, by exactness
-    assert {p.name: p.read_bytes() for p in (eng.store.root / rs.record).iterdir()} == before
+    assert {p.name: p.read_bytes() for p in (eng.state.store.root / rs.record).iterdir()} == before
     assert [type(m) for m in sent] == [Durable, Committed, Durable, Committed]
 
 

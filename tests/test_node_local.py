@@ -12,6 +12,7 @@ import torch.distributed as dist
 from conftest import cli, error_line, pack
 
 from ckptrun.engine.nodecommit import Board
+from ckptrun.engine.retention import retain
 from ckptrun.engine.server import Engine
 from ckptrun.ipc.messages import RecordSpec
 from ckptrun.launcher.console.batch_log import summary_line
@@ -29,10 +30,11 @@ def _engines(tmp_path, keep: int = 1, *, shared: bool = False) -> tuple[Engine, 
     engines = []
     for rank in (0, 1):
         e = Engine(0, f"nodelocal-{rank}", str(tmp_path / f"metrics-node{rank}"))
-        e.store = Store(tmp_path / ("shared" if shared else f"node{rank}"))
-        e.rank, e.world_size, e.keep, e.board = rank, 2, keep, None if shared else Board(kv)
-        e.io_threads = 1
-        e.store.ensure_writable()
+        state = e.state
+        state.store = Store(tmp_path / ("shared" if shared else f"node{rank}"))
+        state.rank, state.world_size, state.keep, state.board = rank, 2, keep, None if shared else Board(kv)
+        state.io_threads = 1
+        state.store.ensure_writable()
         engines.append(e)
     return engines[0], engines[1]
 
@@ -45,14 +47,14 @@ def _state(step: int, rank: int) -> dict:
 
 def _write(e: Engine, step: int) -> None:
     """What the engine does with a worker's Persist of `step` (its part written, then reported)."""
-    skeleton, data, specs = pack(_state(step, e.rank))
+    skeleton, data, specs = pack(_state(step, e.state.rank))
     spec = RecordSpec(record=full_name(step), kind="full", step=step, skeleton=skeleton, tensors=specs,
                       meta={"step": step})
-    e.write_record(spec, memoryview(data))
+    e.commits.write_part(spec, memoryview(data))
 
 
 def _newest(e: Engine) -> int:
-    plan = newest_good(e.store, ranks=[e.rank])
+    plan = newest_good(e.state.store, ranks=[e.state.rank])
     return plan.step if plan else -1
 
 
@@ -63,41 +65,42 @@ def test_a_step_commits_on_every_node_once_every_part_is_reported(tmp_path):
     keeps what a node that has not acknowledged a newer step still resumes from."""
     e0, e1 = _engines(tmp_path)
     _write(e0, 1)
-    assert not e0.store.is_committed(full_name(1))  # rank 1 has not reported
+    assert not e0.state.store.is_committed(full_name(1))  # rank 1 has not reported
     _write(e1, 1)
-    e0.commit_ready()
-    e1.watch_commits()
+    e0.commits.commit_ready()
+    e1.commits.watch_commits()
     for e in (e0, e1):
-        m = e.store.manifest(full_name(1))
-        assert e.store.ranks_held(m) == [e.rank] and e.store.verify_record(m, ranks=[e.rank]) == []
-        got = read_state(e.store, m, e.rank)["models"]["model"]["w"]
-        assert torch.equal(got, _state(1, e.rank)["models"]["model"]["w"])
-    assert e0.board.safe_step(2) == 1
+        store, rank = e.state.store, e.state.rank
+        m = store.manifest(full_name(1))
+        assert store.ranks_held(m) == [rank] and store.verify_record(m, ranks=[rank]) == []
+        got = read_state(store, m, rank)["models"]["model"]["w"]
+        assert torch.equal(got, _state(1, rank)["models"]["model"]["w"])
+    assert e0.state.board.safe_step(2) == 1
 
     # step 2: both parts reported, rank 0's engine killed before it commits
     _write(e1, 2)
-    e0.board.report(full_name(2), 0, _part(e0, 2))
-    e1.watch_commits()
+    e0.state.board.report(full_name(2), 0, _part(e0, 2))
+    e1.commits.watch_commits()
     assert (_newest(e0), _newest(e1)) == (1, 1)
 
     # step 3: rank 0 commits in its own --dir, and is killed before rank 1 publishes the manifest
     _write(e1, 3)
     _write(e0, 3)
     assert (_newest(e0), _newest(e1)) == (3, 1)
-    assert e0.store.is_committed(full_name(1)), "--keep 1 pruned the step node 1 resumes from"
-    assert sorted(set(plans(e0.store)) & set(plans(e1.store))) == [1]
-    e1.watch_commits()  # (the announcement came, after all)
+    assert e0.state.store.is_committed(full_name(1)), "--keep 1 pruned the step node 1 resumes from"
+    assert sorted(set(plans(e0.state.store)) & set(plans(e1.state.store))) == [1]
+    e1.commits.watch_commits()  # (the announcement came, after all)
     assert (_newest(e0), _newest(e1)) == (3, 3)
     _write(e1, 4)
     _write(e0, 4)
-    e1.watch_commits()
-    e0.retain()  # (its commit of step 4 pruned before node 1 acknowledged it)
-    assert [[m.step for m in e.store.manifests()] for e in (e0, e1)] == [[4], [4]]
+    e1.commits.watch_commits()
+    retain(e0.state)  # (its commit of step 4 pruned before node 1 acknowledged it)
+    assert [[m.step for m in e.state.store.manifests()] for e in (e0, e1)] == [[4], [4]]
     # with --replicas, also only what every engine holds its partners' copies of
-    assert e0.board.safe_step(2, replicated=True) == -1
-    e0.board.hold(0, 3)
-    e1.board.hold(1, 4)
-    assert e0.board.safe_step(2, replicated=True) == 3
+    assert e0.state.board.safe_step(2, replicated=True) == -1
+    e0.state.board.hold(0, 3)
+    e1.state.board.hold(1, 4)
+    assert e0.state.board.safe_step(2, replicated=True) == 3
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["node-local-dir", "shared-dir"])
@@ -109,21 +112,21 @@ def test_every_nodes_summary_counts_the_commits_its_own_dir_holds(tmp_path, shar
     for step in (1, 2):
         _write(e1, step)
         _write(e0, step)
-        e1.watch_commits()
+        e1.commits.watch_commits()
     for e in (e0, e1):
-        e.log.close()
+        e.state.log.close()
         state = MetricsState()
-        state.apply_all(MetricsTailer(tmp_path / f"metrics-node{e.rank}").poll())
+        state.apply_all(MetricsTailer(tmp_path / f"metrics-node{e.state.rank}").poll())
         line = summary_line(state.summary())
-        assert "checkpoints committed 2 | last durable step 2 |" in line, (e.rank, line)
-        assert [m.step for m in e.store.manifests()] == [1, 2]
+        assert "checkpoints committed 2 | last durable step 2 |" in line, (e.state.rank, line)
+        assert [m.step for m in e.state.store.manifests()] == [1, 2]
 
 
 def _part(e: Engine, step: int) -> tuple[str, int]:
-    """Rank `e.rank`'s part of `step` written into its --dir, as its engine writes it, unreported."""
-    skeleton, data, specs = pack(_state(step, e.rank))
-    e.store.write_rank(full_name(step), e.rank, memoryview(data), specs, skeleton, {"step": step})
-    return e.store.part_summary(full_name(step), e.rank)
+    """Rank `e.state.rank`'s part of `step` written into its --dir, as its engine writes it, unreported."""
+    skeleton, data, specs = pack(_state(step, e.state.rank))
+    e.state.store.write_rank(full_name(step), e.state.rank, memoryview(data), specs, skeleton, {"step": step})
+    return e.state.store.part_summary(full_name(step), e.state.rank)
 
 
 def test_a_record_holding_some_ranks_is_refused_in_one_line_for_the_others(tmp_path):
@@ -134,9 +137,9 @@ def test_a_record_holding_some_ranks_is_refused_in_one_line_for_the_others(tmp_p
     for step in (1, 2):
         _write(e0, step)
         _write(e1, step)
-        e0.commit_ready()
-        e1.watch_commits()
-    node1 = e1.store.root
+        e0.commits.commit_ready()
+        e1.commits.watch_commits()
+    node1 = e1.state.store.root
     ok = cli(tmp_path, "restore", "--dir", node1, "--rank", "1", "--out", tmp_path / "r1.pt")
     assert ok.returncode == 0, ok.stderr
     got = torch.load(tmp_path / "r1.pt", weights_only=True)
@@ -151,9 +154,9 @@ def test_a_record_holding_some_ranks_is_refused_in_one_line_for_the_others(tmp_p
     listing = json.loads(cli(tmp_path, "ls", "--dir", node1, "--json").stdout)
     assert [r["ranks_here"] for r in listing] == [[1], [1]]
     (node1 / full_name(2) / "rank-00007.json").write_text("{}")  # a rank the manifest lacks
-    m = e1.store.manifest(full_name(2))
-    assert "holds a part of rank 7" in e1.store.verify_record(m, ranks=[1])[0]
-    assert newest_good(e1.store, ranks=[1]).step == 1
+    m = e1.state.store.manifest(full_name(2))
+    assert "holds a part of rank 7" in e1.state.store.verify_record(m, ranks=[1])[0]
+    assert newest_good(e1.state.store, ranks=[1]).step == 1
     data = node1 / full_name(1) / "rank-00001.data"
     flipped = bytearray(data.read_bytes())
     flipped[0] ^= 1

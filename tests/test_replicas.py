@@ -103,18 +103,19 @@ def _round(wire: _Wire):
 
 
 def test_the_tests_faults_reach_replication_through_one_seam(monkeypatch):
-    """`faults.ReplicaFaults` is where the replicator asks whether a test's fault fires: a bit
+    """`ReplicaFaults` (engine/faults.py) is where the replicator asks whether a test's fault fires: a bit
     flips in copies of the fault's step and later, the engine dies receiving a copy of that step
     or later (its manifest in), and nothing happens without a fault or with another kind."""
     from ckptrun import faults
+    from ckptrun.engine.faults import ReplicaFaults
 
     died = []
     monkeypatch.setattr(faults, "die", lambda: died.append(True))
-    none, other = faults.ReplicaFaults(), faults.ReplicaFaults(faults.Fault.parse("kill:step=1"))
-    corrupt = faults.ReplicaFaults(faults.Fault.parse("corrupt-replica:step=3"))
+    none, other = ReplicaFaults(), ReplicaFaults(faults.Fault.parse("kill:step=1"))
+    corrupt = ReplicaFaults(faults.Fault.parse("corrupt-replica:step=3"))
     assert not none.corrupts(9) and not other.corrupts(9) and not corrupt.corrupts(2) and corrupt.corrupts(3)
-    kill = faults.ReplicaFaults(faults.Fault.parse("kill-engine:step=3:phase=receive"))
-    for seam in (none, other, corrupt, faults.ReplicaFaults(faults.Fault.parse("kill-engine:step=3"))):
+    kill = ReplicaFaults(faults.Fault.parse("kill-engine:step=3:phase=receive"))
+    for seam in (none, other, corrupt, ReplicaFaults(faults.Fault.parse("kill-engine:step=3"))):
         seam.receiving(b'{"step": 5}')
     kill.receiving(b'{"step": 2}')
     kill.receiving(b"not json")
@@ -218,7 +219,7 @@ def test_damaged_copies_are_refused(tmp_path):
 
 def test_the_engine_ships_the_thin_copy_it_cut_as_the_part_was_written(tmp_path):
     """--node-local-dir: the engine cuts the thin copy of its rank's part from the staging slot
-    as the part is written (`Replicator.written`), and once the record commits ships that: the
+    as the part is written (`Shipper.written`), and once the record commits ships that: the
     same bytes as read back from --dir, without reading them. A copy whose index is not the one
     the manifest pins is not used (the part is read from --dir then)."""
     from ckptrun.engine.replicate import Replicator
@@ -238,12 +239,12 @@ def test_the_engine_ships_the_thin_copy_it_cut_as_the_part_was_written(tmp_path)
     m = store.manifest(name)
     rep = Replicator(EventLog(str(tmp_path / "metrics"), "engine-0"))
     try:
-        rep.written(name, 1, written[1][0], memoryview(written[1][1]))
+        rep.shipper.written(name, 1, written[1][0], memoryview(written[1][1]))
         assert rep.shipper._cut(m, 1) is None  # (not node-local: nothing is cut)
         rep.state.node_local = True
-        rep.written(name, 1, written[1][0], memoryview(written[1][1]))
+        rep.shipper.written(name, 1, written[1][0], memoryview(written[1][1]))
         assert rep.shipper._cut(m, 1) == thin_rank_part(store, m, 1) and not rep.shipper._fresh
-        rep.written(name, 1, written[0][0], memoryview(written[0][1]))  # another part's index
+        rep.shipper.written(name, 1, written[0][0], memoryview(written[0][1]))  # another part's index
         assert rep.shipper._cut(m, 1) is None
     finally:
         rep.close()
@@ -268,20 +269,20 @@ def test_the_next_held_step_waits_for_the_copy_before_it_to_leave_one_steps_time
     monkeypatch.setattr(rep.shipper, "_ship_held", ship_held)
     rep.state.round = SimpleNamespace(live={1})  # (a partner alive; `_ship_held` is the fake above)
     try:
-        assert rep.wait_held_shipped(1.0)  # (nothing offered yet)
-        rep.offer_held(1)
+        assert rep.shipper.wait_held_shipped(1.0)  # (nothing offered yet)
+        rep.shipper.offer_held(1)
         t0 = time.monotonic()
-        assert rep.wait_held_shipped(5.0) and shipped == [1]
+        assert rep.shipper.wait_held_shipped(5.0) and shipped == [1]
         assert 0.2 < time.monotonic() - t0 < replica_ship.MAX_SHIP_WAIT_S  # (one copy's time, not the step's)
         slow["s"] = 3.0
-        rep.offer_held(2)
+        rep.shipper.offer_held(2)
         t0 = time.monotonic()
-        assert not rep.wait_held_shipped(0.2) and shipped == [1]  # (one step's time, at most)
+        assert not rep.shipper.wait_held_shipped(0.2) and shipped == [1]  # (one step's time, at most)
         assert 0.15 < time.monotonic() - t0 < 1.0
         t0 = time.monotonic()
-        assert not rep.wait_held_shipped(30.0)  # (MAX_SHIP_WAIT_S, at most)
+        assert not rep.shipper.wait_held_shipped(30.0)  # (MAX_SHIP_WAIT_S, at most)
         assert time.monotonic() - t0 < replica_ship.MAX_SHIP_WAIT_S + 0.5
-        while not rep.wait_held_shipped(1.0):  # (it leaves in the end)
+        while not rep.shipper.wait_held_shipped(1.0):  # (it leaves in the end)
             assert time.monotonic() - t0 < 10
         assert shipped == [1, 2]
     finally:
@@ -387,7 +388,7 @@ for i, spec in enumerate(rounds):
              int(as_rank or rank), 2, Store(root), Fault.parse(os.environ["PEER_FAULT"]) if i == 0 and
              os.environ.get("PEER_FAULT") else None)
     for name in filter(None, offers.split(",")):
-        rep.offer(name, record_step(name))
+        rep.shipper.offer(name, record_step(name))
         while rep.shipper._offered is not None:
             time.sleep(0.05)
     if i == 0 and then == "hang":
@@ -395,7 +396,7 @@ for i, spec in enumerate(rounds):
     if i == 0 and then != "-":
         while not os.path.exists(os.path.join(root, "..", "gone")):
             time.sleep(0.05)
-        rep.offer(then, record_step(then))
+        rep.shipper.offer(then, record_step(then))
         time.sleep(1)
 rep.close()
 """
@@ -568,14 +569,14 @@ if mode in ("ship", "survive"):
     join("r1", rank, memory)
     for step in (1, 2):
         memory.held[step] = _held_step(step, rank=rank)
-        rep.offer_held(step)
-        assert rep.wait_held_shipped(30)
+        rep.shipper.offer_held(step)
+        assert rep.shipper.wait_held_shipped(30)
     if mode == "ship":
         time.sleep(600)
     while not os.path.exists(os.path.join(root, "..", "gone")):
         time.sleep(0.05)
     if as_rank != rank:
-        rep.adopt(rank, memory, [])
+        rep.returns.adopt(rank, memory, [])
         memory = Slots([], as_rank)
     join("r2", as_rank, memory)
 else:

@@ -183,7 +183,7 @@ class EngineHandler:
     def give_up(self, rank: int) -> list[HeldCopy]:
         """With --replicas, before `close`: what of the state it holds (its old `rank`'s, and
         partners' copies it keeps itself) the next round may give back, cut whole and checked
-        (`Replicator.adopt`): the node that has `rank` now takes its part back, and this engine
+        (`Returns.adopt`): the node that has `rank` now takes its part back, and this engine
         holds the copy of the rank its worker has now as its own. By default nothing."""
         return []
 

@@ -114,7 +114,7 @@ def spec_of(copy: HeldCopy) -> RecordSpec:
 
 
 class HeldMemory(Protocol):
-    """The steps this engine holds in memory (a snapshot strategy's slots: `server.HeldSlots`;
+    """The steps this engine holds in memory (a snapshot strategy's slots: `persist.HeldSlots`;
     lowdiff+'s replica: its handler)."""
 
     def held_steps(self) -> list[int]: ...

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import threading
 
-from ..faults import ReplicaFaults
 from ..ipc.events import EventLog
 from ..log import log
 from ..storage.schema import rank_files
 from ..storage.store import Store
 from ..storage.tiers.memtier import MemoryTier
+from .faults import ReplicaFaults
 from .held_copies import HeldCopies, HeldCopy, HeldMemory, PartnerCopies
 from .replica_round import Round
 
@@ -29,7 +29,7 @@ class ReplicaState:
         self.adopted: list[HeldCopy] = []  # this engine's steps of its worker's old rank (`adopt`)
         self.round: Round | None = None
         self.store: Store | None = None
-        self.faults = ReplicaFaults()  # the tests' injected faults (ckptrun/faults.py)
+        self.faults = ReplicaFaults()  # the tests' injected faults (engine/faults.py)
         self.node_local = False
         self.lock = threading.Lock()
 

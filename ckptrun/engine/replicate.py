@@ -28,20 +28,23 @@ The parts, each in a module of its own: the round's group and wire (replica_roun
 state they share (replica_state.py), the exchange through the job store (replica_exchange.py),
 taking copies back and giving them back (replica_return.py), shipping (replica_ship.py) and
 holding what arrives (replica_hold.py); the tests' faults come in through one seam
-(`faults.ReplicaFaults`). `Replicator` ties them together: what the engine calls.
+(engine/faults.py, `ReplicaFaults`). `Replicator` makes the parts and runs each round; the
+engine calls the parts themselves: `returns.adopt`, `shipper` (what is written, committed or
+held goes to the partners; a handler's copies, `EngineContext.replicas`), `holder`
+(`held_records`, `on_held`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 
 from ..errors import CkptrunError, CorruptCheckpoint
-from ..faults import Fault, ReplicaFaults
+from ..faults import Fault
 from ..ipc.events import EventLog
 from ..log import log
 from ..storage.store import Store
-from .held_copies import HeldCopy, HeldMemory, PartnerCopies
+from .faults import ReplicaFaults
+from .held_copies import HeldMemory, PartnerCopies
 from .replica_exchange import Exchange
 from .replica_hold import Holder
 from .replica_return import Returns
@@ -114,49 +117,3 @@ class Replicator:
         self._end_round()
         self.shipper.join(SEND_TIMEOUT_S)
         self.holder.withdraw()
-
-    # ---- what the engine and its handler call -------------------------------------------
-    @property
-    def on_held(self) -> Callable[[int], None] | None:
-        """Told the oldest step held for every partner (`Holder._say_held`)."""
-        return self.holder.on_held
-
-    @on_held.setter
-    def on_held(self, call: Callable[[int], None] | None) -> None:
-        self.holder.on_held = call
-
-    def adopt(self, rank: int, memory: HeldMemory, given_up: list[HeldCopy]) -> None:
-        """`Returns.adopt`: the steps of the worker's old `rank`, kept for the next exchange."""
-        self.returns.adopt(rank, memory, given_up)
-
-    def held_records(self) -> list[str]:
-        """`Holder.held_records`: the records of the copies held for partners."""
-        return self.holder.held_records()
-
-    def written(self, name: str, rank: int, index: bytes, data: memoryview) -> None:
-        """`Shipper.written`: this rank's part of `name` was just written from `data`."""
-        self.shipper.written(name, rank, index, data)
-
-    def offer(self, record: str, step: int) -> None:
-        """`Shipper.offer`: a record of `step` this rank wrote has committed."""
-        self.shipper.offer(record, step)
-
-    def offer_held(self, step: int) -> None:
-        """`Shipper.offer_held`: this engine holds `step` in memory now."""
-        self.shipper.offer_held(step)
-
-    def wait_held_shipped(self, timeout: float) -> bool:
-        """`Shipper.wait_held_shipped`: the step offered last has left, `timeout` s at most."""
-        return self.shipper.wait_held_shipped(timeout)
-
-    def offer_copy(self, copy: HeldCopy) -> None:
-        """`Shipper.offer_copy`: ship a handler's `copy` after those offered before it."""
-        self.shipper.offer_copy(copy)
-
-    def wait_shipped(self, most: int, timeout: float) -> bool:
-        """`Shipper.wait_shipped`: at most `most` copies offered are not sent yet."""
-        return self.shipper.wait_shipped(most, timeout)
-
-    def full_due(self) -> bool:
-        """`Shipper.full_due`: must the next `offer_copy` be whole?"""
-        return self.shipper.full_due()
