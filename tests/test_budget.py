@@ -73,10 +73,11 @@ def test_the_interval_is_the_finest_that_keeps_within_the_budget():
     assert m.said == []
 
 
-def _late_first_checkpoint(solo: bool) -> Retuner:
+def _late_first_checkpoint(solo: bool, setup: float = 0.0) -> Retuner:
     """Steps of 0.1 s; the first checkpoint after the probe comes late (at 8: the slots' set-up,
     a skip), so the first evaluation (3 steps after the probe) sees none; its write ends at 9 and
-    slows steps 9 and 10 by 0.2 s each."""
+    slows steps 9 and 10 by 0.2 s each. `setup`: the slots' set-up thread slows steps 5 to 7 by
+    that much, and step 8 waits 3 times that for it (stall "setup")."""
     watch = Watch(BUDGET, Baseline(), strategy="checkfreq", instead="checkfreq")
     retuner = Retuner(3600.0, watch=watch, share=None if solo else (lambda step, decisions: decisions))
     retuner.add(WithinBudget(PersistBound(EveryStep())))
@@ -84,9 +85,18 @@ def _late_first_checkpoint(solo: bool) -> Retuner:
     for step in range(1, 11):
         if step == 9:
             retuner.observe_write(10**8, 0.1)
-        slow = 0.2 if step in (9, 10) else 0.0
-        retuner.after_step(step, {"step_s": 0.1 + slow, "stall_s": {}, "last_snapshot_step": 8 if step == 8 else None})
+        slow = 0.2 if step in (9, 10) else setup if step in (5, 6, 7) else 3 * setup if step == 8 else 0.0
+        retuner.after_step(step, {"step_s": 0.1 + slow, "stall_s": {"setup": 3 * setup} if step == 8 else {},
+                                  "last_snapshot_step": 8 if step == 8 else None})
     return retuner
+
+
+def test_the_slots_set_up_once_a_run_is_not_a_checkpoints_cost():
+    """A set-up that slowed the steps before the first checkpoint and made it wait (the wide
+    model's 37 s once chose every 260 steps from it) leaves the interval the checkpoint's own
+    cost calls for."""
+    plain = _late_first_checkpoint(solo=True).policies[0].every
+    assert _late_first_checkpoint(solo=True, setup=2.0).policies[0].every == plain
 
 
 def test_one_rank_decides_as_soon_as_a_written_checkpoint_shows_its_cost():

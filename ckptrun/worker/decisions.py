@@ -156,13 +156,15 @@ class Retuner:
         self.solo = share is None  # one rank: no other to agree with at an evaluation
         self._share = share or (lambda step, decisions: decisions)
         self._on_change = on_change or (lambda step, policy, decision: None)
-        # (step_s, stall_s, checkpointed, optim_s, backpressure_s)
+        # (step_s, stall_s, checkpointed, optim_s, excluded_s): excluded from a checkpoint's cost,
+        # back-pressure (the drain bound's to keep rare) and the staging slots' set-up (once a run)
         self._steps: deque[tuple[float, float, bool, float, float]] = deque()
         self._writes: deque[tuple[int, float]] = deque(maxlen=WRITES_KEPT)
         self._sizes: dict[str, int] = {}
         self._replay_step_s: float | None = None
         self._start: int | None = None
         self._recheck: int | None = None  # an evaluation step sooner than the next multiple of EVAL_EVERY
+        self._checkpointed = False  # this worker has taken a checkpoint (the budget's window starts there)
 
     def add(self, policy: SavePolicy) -> SavePolicy:
         """Take part in the evaluations. With one rank, an adjustable policy starts at the
@@ -199,8 +201,8 @@ class Retuner:
             self._writes.append((nbytes, write_s))
 
     def observe_step(self, step_s: float, stall_s: float, checkpointed: bool, optim_s: float = 0.0,
-                     backpressure_s: float = 0.0) -> None:
-        self._steps.append((step_s, stall_s, checkpointed, optim_s, backpressure_s))
+                     excluded_s: float = 0.0) -> None:
+        self._steps.append((step_s, stall_s, checkpointed, optim_s, excluded_s))
         every = max((p.settings.get("every", 1) for p in self.policies), default=1)
         while len(self._steps) > max(MIN_WINDOW, WINDOW_CKPTS * every):
             self._steps.popleft()
@@ -246,8 +248,14 @@ class Retuner:
             if step == self.probe_until:  # the probe is over: measure from here
                 self._start, self._steps = step, deque()
             return
+        if checkpointed and not self._checkpointed and self.watch is not None:
+            # Nothing was written before: a slower step then (the slots' set-up thread) is no
+            # checkpoint's cost. The window keeps one step before (a window's first is left out).
+            self._checkpointed = True
+            while len(self._steps) > 1:
+                self._steps.popleft()
         self.observe_step(record["step_s"], sum(stalls.values()), checkpointed, record.get("optim_s") or 0.0,
-                          stalls.get("backpressure") or 0.0)
+                          (stalls.get("backpressure") or 0.0) + (stalls.get("setup") or 0.0))
         first = self._start + FIRST_EVAL
         if step != first and step != self._recheck and (step < first or step % EVAL_EVERY) \
                 and not self._cost_due(step, first):
