@@ -109,6 +109,14 @@ def test_one_rank_decides_as_soon_as_a_written_checkpoint_shows_its_cost():
     assert not several.watch.measured and several.policies[0].every == 1
 
 
+def test_an_evaluation_with_nothing_measured_since_a_change_keeps_the_interval():
+    """Right after a change the window is empty: one rank's next evaluation (it evaluates every
+    step until measured) once fell back to every step (185 -> 1 on the wide model)."""
+    retuner = _late_first_checkpoint(solo=True)
+    assert not [s for s in retuner._steps if s[2]], "the window holds a checkpoint since the change"
+    assert retuner.policies[0].propose(retuner.measured(), 11) is None
+
+
 def test_a_disk_that_slows_mid_run_makes_the_interval_coarser():
     m = Machine(WithinBudget(PersistBound(EveryStep())), cost=0.002).run(PROBE_STEPS + 40)
     assert m.policy.every == 1  # 2% of the step: every step fits

@@ -122,11 +122,11 @@ class WithinBudget(BoundOver):
 
     def target(self, m: Measured) -> tuple[int, str, int] | None:
         wanted = self.inner.target(m)
-        if m.budget is None or m.base_step_s is None or m.overhead is None:
+        if m.budget is None or m.base_step_s is None:
             return wanted
         steps, why, floor = wanted or (self.every, f"every {self.every} steps", 1)
-        if m.cost_s is None:  # no checkpoint since the last change: nothing says a finer one fits
-            return max(steps, self.every), why, max(floor, self.every)
+        if m.cost_s is None or m.overhead is None:  # nothing measured since the last change: nothing
+            return max(steps, self.every), why, max(floor, self.every)  # says a finer one fits
         bound = interval_within(m.cost_s, m.base_step_s, m.budget)
         if within(m.overhead, m.budget) and m.overhead > m.budget / 2:
             bound = max(bound, self.every)
