@@ -117,6 +117,25 @@ def test_an_evaluation_with_nothing_measured_since_a_change_keeps_the_interval()
     assert retuner.policies[0].propose(retuner.measured(), 11) is None
 
 
+def test_the_tail_of_a_write_in_flight_at_a_change_is_not_charged_to_the_next_checkpoint():
+    """The interval changes at step 7 while step 7's write is in flight; it slows steps 8 and 9
+    (the old setting's cost) and ends: the new window starts after it, and holds no cost yet."""
+    watch = Watch(BUDGET, Baseline(), strategy="checkfreq", instead="checkfreq")
+    retuner = Retuner(3600.0, watch=watch)
+    policy = retuner.add(WithinBudget(PersistBound(EveryStep())))
+    watch.start_probe(0)
+    for step in range(1, 20):
+        if step in (6, 10):
+            retuner.observe_write(10**8, 0.2)
+        ckpt = step in (5, 7)
+        slow = 0.2 if step in (6, 7) else 2.9 if step in (8, 9) else 0.0
+        retuner.after_step(step, {"step_s": 0.1 + slow, "stall_s": {}, "inflight": int(5 <= step <= 9),
+                                  "last_snapshot_step": step if ckpt else None})
+    assert policy.every > 1
+    m = retuner.measured()
+    assert m.cost_s is None and m.overhead == pytest.approx(0.0), m
+
+
 def test_a_disk_that_slows_mid_run_makes_the_interval_coarser():
     m = Machine(WithinBudget(PersistBound(EveryStep())), cost=0.002).run(PROBE_STEPS + 40)
     assert m.policy.every == 1  # 2% of the step: every step fits

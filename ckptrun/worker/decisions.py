@@ -165,6 +165,8 @@ class Retuner:
         self._start: int | None = None
         self._recheck: int | None = None  # an evaluation step sooner than the next multiple of EVAL_EVERY
         self._checkpointed = False  # this worker has taken a checkpoint (the budget's window starts there)
+        self._writes_seen = 0  # writes observed so far
+        self._settling: int | None = None  # after a change: `_writes_seen` then (`_settled`)
 
     def add(self, policy: SavePolicy) -> SavePolicy:
         """Take part in the evaluations. With one rank, an adjustable policy starts at the
@@ -199,6 +201,7 @@ class Retuner:
         """A checkpoint (this rank's part) became durable after `write_s` seconds of writing."""
         if write_s > 0:
             self._writes.append((nbytes, write_s))
+        self._writes_seen += 1
 
     def observe_step(self, step_s: float, stall_s: float, checkpointed: bool, optim_s: float = 0.0,
                      excluded_s: float = 0.0) -> None:
@@ -238,6 +241,18 @@ class Retuner:
         return (self.solo and self.watch is not None and not self.watch.measured and step > first
                 and bool(self._writes))
 
+    def _settled(self, record: dict[str, Any], checkpointed: bool) -> bool:
+        """After a change, the window starts once the checkpoints in flight then have ended (a
+        write done, no slot in flight, or the next checkpoint): their slowdown is the old
+        setting's, and in the new window it would be charged to the next checkpoint (a 1.7 GB
+        write's tail once read as a 69 s checkpoint)."""
+        if self._settling is None:
+            return True
+        if record.get("inflight") and not checkpointed and self._writes_seen == self._settling:
+            return False
+        self._settling = None
+        return True
+
     def after_step(self, step: int, record: dict[str, Any]) -> None:
         """Fold in the step's metrics record; at evaluation steps, re-decide (all ranks together)."""
         if self._start is None:
@@ -247,6 +262,8 @@ class Retuner:
         if self.watch is not None and self.watch.observe(step, record, checkpointed):
             if step == self.probe_until:  # the probe is over: measure from here
                 self._start, self._steps = step, deque()
+            return
+        if not self._settled(record, checkpointed):
             return
         if checkpointed and not self._checkpointed and self.watch is not None:
             # Nothing was written before: a slower step then (the slots' set-up thread) is no
@@ -278,6 +295,7 @@ class Retuner:
             every = max((p.settings.get("every", 1) for p in self.policies), default=1)
             self._recheck = step + max(RECHECK, 3 * every)
             self._steps.clear()
+            self._settling = self._writes_seen
         if self.watch is not None:
             self.watch.evaluate(step, m, changed)
 
