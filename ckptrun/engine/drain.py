@@ -11,7 +11,7 @@ model on the measured upload bandwidth, step time and failure rate, see `auto_ev
 the newest. For each, oldest first, uploads its own part; the other engines see rank 0's part of
 a record without a commit object in the tier's listing and upload theirs. Once the listing shows
 every rank's part, and each index read back is the one its manifest names (a step run again
-after a restart has another: `_check_parts`), the leader uploads the commit object, last: a kill
+after a restart has another: `durable_check`), the leader uploads the commit object, last: a kill
 at any moment leaves the previous remote step restorable. The listing is the coordination
 because it is what every node sees and what a reader will find; the job's c10d store is the
 workers', made again at each rendezvous round, which the engines outlive. A part that is not up
@@ -48,7 +48,7 @@ from ..storage.tiers.parts import Part, record_parts
 from ..tuning.intervals import DEFAULT_MTBF_S
 from ..tuning.levels import FailureRates, Layout, durable_every, rates_for
 from .durable_check import check_parts
-from .durable_due import Due, due, held_for_due, needed, next_multiple
+from .durable_due import Due, due, held_for_due, needed, next_multiple, records_for
 
 if TYPE_CHECKING:
     from .nodecommit import Board
@@ -213,7 +213,7 @@ class Drain:
         its `from`, with the records it depends on that the tier lacks."""
         start = self.board.taken_from() if self.board is not None and ms else None
         first = None if start is None else next((m for m in ms if m.step >= start), None)
-        return frozenset(needed(first.name, {m.name: m for m in ms}, self.remote) or ()) if first else frozenset()
+        return records_for(first.name, ms, self.remote) if first else frozenset()
 
     def auto_every(self, ms: list[Manifest]) -> int | None:
         """--durable-every auto: `levels.durable_every` (the tiers' model, as `ckptrun tune`

@@ -57,5 +57,10 @@ def held_for_due(ms: list[Manifest], last: int, every: int, remote: Container[st
     pick = due([m.step for m in ms], last, every)
     if pick is None:
         return frozenset()
-    name = [m for m in ms if m.step == pick.step][-1].name
+    return records_for([m for m in ms if m.step == pick.step][-1].name, ms, remote)
+
+
+def records_for(name: str, ms: list[Manifest], remote: Container[str]) -> frozenset[str]:
+    """What local retention keeps for a copy of record `name` of `ms`: it and what it needs that
+    `remote` lacks (nothing where a dependency is in neither)."""
     return frozenset(needed(name, {m.name: m for m in ms}, remote) or ())

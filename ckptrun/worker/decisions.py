@@ -180,7 +180,7 @@ class Retuner:
             settings = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in kept.items())
             decision = Decision(kept, f"{settings}, as decided before the worker restarted")
             policy.adopt(decision)
-            self._on_change(self._start or 0, policy, decision)
+            self._on_change(0, policy, decision)  # (before the worker's first step)
         return policy
 
     @property
