@@ -8,20 +8,23 @@ the overhead over a window of steps is `mean(step wall time) / no-checkpoint ste
 
 The no-checkpoint step (`Baseline`) is measured, as `ckptrun tune` measures it, by running steps
 without checkpointing: the first `PROBE_STEPS` optimizer steps of a fresh run take no checkpoint
-at all (the strategy starts after them, as if the run began there); the fastest of them but the
-first (which holds the script's warm-up) is the baseline. Later, steps with nothing of a
-checkpoint in flight (no snapshot begun, every snapshot durable, no stall) are no-checkpoint steps
-too; when their median drifts from the baseline by more than `DRIFT`, the newer of them become it
-(a strategy that works every step has none: its baseline is the probe's). A restarted worker reads the
-baseline its predecessor kept (`kept.py`), so a recovery does not probe again.
+at all (the strategy starts after them, as if the run began there); the trimmed mean of them but
+the first (which holds the script's warm-up) is the baseline. Later, steps with nothing of a
+checkpoint in flight (no snapshot begun, every snapshot durable, no stall beyond the hooks' own
+check) are no-checkpoint steps too, and the baseline follows their trimmed mean: a checkpoint's
+cost is the sum of its window's steps less that many baselines, so a baseline off by a few percent
+is charged to every step of an interval (on the wide model, steps of 2.1-4.8 s against a probe's
+fastest 2.78 s read a 4 s checkpoint as 40 s). A strategy that works every step has no such step:
+its baseline is the probe's. A restarted worker reads the baseline its predecessor kept
+(`kept.py`), so a recovery does not probe again.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
-from statistics import median
+from collections.abc import Callable, Iterable
+from statistics import median, median_low
 from typing import Any
 
 from ..strategies.save_policy import Measured
@@ -29,9 +32,12 @@ from ..tuning.durations import format_duration
 from ..tuning.intervals import checkfreq_min_interval_steps
 from .kept import Kept
 
-PROBE_STEPS = 4  # a fresh run's first steps, taken without checkpointing (the first is left out)
-QUIET_KEPT = 6  # no-checkpoint steps seen later: the drift check's median covers this many
-DRIFT = 0.15  # relative change of that median that replaces the baseline
+PROBE_STEPS = 8  # a fresh run's first steps, taken without checkpointing (the first is left out)
+QUIET_KEPT = 32  # no-checkpoint steps seen later: the baseline is their trimmed mean...
+QUIET_MIN = 6  # ...once this many were seen
+MOVE = 0.01  # relative change of that mean that replaces the baseline (and rewrites the kept file)
+SHIFT = 0.25  # the newest QUIET_MIN's median this far off: the step changed, the older ones are dropped
+QUIET_STALL = 0.01  # a step whose stall is under this share of it is quiet (the hooks' due check)
 REPORT_EVERY = 10  # steps between the run's overhead reports (and one at the end)
 TOLERANCE = 0.2  # measured overhead within budget * (1 + this) counts as within (the noise of a step)
 
@@ -47,21 +53,28 @@ class Baseline:
         self._quiet: deque[float] = deque(maxlen=QUIET_KEPT)
 
     def probed(self, step_s: float, last: bool) -> None:
-        """A probe step took `step_s`; at the `last` one the baseline is their median (the first left out)."""
+        """A probe step took `step_s`; at the `last` one the baseline is their trimmed mean (the
+        first left out: it holds the warm-up). Not the fastest: a step's own time varies (the wide
+        model's by a factor of two, its allocator's page faults), and the fastest is an outlier."""
         self._probe.append(step_s)
-        if last:  # the fastest: interference only ever slows a step (the first holds the warm-up)
-            self._set(min(self._probe[1:] or self._probe))
+        if last:
+            self._set(trimmed_mean(self._probe[1:] or self._probe))
 
     def quiet(self, step_s: float) -> bool:
-        """A later step with nothing of a checkpoint in flight: True when it moved the baseline."""
+        """A later step with nothing of a checkpoint in flight: True when the step changed (what
+        was measured before describes the old one)."""
         self._quiet.append(step_s)
-        if len(self._quiet) < QUIET_KEPT:
+        if len(self._quiet) < QUIET_MIN:
             return False
-        if self.step_s is not None and abs(median(self._quiet) - self.step_s) <= DRIFT * self.step_s:
-            return False
-        self._set(median(list(self._quiet)[QUIET_KEPT // 2:]))  # the newer half: past the change
-        self._quiet.clear()
-        return True
+        newest = list(self._quiet)[-QUIET_MIN:]
+        shifted = self.step_s is not None and abs(median(newest) - self.step_s) > SHIFT * self.step_s
+        if shifted:  # keep only the newest near their median: a mean across the change would lag it
+            center = median_low(newest)  # (one of them: at least it is kept)
+            self._quiet = deque((s for s in newest if abs(s - center) <= SHIFT * center), maxlen=QUIET_KEPT)
+        mean = trimmed_mean(self._quiet)
+        if self.step_s is None or abs(mean - self.step_s) > MOVE * self.step_s:
+            self._set(mean)
+        return shifted
 
     def _set(self, step_s: float) -> None:
         self.step_s = step_s
@@ -115,20 +128,22 @@ class Watch:
         self.probe_until = min(self.probe_until, step)
 
     def observe(self, step: int, record: dict[str, Any], checkpointed: bool) -> bool:
-        """Fold in a step's metrics record; True for a probe step (not part of any cost window)."""
+        """Fold in a step's metrics record; True for a probe step or one that found the step
+        itself changed (either way, what the cost window holds no longer describes it)."""
         if step <= self.probe_until:
             self.baseline.probed(record["step_s"], last=step == self.probe_until)
             return True
         stall = sum((record.get("stall_s") or {}).values())
-        if not checkpointed and not stall and not record.get("inflight"):
-            self.baseline.quiet(record["step_s"])
+        shifted = False
+        if not checkpointed and stall <= QUIET_STALL * record["step_s"] and not record.get("inflight"):
+            shifted = self.baseline.quiet(record["step_s"])
         self._seen += 1
         if self._seen > 1:  # (a worker's first step holds its set-up: left out)
             self._steps, self._step_s, self._stall_s = self._steps + 1, self._step_s + record["step_s"], \
                 self._stall_s + stall
             if self._steps % REPORT_EVERY == 0:
                 self.report(step)
-        return False
+        return shifted
 
     def run_overhead(self) -> float | None:
         """The overhead of every step since the probe (a restarted worker: since it began), the
@@ -201,6 +216,13 @@ class Watch:
                   f"{format_duration(m.base_step_s)} step without checkpointing); {fix}", True)
         self._emit(type="budget", verdict="over", step=step, strategy=self.strategy, instead=self.instead,
                    overhead=m.overhead, budget=self.budget)
+
+
+def trimmed_mean(values: Iterable[float]) -> float:
+    """The mean without the fastest and the slowest (one stray step, a collection or a swap-in,
+    does not move the baseline); the mean, not the median, as a cost is a sum of steps."""
+    ordered = sorted(values)
+    return sum(ordered[1:-1]) / (len(ordered) - 2) if len(ordered) > 2 else sum(ordered) / len(ordered)
 
 
 def interval_within(cost_s: float, base_s: float, budget: float) -> int:
