@@ -32,7 +32,7 @@ from ..tuning.durations import format_duration
 from ..tuning.intervals import checkfreq_min_interval_steps
 from .kept import Kept
 
-PROBE_STEPS = 8  # a fresh run's first steps, taken without checkpointing (the first is left out)
+PROBE_STEPS = 5  # a fresh run's first steps, taken without checkpointing (the first is left out)
 QUIET_KEPT = 32  # no-checkpoint steps seen later: the baseline is their trimmed mean...
 QUIET_MIN = 6  # ...once this many were seen
 MOVE = 0.01  # relative change of that mean that replaces the baseline (and rewrites the kept file)
