@@ -184,7 +184,7 @@ def test_a_noisy_step_is_measured_by_its_mean_not_its_fastest():
 def test_a_step_that_changes_to_two_speeds_keeps_a_baseline():
     """The newest quiet steps alternate between two speeds far from the baseline and from their
     median (0.1, 0.3 after 0.05): those kept after the change are never none (a division by zero
-    crashed the getting-started tour's run)."""
+    in a first version of this rule crashed the getting-started tour's run)."""
     baseline = Baseline()
     for i in range(PROBE_STEPS):
         baseline.probed(0.05, last=i == PROBE_STEPS - 1)
@@ -204,6 +204,8 @@ def test_within_budget_does_not_see_saw_at_an_interval_that_keeps_it():
     assert policy.propose(low, 50).settings == {"every": 5}, "lowered by half at most"
     policy.every = 5
     assert policy.propose(low, 75).settings == {"every": 2}
+    noise = Measured(3600.0, True, step_s=0.1, budget=BUDGET, base_step_s=0.1, cost_s=0.0, overhead=-0.011)
+    assert policy.propose(noise, 100) is None, "a window faster than the no-checkpoint step is no reading"
 
 
 def test_an_interval_is_not_lowered_before_a_checkpoint_at_it_was_measured():
