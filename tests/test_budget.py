@@ -22,7 +22,7 @@ from ckptrun.launcher.console.metrics_state import MetricsState
 from ckptrun.storage.store import Store
 from ckptrun.strategies.save_policy import Measured
 from ckptrun.worker.budget import PROBE_STEPS, Baseline, Watch
-from ckptrun.worker.decisions import EveryStep, FixedInterval, PersistBound, Retuner, WithinBudget
+from ckptrun.worker.decisions import DalyInterval, EveryStep, FixedInterval, PersistBound, Retuner, WithinBudget
 from ckptrun.worker.hooks import StepHooks
 from ckptrun.worker.kept import Kept
 
@@ -206,6 +206,12 @@ def test_within_budget_does_not_see_saw_at_an_interval_that_keeps_it():
     assert policy.propose(low, 75).settings == {"every": 2}
     noise = Measured(3600.0, True, step_s=0.1, budget=BUDGET, base_step_s=0.1, cost_s=0.0, overhead=-0.011)
     assert policy.propose(noise, 100) is None, "a window faster than the no-checkpoint step is no reading"
+    daly = WithinBudget(PersistBound(DalyInterval()))  # --every auto: Daly's own target is not held back
+    daly.every = 100
+    shorter = Measured(60.0, True, step_s=0.1, delta_s=0.1, budget=BUDGET, base_step_s=0.1, cost_s=0.1,
+                       overhead=0.0001)  # (a shorter MTBF: Daly's interval drops below half)
+    wanted = DalyInterval().target(shorter)[0]
+    assert 20 < wanted < 50 and daly.propose(shorter, 125).settings == {"every": wanted}
 
 
 def test_an_interval_is_not_lowered_before_a_checkpoint_at_it_was_measured():

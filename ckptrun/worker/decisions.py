@@ -139,8 +139,9 @@ class WithinBudget(BoundOver):
                     f"{format_duration(m.cost_s)} of stall and slowdown against a "
                     f"{format_duration(m.base_step_s)} step without checkpointing (overhead now "
                     f"{percent(m.overhead)})")
+        noisy = bound >= steps  # (the budget's reading sets the interval, not the inner policy's target)
         steps = max(steps, bound)
-        if steps < self.every // 2:
+        if noisy and steps < self.every // 2:
             steps = self.every // 2
             why += f", lowered by half at most per evaluation (overhead now {percent(m.overhead)})"
         return steps, why, max(floor, bound)
