@@ -139,9 +139,9 @@ class WithinBudget(BoundOver):
                     f"{format_duration(m.cost_s)} of stall and slowdown against a "
                     f"{format_duration(m.base_step_s)} step without checkpointing (overhead now "
                     f"{percent(m.overhead)})")
-        noisy = bound >= steps  # (the budget's reading sets the interval, not the inner policy's target)
+        budget_sets = bound >= steps  # (the budget's reading sets the interval, not the inner policy's target)
         steps = max(steps, bound)
-        if noisy and steps < self.every // 2:
+        if budget_sets and steps < self.every // 2:
             steps = self.every // 2
             why += f", lowered by half at most per evaluation (overhead now {percent(m.overhead)})"
         return steps, why, max(floor, bound)
@@ -269,11 +269,11 @@ class Retuner:
         stalls = record.get("stall_s") or {}
         checkpointed = record.get("last_snapshot_step") == step
         if self.watch is not None and self.watch.observe(step, record, checkpointed):
+            if step == self.probe_until:  # the probe is over: measure from here
+                self._start = step
+            self._steps.clear()  # a probe step, or the step itself changed: the window measured the old one
             if step <= self.probe_until:
-                if step == self.probe_until:  # the probe is over: measure from here
-                    self._start, self._steps = step, deque()
                 return
-            self._steps.clear()  # the step itself changed: the window measured the old one
         if not self._settled(record, checkpointed):
             return
         if checkpointed and not self._checkpointed and self.watch is not None:
